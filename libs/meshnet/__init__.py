@@ -1,0 +1,1 @@
+"""meshnet: the command line that starts and talks to a mesh."""

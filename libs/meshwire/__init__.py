@@ -1,0 +1,1 @@
+"""meshwire: the wire library every meshnet service shares (frames, routes, signing, schemas)."""

@@ -1,0 +1,47 @@
+"""Names of the ``X-Meshnet-*`` HTTP headers, in one place.
+
+The first group keeps the reference node server's names so its wire format
+keeps working; the second group is what meshnet's protocol adds (version 2).
+Header lookup on the receiving side is case-insensitive (see
+:func:`meshwire.frames.header_lookup`); these constants are the canonical
+spelling used when sending.
+"""
+
+from __future__ import annotations
+
+from typing import Final
+
+WIRE_VERSION: Final = "2"
+"""Protocol version carried in :data:`WIRE`; a frame with another version is refused."""
+
+PREFIX: Final = "X-Meshnet-"
+
+# --- names shared with the reference node server ---------------------------
+WIRE: Final = "X-Meshnet-Wire"
+SHAPE: Final = "X-Meshnet-Shape"
+DTYPE: Final = "X-Meshnet-Dtype"
+SESSION: Final = "X-Meshnet-Session"
+CHUNK_INDEX: Final = "X-Meshnet-Chunk-Index"
+CHUNK_TOTAL: Final = "X-Meshnet-Chunk-Total"
+ENCODING: Final = "X-Meshnet-Encoding"
+HOP_INDEX: Final = "X-Meshnet-Hop-Index"
+START_LAYER: Final = "X-Meshnet-Start-Layer"
+ATTN_MASK: Final = "X-Meshnet-Attn-Mask"
+POSITION_IDS: Final = "X-Meshnet-Position-Ids"
+ROUTE: Final = "X-Meshnet-Route"
+
+# --- meshnet additions ------------------------------------------------------
+POSITION_OFFSET: Final = "X-Meshnet-Position-Offset"
+STEP: Final = "X-Meshnet-Step"
+SAMPLING: Final = "X-Meshnet-Sampling"
+RESERVE: Final = "X-Meshnet-Reserve"
+CONTROL: Final = "X-Meshnet-Control"
+SAMPLE_DRAWS: Final = "X-Meshnet-Sample-Draws"
+LEASE: Final = "X-Meshnet-Lease"
+
+ALL: Final[tuple[str, ...]] = (
+    WIRE, SHAPE, DTYPE, SESSION, CHUNK_INDEX, CHUNK_TOTAL, ENCODING, HOP_INDEX, START_LAYER,
+    ATTN_MASK, POSITION_IDS, ROUTE, POSITION_OFFSET, STEP, SAMPLING, RESERVE, CONTROL,
+    SAMPLE_DRAWS, LEASE,
+)
+"""Every header name meshnet defines, canonical spelling."""

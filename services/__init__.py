@@ -1,0 +1,1 @@
+"""The four meshnet services: tracker, node, relay, bootstrap."""

@@ -1,0 +1,146 @@
+"""Next-token selection at the tail of a route, seeded and replayable.
+
+The mesh promises that its output equals single-process transformers
+``generate(do_sample=True, temperature=t, top_k=k, top_p=p)`` after
+``torch.manual_seed(seed)``, token for token. That holds when the tail:
+
+* warps the float32 logits with transformers' own warpers, in generate's order
+  (temperature, top-k, top-p) and with generate's conditions for applying each;
+* turns them into probabilities with a softmax;
+* draws with exactly one ``torch.multinomial(probs, 1, generator=g)`` per token
+  from a CPU generator seeded with ``seed`` (which starts in the same state as
+  the global generator after ``torch.manual_seed(seed)``).
+
+Temperature 0 means greedy decoding (argmax, no draw).
+
+One multinomial draw consumes a fixed amount of generator state for a given
+vocabulary size, whatever the distribution (torch samples one exponential
+variate per vocabulary entry; ``tests/test_sampling.py`` checks it). A tail
+rebuilt by failover therefore catches up with :meth:`Sampler.skip`, which makes
+that many dummy draws over a vocabulary of the same size.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Final
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field
+from transformers.generation.logits_process import (
+    LogitsProcessorList,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
+
+from meshwire.limits import MAX_TOP_K
+
+logger = logging.getLogger(__name__)
+
+MAX_TEMPERATURE: Final = 100.0
+"""Highest temperature accepted (OpenAI allows 2; extra room costs nothing)."""
+MAX_SEED: Final = (1 << 63) - 1
+"""Largest seed (torch seeds are 64-bit; keep to the signed range JSON tools handle)."""
+MAX_SKIP_DRAWS: Final = 1 << 20
+"""Most draws one :meth:`Sampler.skip` call may replay (a session never makes more)."""
+
+
+class SamplingParams(BaseModel):
+    """How the tail picks each token of one session (the ``X-Meshnet-Sampling`` JSON)."""
+
+    model_config = ConfigDict(frozen=True, strict=True, extra="forbid")
+
+    temperature: float = Field(default=1.0, ge=0.0, le=MAX_TEMPERATURE)
+    """0 is greedy; otherwise logits are divided by it before top-k/top-p."""
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    """Nucleus mass to keep; 1 is off."""
+    top_k: int = Field(default=0, ge=0, le=MAX_TOP_K)
+    """Keep the k most likely tokens; 0 is off (OpenAI has no top_k)."""
+    seed: int = Field(default=0, ge=0, le=MAX_SEED)
+    """Seed of the session's generator."""
+
+    @property
+    def greedy(self) -> bool:
+        """True when tokens are chosen by argmax and no random draw is made."""
+        return self.temperature == 0.0
+
+
+def build_warpers(params: SamplingParams) -> LogitsProcessorList:
+    """The warpers ``generate(do_sample=True, ...)`` would build for these parameters, in its order.
+
+    Mirrors ``GenerationMixin._get_logits_processor``: temperature only when it is
+    not 1, top-k only when it is not 0, top-p only when it is below 1, each with
+    ``min_tokens_to_keep=1`` and the ``-inf`` filter value.
+    """
+    warpers = LogitsProcessorList()
+    if params.greedy:
+        return warpers
+    if params.temperature != 1.0:
+        warpers.append(TemperatureLogitsWarper(params.temperature))
+    if params.top_k != 0:
+        warpers.append(TopKLogitsWarper(top_k=params.top_k, min_tokens_to_keep=1))
+    if params.top_p < 1.0:
+        warpers.append(TopPLogitsWarper(top_p=params.top_p, min_tokens_to_keep=1))
+    return warpers
+
+
+class Sampler:
+    """Picks the tokens of one session; owns the session's random generator.
+
+    Not thread-safe: a session's steps are serialised by the node.
+    """
+
+    def __init__(self, params: SamplingParams) -> None:
+        self.params = params
+        self._warpers = build_warpers(params)
+        self._generator = torch.Generator(device="cpu")
+        self._generator.manual_seed(params.seed)
+        self._draws = 0
+        self._pending_skips = 0
+
+    @property
+    def draws(self) -> int:
+        """Random draws made so far, skipped ones included (what ``X-Meshnet-Sample-Draws`` carries)."""
+        return self._draws + self._pending_skips
+
+    def sample(self, logits: torch.Tensor) -> int:
+        """The next token id for ``logits`` (``[vocab]``, any float dtype, any device)."""
+        if logits.ndim != 1 or logits.numel() == 0:
+            raise ValueError(f"logits must be a non-empty vector, got shape {tuple(logits.shape)}")
+        scores = logits.to(device="cpu", dtype=torch.float32).unsqueeze(0)
+        if self.params.greedy:
+            return int(torch.argmax(scores, dim=-1).item())
+        self._apply_pending_skips(scores.shape[-1])
+        scores = self._warpers(_NO_INPUT_IDS, scores)
+        probs = torch.nn.functional.softmax(scores, dim=-1)
+        token = torch.multinomial(probs, num_samples=1, generator=self._generator)
+        self._draws += 1
+        return int(token.item())
+
+    def skip(self, draws: int) -> None:
+        """Advance the generator as if ``draws`` tokens had been sampled (failover catch-up).
+
+        The draws are replayed lazily on the next :meth:`sample`, when the
+        vocabulary size (which fixes how much state a draw consumes) is known.
+        Greedy sessions make no draws, so skipping is a no-op for them.
+        """
+        if not 0 <= draws <= MAX_SKIP_DRAWS:
+            raise ValueError(f"draws to skip must be in 0..{MAX_SKIP_DRAWS}, got {draws}")
+        if self.params.greedy:
+            return
+        self._pending_skips += draws
+
+    def _apply_pending_skips(self, vocab_size: int) -> None:
+        if self._pending_skips == 0:
+            return
+        uniform = torch.full((1, vocab_size), 1.0 / vocab_size)
+        for _ in range(self._pending_skips):
+            torch.multinomial(uniform, num_samples=1, generator=self._generator)
+        logger.debug("advanced sampler by %d draws (vocab %d)", self._pending_skips, vocab_size)
+        self._draws += self._pending_skips
+        self._pending_skips = 0
+
+
+_NO_INPUT_IDS: Final = torch.empty((1, 0), dtype=torch.long)
+"""The warpers we use ignore ``input_ids``; they still take the argument."""

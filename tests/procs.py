@@ -1,0 +1,169 @@
+"""Start real meshnet services as processes for integration tests.
+
+Each service runs as `python -m uvicorn services.<kind>.app:app` on 127.0.0.1
+with an ephemeral port, configured only through `MESHNET_*` environment
+variables, exactly as a user runs it in production. `start_service` waits for
+`GET /health` to answer 200 and raises with the service's log when it does not.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterator, Literal, Mapping, Sequence
+
+import httpx
+
+ServiceKind = Literal["tracker", "node", "relay", "bootstrap"]
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+TEST_SECRET = "test-mesh-secret"
+READY_TIMEOUT_S = 120.0
+STOP_TIMEOUT_S = 10.0
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """An ephemeral TCP port that is free right now on `host`."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return int(sock.getsockname()[1])
+
+
+@dataclass
+class Service:
+    """A running service process and how to reach it."""
+
+    kind: ServiceKind
+    port: int
+    proc: subprocess.Popen[bytes]
+    log_path: Path
+    host: str = "127.0.0.1"
+    env: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def log(self) -> str:
+        """Everything the service wrote to stdout and stderr so far."""
+        try:
+            return self.log_path.read_text(errors="replace")
+        except OSError:
+            return ""
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def kill(self, sig: int = signal.SIGKILL) -> None:
+        """Send `sig` (SIGKILL by default: a crash, no goodbye) and reap the process."""
+        if self.alive():
+            self.proc.send_signal(sig)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(timeout=STOP_TIMEOUT_S)
+
+    def stop(self) -> None:
+        """Stop gracefully (SIGTERM), escalating to SIGKILL."""
+        if self.alive():
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=STOP_TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                self.kill()
+
+    def __enter__(self) -> "Service":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def service_env(env: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The environment a test service runs with: the caller's MESHNET_* over safe defaults."""
+    base = {k: v for k, v in os.environ.items() if not k.startswith("MESHNET_")}
+    base.update(
+        {
+            "MESHNET_SECRET": TEST_SECRET,
+            "HF_HUB_OFFLINE": "1",
+            "TRANSFORMERS_OFFLINE": "1",
+            "TOKENIZERS_PARALLELISM": "false",
+            "OMP_NUM_THREADS": base.get("OMP_NUM_THREADS", "1"),
+            "PYTHONUNBUFFERED": "1",
+        }
+    )
+    base.update(env or {})
+    return base
+
+
+def start_service(
+    kind: ServiceKind,
+    env: Mapping[str, str] | None = None,
+    port: int | None = None,
+    *,
+    host: str = "127.0.0.1",
+    wrapper: Sequence[str] = (),
+    ready_timeout_s: float = READY_TIMEOUT_S,
+    wait_ready: bool = True,
+) -> Service:
+    """Start `services.<kind>.app:app` under uvicorn and wait until `/health` is 200.
+
+    `wrapper` prefixes the command (e.g. `ip netns exec NS`); `host` is where
+    the service listens and where readiness is probed.
+    """
+    port = port or free_port()
+    full_env = service_env(env)
+    full_env.setdefault("MESHNET_HOST", host)
+    full_env["MESHNET_PORT"] = str(port)
+    log_file = tempfile.NamedTemporaryFile(prefix=f"meshnet-{kind}-{port}-", suffix=".log", delete=False)
+    cmd = [
+        *wrapper,
+        sys.executable,
+        "-m",
+        "uvicorn",
+        f"services.{kind}.app:app",
+        "--host",
+        host,
+        "--port",
+        str(port),
+        "--log-level",
+        "warning",
+    ]
+    proc = subprocess.Popen(cmd, cwd=REPO_ROOT, env=full_env, stdout=log_file, stderr=subprocess.STDOUT)
+    service = Service(kind=kind, port=port, proc=proc, log_path=Path(log_file.name), host=host, env=full_env)
+    if wait_ready:
+        try:
+            wait_healthy(service, ready_timeout_s)
+        except Exception:
+            service.kill()
+            raise
+    return service
+
+
+def wait_healthy(service: Service, timeout_s: float = READY_TIMEOUT_S) -> None:
+    """Poll `/health` until 200; fail with the service's log if it dies or times out."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if not service.alive():
+            raise RuntimeError(f"{service.kind} on port {service.port} exited early:\n{service.log()}")
+        with contextlib.suppress(httpx.HTTPError):
+            if httpx.get(f"{service.url}/health", timeout=2.0).status_code == 200:
+                return
+        time.sleep(0.1)
+    raise TimeoutError(f"{service.kind} on port {service.port} not healthy after {timeout_s}s:\n{service.log()}")
+
+
+@contextlib.contextmanager
+def running(*services: Service) -> Iterator[tuple[Service, ...]]:
+    """Stop every service on exit, whatever happens in the block."""
+    try:
+        yield services
+    finally:
+        for service in reversed(services):
+            service.stop()
