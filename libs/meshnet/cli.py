@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import logging
 import sys
 import types
 import typing
@@ -162,11 +161,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def configure_logging(level: str) -> None:
-    logging.basicConfig(
-        level=getattr(logging, level.upper()),
-        format="%(asctime)s %(levelname)-7s %(name)s: %(message)s",
-        datefmt="%H:%M:%S",
-    )
+    """Readable log lines (JSON lines with MESHNET_LOG_FORMAT=json), shared with the services."""
+    from meshwire.logs import configure_logging as configure
+
+    configure(level)
 
 
 def main(argv: Sequence[str] | None = None) -> None:

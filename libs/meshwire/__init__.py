@@ -1,1 +1,20 @@
-"""meshwire: the wire library every meshnet service shares (frames, routes, signing, schemas)."""
+"""meshwire: the wire library every meshnet service shares.
+
+Modules, one concept each (none imports a web framework):
+
+- :mod:`meshwire.headers`  ``X-Meshnet-*`` header names and ``WIRE_VERSION``
+- :mod:`meshwire.limits`   named bounds shared by every service
+- :mod:`meshwire.errors`   the OpenAI error body
+- :mod:`meshwire.auth`     shared-secret bearer check
+- :mod:`meshwire.fields`   bounded field types for pydantic models
+- :mod:`meshwire.frames`   activation frames: encode, decode, refuse (imports torch)
+- :mod:`meshwire.routes`   routes and their HMAC-signed tokens
+- :mod:`meshwire.registry` tracker registration / heartbeat body
+- :mod:`meshwire.openai`   OpenAI request / response / chunk schemas
+- :mod:`meshwire.sse`      server-sent events framing
+- :mod:`meshwire.envelope` relay JSON envelope and binary mux codec
+- :mod:`meshwire.logs`     logging setup shared by the services
+
+Import the submodule you need; this package imports nothing eagerly so that
+torch-free services (tracker, relay) do not pay for torch.
+"""

@@ -29,8 +29,14 @@ import torch
 
 from meshwire import headers as h
 from meshwire import limits
+from meshwire.fields import DType
 
-DType = Literal["float32", "bfloat16", "float16"]
+__all__ = [
+    "DType", "Encoding", "Frame", "FrameError", "FrameErrorCode", "FrameLimits", "FrameSpec",
+    "check_frame_headers", "decode_frame", "encode_frame", "format_attn_mask", "format_int_list",
+    "format_position_ids", "format_shape", "get_header", "parse_attn_mask", "parse_frame_headers",
+    "parse_int_header", "parse_int_list", "parse_position_ids", "parse_shape",
+]
 Encoding = Literal["identity", "zlib"]
 FrameErrorCode = Literal[
     "bad_length", "unknown_dtype", "bad_shape", "too_large",
@@ -307,7 +313,7 @@ def _check_body_length(spec: FrameSpec, length: int) -> None:
 
 
 def check_frame_headers(headers: Mapping[str, str], content_length: int | None,
-                        limits: FrameLimits = FrameLimits()) -> None:  # noqa: B008 (frozen default)
+                        limits: FrameLimits = FrameLimits()) -> None:
     """Refuse a bad frame from its headers alone, before its body is read.
 
     ``content_length`` is the request's Content-Length, or ``None`` when the
@@ -395,7 +401,7 @@ def encode_frame(tensor: torch.Tensor, *, session: str, chunk_index: int = 0, ch
 
 
 def decode_frame(headers: Mapping[str, str], body: bytes,
-                 limits: FrameLimits = FrameLimits()) -> Frame:  # noqa: B008 (frozen default)
+                 limits: FrameLimits = FrameLimits()) -> Frame:
     """Decode a received frame, refusing with :class:`FrameError` anything that does not add up."""
     spec = parse_frame_headers(headers, limits)
     _check_body_length(spec, len(body))

@@ -61,6 +61,8 @@ MAX_REQUEST_BYTES: Final = 8 * MIB
 """Largest HTTP request body a JSON endpoint reads."""
 
 # --- relay --------------------------------------------------------------------
+RELAY_MAX_BODY_BYTES: Final = FRAME_MAX_BYTES + MIB
+"""Largest HTTP body carried through the relay (a full frame, or a JSON answer)."""
 RELAY_MAX_MESSAGE_BYTES: Final = 96 * MIB
 """Largest relay WebSocket message (a full frame plus base64 overhead and headers)."""
 RELAY_MAX_HEADER_JSON_BYTES: Final = 64 * KIB

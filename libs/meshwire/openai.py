@@ -1,0 +1,446 @@
+"""OpenAI-compatible request, response and stream-chunk schemas, in one place.
+
+Requests follow what the OpenAI API accepts: unknown keys are ignored (the
+official SDK and other clients send fields this server does not use), an
+integer is accepted where a number is expected (``"temperature": 1`` is an
+integer in JSON), and everything else is strictly typed and bounded. A bad
+request becomes one sentence naming the field via
+:func:`validation_error_message`, which services put in a 400 error body.
+
+Responses are built by the services and serialised with ``model_dump_json``;
+stream chunks go out as server-sent events (:mod:`meshwire.sse`).
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Mapping
+from typing import Annotated, Any, Final, Literal
+
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SerializerFunctionWrapHandler,
+    ValidationError,
+    field_validator,
+    model_serializer,
+    model_validator,
+)
+
+from meshwire import limits
+from meshwire.fields import STRICT_MODEL, AsTuple
+
+REQUEST_MODEL: Final = ConfigDict(frozen=True, strict=True, extra="ignore")
+"""Requests: immutable and strictly typed, but unknown keys are ignored as OpenAI does."""
+
+Role = Literal["system", "user", "assistant", "developer", "tool"]
+FinishReason = Literal["stop", "length"]
+PART_SEPARATOR: Final = "\n"
+"""How the text parts of one message are joined into its text."""
+MAX_NAME_CHARS: Final = 256
+MAX_USER_CHARS: Final = 256
+SEED_MIN: Final = -(1 << 63)
+SEED_MAX: Final = (1 << 64) - 1
+DEFAULT_COMPLETION_MAX_TOKENS: Final = 16
+"""OpenAI's default ``max_tokens`` for ``/v1/completions``."""
+
+StopSequence = Annotated[str, Field(min_length=1, max_length=limits.MAX_STOP_CHARS)]
+Penalty = Annotated[float, Field(ge=-2.0, le=2.0, allow_inf_nan=False)]
+TokenCount = Annotated[int, Field(ge=1, le=limits.MAX_TOKENS_LIMIT)]
+
+
+class TextPart(BaseModel):
+    """A ``{"type": "text", "text": ...}`` content part (the only kind this server reads)."""
+
+    model_config = REQUEST_MODEL
+
+    type: Literal["text"]
+    text: str = Field(max_length=limits.MAX_PROMPT_CHARS)
+
+
+class ChatMessage(BaseModel):
+    """One chat message. ``content`` is a string or a list of text parts."""
+
+    model_config = REQUEST_MODEL
+
+    role: Role
+    content: str | Annotated[tuple[TextPart, ...], Field(max_length=limits.MAX_CONTENT_PARTS)] | None = None
+    name: str | None = Field(default=None, max_length=MAX_NAME_CHARS)
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _text_parts_only(cls, value: Any) -> Any:
+        """Give a clear message for non-text parts instead of a union error."""
+        if value is None or isinstance(value, str):
+            return value
+        if not isinstance(value, list | tuple):
+            raise ValueError("content must be a string or a list of text parts")  # noqa: TRY004 (pydantic reports ValueError)
+        if len(value) > limits.MAX_CONTENT_PARTS:
+            raise ValueError(f"content has more than {limits.MAX_CONTENT_PARTS} parts")
+        parts: list[Any] = []
+        for i, part in enumerate(value):
+            if isinstance(part, TextPart):
+                parts.append(part)
+                continue
+            if not isinstance(part, Mapping):
+                raise ValueError(f"content part {i} must be an object")  # noqa: TRY004 (pydantic reports ValueError)
+            if part.get("type") != "text":
+                raise ValueError(f"content part {i} has type {str(part.get('type'))[:40]!r}; "
+                                 "only 'text' parts are supported")
+            parts.append(TextPart.model_validate(part))
+        return tuple(parts)
+
+    @model_validator(mode="after")
+    def _content_present(self) -> ChatMessage:
+        if self.content is None and self.role != "assistant":
+            raise ValueError(f"a {self.role} message needs content")
+        return self
+
+    def text(self) -> str:
+        """The message content as plain text (text parts joined by :data:`PART_SEPARATOR`)."""
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return PART_SEPARATOR.join(part.text for part in self.content)
+
+    def template_dict(self) -> dict[str, str]:
+        """``{"role", "content"}`` with text content, as chat templates expect."""
+        return {"role": self.role, "content": self.text()}
+
+
+class StreamOptions(BaseModel):
+    """``stream_options``: ``include_usage`` adds a final chunk carrying usage."""
+
+    model_config = REQUEST_MODEL
+
+    include_usage: bool = False
+
+
+class SamplingRequest(BaseModel):
+    """The generation and sampling fields ``/v1/chat/completions`` and ``/v1/completions`` share.
+
+    ``presence_penalty`` / ``frequency_penalty`` are range-checked and accepted
+    but not applied. ``top_k`` is an extension (0 or absent: off).
+    """
+
+    model_config = REQUEST_MODEL
+
+    model: str = Field(min_length=1, max_length=limits.MAX_URL_CHARS)
+    max_tokens: TokenCount | None = None
+    temperature: float | None = Field(default=None, ge=0.0, le=2.0, allow_inf_nan=False)
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0, allow_inf_nan=False)
+    top_k: int | None = Field(default=None, ge=0, le=limits.MAX_TOP_K)
+    n: int | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    """Only read when ``stream`` is true."""
+    stop: str | Annotated[tuple[StopSequence, ...], AsTuple,
+                          Field(max_length=limits.MAX_STOP_SEQUENCES)] | None = None
+    seed: int | None = Field(default=None, ge=SEED_MIN, le=SEED_MAX)
+    user: str | None = Field(default=None, max_length=MAX_USER_CHARS)
+    presence_penalty: Penalty | None = None
+    frequency_penalty: Penalty | None = None
+
+    @field_validator("n")
+    @classmethod
+    def _only_one_choice(cls, value: int | None) -> int | None:
+        if value is not None and value != 1:
+            raise ValueError(f"only n=1 is supported, got {value}")
+        return value
+
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _check_stop(cls, value: Any) -> Any:
+        if isinstance(value, list | tuple):
+            if len(value) > limits.MAX_STOP_SEQUENCES:
+                raise ValueError(f"at most {limits.MAX_STOP_SEQUENCES} stop sequences are allowed")
+            if not all(isinstance(item, str) for item in value):
+                raise ValueError("stop must be a string or a list of strings")
+            return tuple(value)
+        if value is not None and not isinstance(value, str):
+            raise ValueError("stop must be a string or a list of strings")
+        if isinstance(value, str) and len(value) > limits.MAX_STOP_CHARS:
+            raise ValueError(f"a stop sequence may be at most {limits.MAX_STOP_CHARS} characters")
+        return value
+
+    @property
+    def stop_sequences(self) -> tuple[str, ...]:
+        """``stop`` as a tuple (empty when absent; an empty string is no stop)."""
+        if self.stop is None:
+            return ()
+        if isinstance(self.stop, str):
+            return (self.stop,) if self.stop else ()
+        return self.stop
+
+    @property
+    def include_usage(self) -> bool:
+        """Whether a stream ends with a usage chunk."""
+        return self.stream and self.stream_options is not None and self.stream_options.include_usage
+
+    def token_budget(self, default: int) -> int:
+        """How many tokens to generate at most: the request's limit, else ``default``."""
+        return self.max_tokens if self.max_tokens is not None else default
+
+
+class ChatCompletionRequest(SamplingRequest):
+    """Body of ``POST /v1/chat/completions``."""
+
+    messages: Annotated[tuple[ChatMessage, ...], AsTuple,
+                        Field(min_length=1, max_length=limits.MAX_MESSAGES)]
+    max_completion_tokens: TokenCount | None = None
+    """OpenAI's newer name for ``max_tokens``; wins when both are given."""
+
+    @model_validator(mode="after")
+    def _bounded_prompt(self) -> ChatCompletionRequest:
+        total = sum(len(message.text()) for message in self.messages)
+        if total > limits.MAX_PROMPT_CHARS:
+            raise ValueError(f"messages hold {total} characters, more than {limits.MAX_PROMPT_CHARS}")
+        return self
+
+    def token_budget(self, default: int) -> int:
+        if self.max_completion_tokens is not None:
+            return self.max_completion_tokens
+        return super().token_budget(default)
+
+
+class CompletionRequest(SamplingRequest):
+    """Body of ``POST /v1/completions``: one prompt string (or a list holding one)."""
+
+    prompt: str = Field(max_length=limits.MAX_PROMPT_CHARS)
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _one_string(cls, value: Any) -> Any:
+        if isinstance(value, list | tuple):
+            if len(value) != 1 or not isinstance(value[0], str):
+                raise ValueError("prompt must be a string or a list of exactly one string")
+            return value[0]
+        return value
+
+    def token_budget(self, default: int = DEFAULT_COMPLETION_MAX_TOKENS) -> int:
+        return super().token_budget(default)
+
+
+# --- responses ---------------------------------------------------------------------
+
+
+class Usage(BaseModel):
+    """Token counts of one request."""
+
+    model_config = STRICT_MODEL
+
+    prompt_tokens: int = Field(ge=0)
+    completion_tokens: int = Field(ge=0)
+    total_tokens: int = Field(ge=0)
+
+    @classmethod
+    def of(cls, prompt_tokens: int, completion_tokens: int) -> Usage:
+        """Usage with ``total_tokens`` filled in."""
+        return cls(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                   total_tokens=prompt_tokens + completion_tokens)
+
+
+class AssistantMessage(BaseModel):
+    """The message of a non-streamed chat choice."""
+
+    model_config = STRICT_MODEL
+
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatChoice(BaseModel):
+    model_config = STRICT_MODEL
+
+    index: int = Field(default=0, ge=0)
+    message: AssistantMessage
+    finish_reason: FinishReason | None
+    logprobs: None = None
+
+
+class ChatCompletion(BaseModel):
+    """A non-streamed ``/v1/chat/completions`` answer."""
+
+    model_config = STRICT_MODEL
+
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: Annotated[tuple[ChatChoice, ...], AsTuple]
+    usage: Usage | None = None
+    system_fingerprint: str | None = None
+
+
+class Delta(BaseModel):
+    """What a stream chunk adds to the message; absent fields are left out of the JSON."""
+
+    model_config = STRICT_MODEL
+
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+    @model_serializer(mode="wrap")
+    def _drop_none(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        return {key: value for key, value in handler(self).items() if value is not None}
+
+
+class ChunkChoice(BaseModel):
+    model_config = STRICT_MODEL
+
+    index: int = Field(default=0, ge=0)
+    delta: Delta
+    finish_reason: FinishReason | None = None
+    logprobs: None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    """One streamed ``chat.completion.chunk``; the usage chunk has no choices."""
+
+    model_config = STRICT_MODEL
+
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: Annotated[tuple[ChunkChoice, ...], AsTuple] = ()
+    usage: Usage | None = None
+    system_fingerprint: str | None = None
+
+
+class CompletionChoice(BaseModel):
+    model_config = STRICT_MODEL
+
+    index: int = Field(default=0, ge=0)
+    text: str
+    finish_reason: FinishReason | None = None
+    logprobs: None = None
+
+
+class Completion(BaseModel):
+    """A non-streamed ``/v1/completions`` answer."""
+
+    model_config = STRICT_MODEL
+
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: Annotated[tuple[CompletionChoice, ...], AsTuple]
+    usage: Usage | None = None
+    system_fingerprint: str | None = None
+
+
+class CompletionChunk(BaseModel):
+    """One streamed ``/v1/completions`` chunk (OpenAI names it ``text_completion`` too)."""
+
+    model_config = STRICT_MODEL
+
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: Annotated[tuple[CompletionChoice, ...], AsTuple] = ()
+    usage: Usage | None = None
+    system_fingerprint: str | None = None
+
+
+class ModelCard(BaseModel):
+    """One entry of ``GET /v1/models``."""
+
+    model_config = STRICT_MODEL
+
+    id: str
+    object: Literal["model"] = "model"
+    created: int = 0
+    owned_by: str = "meshnet"
+
+
+class ModelList(BaseModel):
+    """``GET /v1/models``."""
+
+    model_config = STRICT_MODEL
+
+    object: Literal["list"] = "list"
+    data: Annotated[tuple[ModelCard, ...], AsTuple] = ()
+
+
+class ErrorDetail(BaseModel):
+    """The ``error`` object; extra keys (``failed_node``) are kept."""
+
+    model_config = ConfigDict(frozen=True, strict=True, extra="allow")
+
+    message: str
+    type: str
+    code: str | None = None
+    param: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    """``{"error": {...}}``, the shape :func:`meshwire.errors.error_body` builds."""
+
+    model_config = STRICT_MODEL
+
+    error: ErrorDetail
+
+
+# --- helpers ---------------------------------------------------------------------
+
+
+def new_id(prefix: Literal["chatcmpl", "cmpl"]) -> str:
+    """A fresh response id such as ``chatcmpl-3f2a...``."""
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def now_s() -> int:
+    """The ``created`` timestamp: whole unix seconds."""
+    return int(time.time())
+
+
+_UNION_MARKERS: Final = frozenset({"str", "int", "float", "bool", "none", "dict", "list", "tuple"})
+
+
+def _location(loc: tuple[int | str, ...]) -> str:
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        elif "[" in part or part in _UNION_MARKERS:
+            continue  # pydantic's union-branch markers (``str``, ``tuple[...]``): not field names
+        else:
+            out += f".{part}" if out else part
+    return out
+
+
+def validation_error_param(exc: ValidationError) -> str | None:
+    """The field the first error is about (``messages[0].role``), for the error's ``param``."""
+    errors = exc.errors(include_url=False)
+    if not errors:
+        return None
+    return _location(tuple(errors[0]["loc"])) or None
+
+
+def validation_error_message(exc: ValidationError) -> str:
+    """One sentence naming the offending field and what is wrong with it."""
+    errors = exc.errors(include_url=False)
+    if not errors:
+        return "invalid request body"
+    first = errors[0]
+    field = _location(tuple(first["loc"]))
+    message = str(first["msg"]).removeprefix("Value error, ").removeprefix("Assertion failed, ")
+    if first["type"] == "missing":
+        sentence = f"missing required field '{field}'"
+    elif first["type"] == "json_invalid":
+        sentence = f"request body is not valid JSON ({message})"
+    elif first["type"] in ("model_type", "model_attributes_type", "dict_type") and not field:
+        sentence = "request body must be a JSON object"
+    elif field:
+        sentence = f"invalid value for '{field}': {message[0].lower() + message[1:] if message else message}"
+    else:
+        sentence = message[0].lower() + message[1:] if message else "invalid request body"
+    more = len(errors) - 1
+    suffix = f" (and {more} more problem{'s' if more > 1 else ''})" if more else ""
+    return f"{sentence}{suffix}"

@@ -1,0 +1,125 @@
+"""The `meshnet` command line as a new user meets it: help, `meshnet up`, `meshnet chat`, Ctrl-C."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+from openai import OpenAI
+
+from tests.procs import REPO_ROOT, free_port, service_env
+
+MESHNET = [sys.executable, "-m", "meshnet.cli"]
+UP_READY_TIMEOUT_S = 180.0
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([*MESHNET, *args], cwd=REPO_ROOT, capture_output=True, text=True, timeout=60)
+
+
+def test_help_lists_every_command() -> None:
+    result = run_cli("--help")
+    assert result.returncode == 0
+    for command in ("up", "tracker", "node", "relay", "bootstrap", "chat"):
+        assert command in result.stdout
+
+
+def test_node_help_names_each_flag_with_its_environment_twin() -> None:
+    result = run_cli("node", "--help")
+    assert result.returncode == 0
+    for flag, env in (("--model", "MESHNET_MODEL"), ("--layers", "MESHNET_LAYERS"), ("--tracker", "MESHNET_TRACKER"),
+                      ("--relay", "MESHNET_RELAY"), ("--dtype", "MESHNET_DTYPE"), ("--device", "MESHNET_DEVICE")):
+        assert flag in result.stdout and env in result.stdout
+
+
+def test_bootstrap_help_offers_both_registries() -> None:
+    result = run_cli("bootstrap", "--help")
+    assert "addresses" in result.stdout and "cache-layouts" in result.stdout
+
+
+class UpProcess:
+    """`meshnet up` running in the background, its output collected line by line."""
+
+    def __init__(self, args: list[str]) -> None:
+        self.proc = subprocess.Popen([*MESHNET, "up", *args], cwd=REPO_ROOT, env=service_env(),
+                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        self.lines: list[str] = []
+        self.reader = threading.Thread(target=self._read, daemon=True)
+        self.reader.start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.lines.append(line)
+
+    def output(self) -> str:
+        return "".join(self.lines)
+
+    def wait_for(self, text: str, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if text in self.output():
+                return
+            if self.proc.poll() is not None:
+                break
+            time.sleep(0.2)
+        raise AssertionError(f"`meshnet up` never printed {text!r}:\n{self.output()}")
+
+
+@pytest.fixture(scope="module")
+def local_mesh(tiny_model_dir: Path):
+    ports = [free_port() for _ in range(4)]
+    up = UpProcess(["--model", str(tiny_model_dir), "--nodes", "2", "--dtype", "float32",
+                    "--port", str(ports[0]), "--relay-port", str(ports[1]), "--bootstrap-port", str(ports[2]),
+                    "--node-port", str(ports[3])])
+    try:
+        up.wait_for("meshnet is up", UP_READY_TIMEOUT_S)
+        yield up, f"http://127.0.0.1:{ports[0]}"
+    finally:
+        if up.proc.poll() is None:
+            up.proc.kill()
+            up.proc.wait()
+
+
+def test_up_prints_the_base_url_and_an_openai_example(local_mesh) -> None:
+    up, base = local_mesh
+    assert f"{base}/v1" in up.output()
+    assert "from openai import OpenAI" in up.output()
+
+
+def test_the_openai_sdk_answers_against_the_printed_url(local_mesh) -> None:
+    _, base = local_mesh
+    client = OpenAI(base_url=f"{base}/v1", api_key="unused")
+    model = client.models.list().data[0].id
+    answer = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "hello"}],
+                                            max_tokens=8, temperature=0)
+    assert answer.usage is not None and answer.usage.completion_tokens >= 1
+
+
+def test_chat_streams_an_answer_to_the_terminal(local_mesh) -> None:
+    _, base = local_mesh
+    result = run_cli("chat", "--url", base, "--max-tokens", "8", "hello")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() != ""
+
+
+def test_ctrl_c_stops_every_process_of_the_mesh(local_mesh) -> None:
+    up, base = local_mesh
+    up.proc.send_signal(signal.SIGINT)
+    assert up.proc.wait(timeout=30) == 0
+    up.reader.join(timeout=5)
+    assert "stopped" in up.output()
+    with pytest.raises(httpx.HTTPError):
+        httpx.get(f"{base}/health", timeout=2)
+
+
+def test_chat_against_no_mesh_says_it_cannot_reach_it() -> None:
+    result = run_cli("chat", "--url", f"http://127.0.0.1:{free_port()}", "hello")
+    assert result.returncode == 1
+    assert "cannot reach" in result.stderr

@@ -1,0 +1,228 @@
+"""OpenAI schemas: what the API accepts, what it refuses (naming the field), and what we send back."""
+
+from __future__ import annotations
+
+import openai.types as oa
+import openai.types.chat as oa_chat
+import orjson
+import pytest
+from meshwire import limits
+from meshwire.errors import error_body
+from meshwire.openai import (
+    AssistantMessage,
+    ChatChoice,
+    ChatCompletion,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatMessage,
+    ChunkChoice,
+    Completion,
+    CompletionChoice,
+    CompletionRequest,
+    Delta,
+    ErrorResponse,
+    ModelCard,
+    ModelList,
+    Usage,
+    new_id,
+    validation_error_message,
+    validation_error_param,
+)
+from meshwire.sse import DONE, parse_sse_line, sse_event
+from pydantic import ValidationError
+
+BASE = {"model": "tiny", "messages": [{"role": "user", "content": "Hello"}]}
+
+
+def chat(**fields: object) -> ChatCompletionRequest:
+    return ChatCompletionRequest.model_validate_json(orjson.dumps({**BASE, **fields}))
+
+
+def chat_refusal(body: object) -> tuple[str, str | None]:
+    """The one-sentence message and the ``param`` of a refused chat request."""
+    with pytest.raises(ValidationError) as caught:
+        ChatCompletionRequest.model_validate_json(orjson.dumps(body))
+    return validation_error_message(caught.value), validation_error_param(caught.value)
+
+
+# --- what is accepted --------------------------------------------------------------------
+
+
+def test_a_minimal_request_has_openai_defaults():
+    request = chat()
+    assert request.stream is False and request.temperature is None and request.stop_sequences == ()
+    assert request.token_budget(default=64) == 64
+
+
+def test_an_integer_temperature_is_a_number_as_json_intends():
+    assert chat(temperature=1).temperature == 1.0
+    assert chat(temperature=0).temperature == 0.0
+
+
+def test_unknown_fields_are_ignored_like_openai_does():
+    request = chat(logit_bias={"50256": -100}, response_format={"type": "text"}, metadata={"a": "b"})
+    assert not hasattr(request, "logit_bias")
+
+
+def test_content_may_be_a_string_or_a_list_of_text_parts():
+    parts = [{"type": "text", "text": "Hello"}, {"type": "text", "text": "world"}]
+    assert chat(messages=[{"role": "user", "content": parts}]).messages[0].text() == "Hello\nworld"
+    assert chat().messages[0].text() == "Hello"
+
+
+def test_every_openai_role_is_accepted_and_an_assistant_may_have_no_content():
+    roles = ["system", "developer", "user", "assistant", "tool"]
+    request = chat(messages=[{"role": r, "content": r} for r in roles] + [{"role": "assistant", "content": None}])
+    assert [m.role for m in request.messages] == [*roles, "assistant"]
+    assert request.messages[-1].template_dict() == {"role": "assistant", "content": ""}
+
+
+def test_stop_may_be_a_string_or_a_list():
+    assert chat(stop="\n").stop_sequences == ("\n",)
+    assert chat(stop=["a", "b"]).stop_sequences == ("a", "b")
+
+
+def test_stream_options_ask_for_a_usage_chunk_only_when_streaming():
+    assert chat(stream=True, stream_options={"include_usage": True}).include_usage is True
+    assert chat(stream=False, stream_options={"include_usage": True}).include_usage is False
+
+
+def test_max_completion_tokens_wins_over_max_tokens():
+    assert chat(max_tokens=5).token_budget(default=64) == 5
+    assert chat(max_tokens=5, max_completion_tokens=7).token_budget(default=64) == 7
+
+
+def test_penalties_seed_user_and_top_k_are_accepted_in_range():
+    request = chat(presence_penalty=-2, frequency_penalty=2.0, seed=-5, user="u", top_k=40, n=1)
+    assert (request.seed, request.top_k) == (-5, 40)
+
+
+def test_requests_are_immutable():
+    with pytest.raises(ValidationError):
+        chat().model = "other"  # type: ignore[misc]
+
+
+def test_a_completion_prompt_may_be_a_string_or_a_list_of_one_string():
+    assert CompletionRequest.model_validate({"model": "m", "prompt": ["Once"]}).prompt == "Once"
+    request = CompletionRequest.model_validate({"model": "m", "prompt": "Once", "temperature": 1})
+    assert request.token_budget() == 16  # OpenAI's default for /v1/completions
+
+
+# --- what is refused, with a sentence naming the field ---------------------------------------
+
+
+@pytest.mark.parametrize(("fields", "param"), [
+    ({"max_tokens": -1}, "max_tokens"),
+    ({"max_tokens": 0}, "max_tokens"),
+    ({"max_tokens": limits.MAX_TOKENS_LIMIT + 1}, "max_tokens"),
+    ({"max_tokens": 5.5}, "max_tokens"),
+    ({"max_completion_tokens": -3}, "max_completion_tokens"),
+    ({"temperature": -0.1}, "temperature"),
+    ({"temperature": 2.01}, "temperature"),
+    ({"temperature": "hot"}, "temperature"),
+    ({"top_p": 0}, "top_p"),
+    ({"top_p": 1.5}, "top_p"),
+    ({"top_k": -1}, "top_k"),
+    ({"n": 2}, "n"),
+    ({"stream": "yes"}, "stream"),
+    ({"stop": ["a", "b", "c", "d", "e"]}, "stop"),
+    ({"stop": 7}, "stop"),
+    ({"presence_penalty": 3}, "presence_penalty"),
+    ({"frequency_penalty": -2.5}, "frequency_penalty"),
+    ({"messages": []}, "messages"),
+    ({"messages": [{"role": "wizard", "content": "hi"}]}, "messages[0].role"),
+    ({"messages": [{"role": "user", "content": 5}]}, "messages[0].content"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+     "messages[0].content"),
+    ({"model": 5}, "model"),
+])
+def test_a_bad_field_is_refused_with_a_sentence_naming_it(fields, param):
+    message, got_param = chat_refusal({**BASE, **fields})
+    assert got_param == param
+    assert f"'{param}'" in message
+
+
+def test_n_other_than_one_says_only_one_is_supported():
+    message, _ = chat_refusal({**BASE, "n": 3})
+    assert "only n=1 is supported" in message
+
+
+def test_a_missing_field_is_named():
+    assert chat_refusal({"messages": BASE["messages"]}) == ("missing required field 'model'", "model")
+
+
+def test_a_prompt_over_the_character_limit_is_refused():
+    message, _ = chat_refusal({**BASE, "messages": [{"role": "user", "content": "x" * (limits.MAX_PROMPT_CHARS + 1)}]})
+    assert "characters" in message
+
+
+def test_more_messages_than_the_limit_are_refused():
+    _message, param = chat_refusal({**BASE, "messages": [{"role": "user", "content": "x"}] * (limits.MAX_MESSAGES + 1)})
+    assert param == "messages"
+
+
+def test_a_body_that_is_not_an_object_or_not_json_says_so():
+    with pytest.raises(ValidationError) as caught:
+        ChatCompletionRequest.model_validate_json(b"[1, 2]")
+    assert validation_error_message(caught.value) == "request body must be a JSON object"
+    with pytest.raises(ValidationError) as caught:
+        ChatCompletionRequest.model_validate_json(b"{oops")
+    assert validation_error_message(caught.value).startswith("request body is not valid JSON")
+
+
+def test_a_completion_prompt_list_of_several_prompts_or_token_ids_is_refused():
+    for prompt in (["a", "b"], [1, 2, 3]):
+        with pytest.raises(ValidationError) as caught:
+            CompletionRequest.model_validate({"model": "m", "prompt": prompt})
+        assert validation_error_param(caught.value) == "prompt"
+
+
+# --- what we send back parses with the official SDK's own types --------------------------------
+
+
+def test_a_chat_completion_parses_as_the_sdks_chat_completion():
+    answer = ChatCompletion(id=new_id("chatcmpl"), created=1, model="tiny",
+                            choices=[ChatChoice(message=AssistantMessage(content="Hi!"), finish_reason="stop")],
+                            usage=Usage.of(3, 2))
+    parsed = oa_chat.ChatCompletion.model_validate_json(answer.model_dump_json())
+    assert parsed.choices[0].message.content == "Hi!" and parsed.usage.total_tokens == 5
+
+
+def test_stream_chunks_leave_out_absent_delta_fields_and_parse_with_the_sdk():
+    first = ChatCompletionChunk(id="c", created=1, model="tiny",
+                                choices=[ChunkChoice(delta=Delta(role="assistant", content=""))])
+    last = ChatCompletionChunk(id="c", created=1, model="tiny", choices=[ChunkChoice(delta=Delta(), finish_reason="length")])
+    usage = ChatCompletionChunk(id="c", created=1, model="tiny", usage=Usage.of(1, 1))
+    assert orjson.loads(last.model_dump_json())["choices"][0]["delta"] == {}
+    for chunk in (first, last, usage):
+        oa_chat.ChatCompletionChunk.model_validate_json(chunk.model_dump_json())
+
+
+def test_completions_and_model_lists_parse_with_the_sdk():
+    completion = Completion(id=new_id("cmpl"), created=1, model="m",
+                            choices=[CompletionChoice(text="once", finish_reason="stop")], usage=Usage.of(1, 1))
+    assert oa.Completion.model_validate_json(completion.model_dump_json()).choices[0].text == "once"
+    models = ModelList(data=[ModelCard(id="tiny")])
+    assert orjson.loads(models.model_dump_json())["data"][0] == {"id": "tiny", "object": "model", "created": 0,
+                                                                  "owned_by": "meshnet"}
+
+
+def test_an_error_body_has_the_openai_shape():
+    body = error_body("no route covers layers 2-3", "service_unavailable", "no_route", failed_node="b")
+    parsed = ErrorResponse.model_validate(body)
+    assert parsed.error.code == "no_route" and parsed.error.param is None
+    assert body["error"]["failed_node"] == "b"
+
+
+def test_sse_events_carry_one_json_chunk_each_and_end_with_done():
+    chunk = ChatCompletionChunk(id="c", created=1, model="m", choices=[ChunkChoice(delta=Delta(content="x"))])
+    event = sse_event(chunk)
+    assert event.endswith(b"\n\n") and DONE == b"data: [DONE]\n\n"
+    payload = parse_sse_line(event.decode().splitlines()[0])
+    assert payload is not None and ChatCompletionChunk.model_validate_json(payload) == chunk
+    assert parse_sse_line(": keep-alive") is None
+
+
+def test_a_message_needs_content_unless_it_is_the_assistants():
+    with pytest.raises(ValidationError):
+        ChatMessage.model_validate({"role": "user"})
