@@ -28,11 +28,11 @@ import asyncio
 import time
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
-from typing import Annotated, Any, Final, Literal, TypeVar
+from typing import Annotated, Any, Final, Literal, Self, TypeVar
 
 import httpx
 import orjson
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, Strict, ValidationError
 
 DEFAULT_TIMEOUT_S: Final = 5.0
 """Timeout of one HTTP attempt (connect, and each read or write)."""
@@ -53,6 +53,9 @@ _FROZEN: Final = ConfigDict(frozen=True, strict=True, extra="forbid")
 _ANSWER: Final = ConfigDict(frozen=True, strict=True, extra="ignore")
 Port = Annotated[int, Field(ge=1, le=65_535)]
 Size = Annotated[int, Field(ge=1)]
+
+StagePlacement = Annotated[tuple[Annotated[tuple[str, ...], Strict(False)], ...], Strict(False)]
+"""Field ids held by each pipeline stage, stage 0 first (lists accepted)."""
 
 Model = TypeVar("Model", bound=BaseModel)
 
@@ -75,7 +78,8 @@ class RankRegistration(BaseModel):
     engine_rank: Annotated[int, Field(ge=0)]
     pp_size: Size | None = None
     cache_layout: str | None = None
-    cache_fields_by_stage: tuple[tuple[str, ...], ...] | None = None
+    cache_fields_by_stage: StagePlacement | None = None
+    """Field ids of each stage; lists are accepted (and kept as tuples)."""
 
     def wire(self) -> bytes:
         """The JSON body, without the optional keys left unset."""
@@ -266,7 +270,7 @@ class BootstrapClient:
         """Close the connection pool."""
         self._http.close()
 
-    def __enter__(self) -> BootstrapClient:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc_info: object) -> None:
@@ -354,7 +358,7 @@ class AsyncBootstrapClient:
         """Close the connection pool."""
         await self._http.aclose()
 
-    async def __aenter__(self) -> AsyncBootstrapClient:
+    async def __aenter__(self) -> Self:
         return self
 
     async def __aexit__(self, *exc_info: object) -> None:
