@@ -1,0 +1,166 @@
+"""The mesh side of the tracker: registration, failure reports, routes and the mesh view.
+
+Routes:
+
+- ``POST /v1/nodes`` (mesh secret): register or heartbeat with a
+  :class:`~meshwire.registry.NodeRegistration`; heartbeats carry the lease in
+  ``X-Meshnet-Lease``. Answers :class:`~meshwire.registry.RegistrationAnswer`;
+  409 when the id belongs to another live node.
+- ``DELETE /v1/nodes/{node_id}`` (mesh secret): leave now.
+- ``POST /v1/nodes/{node_id}/failures`` (mesh secret): a caller could not use
+  the node; it backs off (see :mod:`.registry`).
+- ``GET /v1/nodes``: every listed node (state, load, last heartbeat) and each
+  model's coverage.
+- ``GET /v1/mesh``: the same plus the tracker's clocks, for the live page.
+- ``GET /v1/route?model=M&exclude=a,b``: a signed route
+  (:class:`~meshwire.routes.SignedRoute`).
+
+The credential is checked before the body is read, so an unauthenticated
+registration changes nothing.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Final
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, Field, ValidationError
+
+from meshwire import errors, limits
+from meshwire.fields import STRICT_MODEL, NodeId
+from meshwire.headers import LEASE
+from meshwire.openai import validation_error_message, validation_error_param
+from meshwire.registry import NodeRegistration, RegistrationAnswer
+
+from .registry import MAX_REASON_CHARS, RegistryError
+from .responses import HTTPError, read_body, require_mesh_secret
+from .state import parse_exclude, tracker_state
+
+logger = logging.getLogger(__name__)
+
+MAX_REGISTRATION_BYTES: Final = 64 * limits.KIB
+"""Largest registration or failure-report body read."""
+
+router = APIRouter()
+
+
+class FailureReport(BaseModel):
+    """Body of ``POST /v1/nodes/{node_id}/failures``."""
+
+    model_config = STRICT_MODEL
+
+    reason: str = Field(min_length=1, max_length=MAX_REASON_CHARS)
+    reporter: NodeId | None = None
+    """The reporting node, when a node reports."""
+
+
+def _invalid(exc: ValidationError) -> HTTPError:
+    return HTTPError(400, validation_error_message(exc), errors.INVALID_REQUEST, "invalid_body",
+                     validation_error_param(exc))
+
+
+def _refused(exc: RegistryError) -> HTTPError:
+    error_type = errors.NOT_FOUND if exc.status == 404 else (
+        errors.UNAVAILABLE if exc.status == 503 else errors.INVALID_REQUEST)
+    return HTTPError(exc.status, str(exc), error_type, exc.code)
+
+
+def _lease(request: Request) -> str | None:
+    lease = request.headers.get(LEASE)
+    if lease is not None and (not lease.strip() or len(lease) > limits.MAX_ID_CHARS):
+        raise HTTPError(400, f"{LEASE} must be 1-{limits.MAX_ID_CHARS} characters", errors.INVALID_REQUEST,
+                        "bad_lease")
+    return lease.strip() if lease is not None else None
+
+
+@router.post("/v1/nodes")
+async def register(request: Request) -> JSONResponse:
+    """Register a node or take its heartbeat."""
+    state = tracker_state(request)
+    require_mesh_secret(request, state.settings.secret)
+    try:
+        registration = NodeRegistration.model_validate_json(await read_body(request, MAX_REGISTRATION_BYTES))
+    except ValidationError as exc:
+        state.metrics.registrations.labels("refused").inc()
+        raise _invalid(exc) from None
+    try:
+        registered = state.registry.register(registration, _lease(request), state.now())
+    except RegistryError as exc:
+        state.metrics.registrations.labels("refused").inc()
+        logger.warning("refused registration of %s from %s: %s", registration.node_id, registration.endpoint, exc)
+        raise _refused(exc) from None
+    state.metrics.registrations.labels("new" if registered.new_lease else "heartbeat").inc()
+    answer = RegistrationAnswer(lease=registered.lease, heartbeat_s=state.settings.heartbeat_s,
+                                ttl_s=state.settings.node_ttl_s)
+    return JSONResponse(answer.model_dump(mode="json"))
+
+
+@router.delete("/v1/nodes/{node_id}")
+async def deregister(node_id: str, request: Request) -> JSONResponse:
+    """A node leaves: it is listed ``offline`` at once and leaves every new route."""
+    state = tracker_state(request)
+    require_mesh_secret(request, state.settings.secret)
+    try:
+        state.registry.deregister(node_id, _lease(request), state.now())
+    except RegistryError as exc:
+        raise _refused(exc) from None
+    return JSONResponse({"node_id": node_id, "state": "offline"})
+
+
+@router.post("/v1/nodes/{node_id}/failures")
+async def report_failure(node_id: str, request: Request) -> JSONResponse:
+    """A caller could not use ``node_id``: put it in backoff."""
+    state = tracker_state(request)
+    require_mesh_secret(request, state.settings.secret)
+    try:
+        report = FailureReport.model_validate_json(await read_body(request, MAX_REGISTRATION_BYTES))
+    except ValidationError as exc:
+        raise _invalid(exc) from None
+    try:
+        backoff_s = state.registry.report_failure(node_id, report.reason, state.now())
+    except RegistryError as exc:
+        raise _refused(exc) from None
+    state.metrics.failure_reports.inc()
+    if report.reporter:
+        logger.info("node %s reports node %s failing: %s", report.reporter, node_id, report.reason)
+    return JSONResponse({"node_id": node_id, "backoff_s": round(backoff_s, 3),
+                         "state": state.registry.state(node_id, state.now())})
+
+
+def _mesh_view(request: Request) -> dict[str, Any]:
+    state = tracker_state(request)
+    now = state.now()
+    return {
+        "nodes": [node.model_dump(mode="json") for node in state.registry.snapshot(now)],
+        "models": [model.model_dump(mode="json") for model in state.registry.coverage(now)],
+    }
+
+
+@router.get("/v1/nodes")
+async def list_nodes(request: Request) -> JSONResponse:
+    """Who holds what, in which state, under which load; and each model's coverage."""
+    return JSONResponse(_mesh_view(request))
+
+
+@router.get("/v1/mesh")
+async def mesh(request: Request) -> JSONResponse:
+    """The mesh at a glance, for the live page: nodes, coverage, and the tracker's clocks."""
+    settings = tracker_state(request).settings
+    return JSONResponse({**_mesh_view(request), "node_ttl_s": settings.node_ttl_s,
+                         "heartbeat_s": settings.heartbeat_s, "offline_keep_s": settings.offline_keep_s})
+
+
+@router.get("/v1/route")
+async def route(request: Request) -> JSONResponse:
+    """A signed route for ``model`` that avoids the ``exclude``d nodes."""
+    state = tracker_state(request)
+    model = request.query_params.get("model")
+    if not model:
+        raise HTTPError(400, "missing query parameter 'model'", errors.INVALID_REQUEST, "missing_model", "model")
+    if len(model) > limits.MAX_URL_CHARS:
+        raise HTTPError(400, "model name is too long", errors.INVALID_REQUEST, "bad_model", "model")
+    exclude = parse_exclude(request.query_params.getlist("exclude"))
+    signed = state.route_for(state.resolve_model(model), exclude)
+    return JSONResponse(signed.model_dump(mode="json"))

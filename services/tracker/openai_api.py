@@ -1,0 +1,174 @@
+"""The OpenAI front door: what the OpenAI SDK talks to.
+
+Routes:
+
+- ``POST /v1/chat/completions`` and ``POST /v1/completions``: validated here
+  (400 naming the field), given a route (404 unknown model, 503 naming the
+  missing layers), and proxied to the route's head node, whose answer (JSON,
+  or server-sent events) is relayed as it arrives. When the head fails before
+  answering, it is reported and the request goes once more on a route that
+  avoids it.
+- ``GET /v1/models``: the models that have a complete route right now.
+- ``GET /v1/models/{model}``: one of them.
+
+With ``MESHNET_API_KEYS`` set, each route needs ``Authorization: Bearer <key>``
+(401 otherwise, in OpenAI's shape).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Final, Literal
+
+import orjson
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response
+from pydantic import ValidationError
+
+from meshwire import errors
+from meshwire.openai import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    ModelCard,
+    ModelList,
+    SamplingRequest,
+    validation_error_message,
+    validation_error_param,
+)
+
+from .proxy import HeadRefused, ProxiedResponse, first_byte_timer, open_head
+from .registry import UnknownNode
+from .responses import HTTPError, read_body, require_api_key
+from .state import TrackerState, tracker_state
+
+logger = logging.getLogger(__name__)
+
+Endpoint = Literal["chat", "completions"]
+PATHS: Final[dict[Endpoint, str]] = {"chat": "/v1/chat/completions", "completions": "/v1/completions"}
+SCHEMAS: Final[dict[Endpoint, type[SamplingRequest]]] = {"chat": ChatCompletionRequest,
+                                                          "completions": CompletionRequest}
+ROUTE_ATTEMPTS: Final = 2
+"""Routes tried per request: the first, and one more avoiding a head that failed."""
+
+router = APIRouter()
+
+
+def _parse(body: bytes, endpoint: Endpoint) -> SamplingRequest:
+    try:
+        return SCHEMAS[endpoint].model_validate_json(body)
+    except ValidationError as exc:
+        raise HTTPError(400, validation_error_message(exc), errors.INVALID_REQUEST, "invalid_request",
+                        validation_error_param(exc)) from None
+
+
+def _with_model(body: bytes, model: str) -> bytes:
+    """``body`` with its ``model`` replaced by the registered name the head knows."""
+    payload = orjson.loads(body)
+    payload["model"] = model
+    return orjson.dumps(payload)
+
+
+async def _front_door(request: Request, endpoint: Endpoint) -> Response:
+    state = tracker_state(request)
+    path = PATHS[endpoint]
+    status = 500
+    try:
+        require_api_key(request, state.settings.api_keys)
+        body = await read_body(request, state.settings.max_body_bytes)
+        parsed = _parse(body, endpoint)
+        model = state.resolve_model(parsed.model)
+        if model != parsed.model:
+            body = _with_model(body, model)
+        response = await _proxy(state, model, path, body)
+        status = response.status_code
+        return response
+    except HTTPError as exc:
+        status = exc.status
+        raise
+    finally:
+        state.metrics.requests.labels(endpoint, str(status)).inc()
+
+
+async def _proxy(state: TrackerState, model: str, path: str, body: bytes) -> Response:
+    """Send ``body`` along a route, and along a second one if the first head fails to answer."""
+    exclude: set[str] = set()
+    refused: HeadRefused | None = None
+    for attempt in range(ROUTE_ATTEMPTS):
+        try:
+            route = state.route_for(model, exclude)
+        except HTTPError:
+            if refused is not None:
+                raise refused.error from None  # no other route: the head's own answer says most
+            raise
+        node_ids = [hop.node_id for hop in route.nodes]
+        state.registry.begin_request(node_ids)
+        elapsed = first_byte_timer()
+        outcome = await open_head(state.http(), route, path, body, state.settings.secret)
+        if not isinstance(outcome, HeadRefused):
+            state.metrics.first_byte.observe(elapsed())
+            head = route.nodes[0].node_id
+
+            def on_broken(reason: str, head: str = head) -> None:
+                _report(state, head, f"broke mid-answer: {reason}")
+
+            def on_close(node_ids: list[str] = node_ids) -> None:
+                state.registry.end_request(node_ids)
+
+            return ProxiedResponse(outcome, on_broken=on_broken, on_close=on_close)
+        state.registry.end_request(node_ids)
+        refused = outcome
+        logger.warning("route %d for %s: head %s did not answer (%s); %s", attempt + 1, model,
+                       route.nodes[0].node_id, outcome.reason,
+                       "trying another route" if attempt + 1 < ROUTE_ATTEMPTS else "giving up")
+        if outcome.failed:
+            _report(state, outcome.culprit, outcome.reason)
+        exclude.add(outcome.culprit)
+        if attempt + 1 < ROUTE_ATTEMPTS:
+            state.metrics.proxy_retries.inc()
+    assert refused is not None
+    raise refused.error
+
+
+def _report(state: TrackerState, node_id: str, reason: str) -> None:
+    """Put a node that failed a front-door request into backoff (if it is still listed)."""
+    try:
+        state.registry.report_failure(node_id, reason, state.now())
+    except UnknownNode:
+        return  # forgotten meanwhile: nothing to back off
+    state.metrics.failure_reports.inc()
+
+
+@router.post("/v1/chat/completions")
+async def chat_completions(request: Request) -> Response:
+    """OpenAI chat completions, streamed or not, served by the mesh."""
+    return await _front_door(request, "chat")
+
+
+@router.post("/v1/completions")
+async def completions(request: Request) -> Response:
+    """OpenAI (legacy) text completions, streamed or not, served by the mesh."""
+    return await _front_door(request, "completions")
+
+
+def _complete_models(state: TrackerState) -> list[str]:
+    return [model.model for model in state.registry.coverage(state.now()) if model.complete]
+
+
+@router.get("/v1/models")
+async def list_models(request: Request) -> JSONResponse:
+    """The models a request can be routed for right now."""
+    state = tracker_state(request)
+    require_api_key(request, state.settings.api_keys)
+    cards = tuple(ModelCard(id=model) for model in _complete_models(state))
+    return JSONResponse(ModelList(data=cards).model_dump(mode="json"))
+
+
+@router.get("/v1/models/{model:path}")
+async def retrieve_model(model: str, request: Request) -> JSONResponse:
+    """One servable model (exact name or unique basename); 404 otherwise."""
+    state = tracker_state(request)
+    require_api_key(request, state.settings.api_keys)
+    resolved = state.resolve_model(model)
+    if resolved not in _complete_models(state):
+        state.route_for(resolved)  # raises the 503 that names the missing layers
+    return JSONResponse(ModelCard(id=resolved).model_dump(mode="json"))

@@ -1,0 +1,24 @@
+"""Running the tracker from the command line (``meshnet tracker``)."""
+
+from __future__ import annotations
+
+import logging
+
+import uvicorn
+
+from meshwire.auth import DEFAULT_SECRET
+
+from .app import create_app
+from .settings import TrackerSettings
+
+logger = logging.getLogger(__name__)
+
+
+def serve(settings: TrackerSettings) -> None:
+    """Serve the tracker on ``settings.host:settings.port`` until interrupted."""
+    if settings.secret == DEFAULT_SECRET:
+        logger.warning("MESHNET_SECRET is the development default: set a secret of your own "
+                       "before nodes join over a network")
+    logger.info("tracker starting: point the OpenAI SDK at %s/v1", settings.url)
+    uvicorn.run(create_app(settings), host=settings.host, port=settings.port, log_level="warning",
+                access_log=False)

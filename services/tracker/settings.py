@@ -1,0 +1,105 @@
+"""The tracker's configuration, read from ``MESHNET_*`` environment variables.
+
+Every field has an environment twin: ``node_ttl_s`` is ``MESHNET_NODE_TTL_S``,
+``api_keys`` is ``MESHNET_API_KEYS`` (a comma-separated list). The defaults
+suit a local mesh; every limit the tracker enforces is a field here or a named
+constant in :mod:`meshwire.limits`.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Final
+
+from pydantic import Field, field_validator, model_validator
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+
+from meshwire import limits
+from meshwire.auth import DEFAULT_SECRET
+
+DEFAULT_PORT: Final = 8000
+MAX_API_KEYS: Final = 1024
+"""Most client API keys ``MESHNET_API_KEYS`` may list."""
+
+
+class TrackerSettings(BaseSettings):
+    """How one tracker runs: where it listens, its secrets, its clocks and its bounds."""
+
+    model_config = SettingsConfigDict(env_prefix="MESHNET_", frozen=True, extra="ignore",
+                                      use_attribute_docstrings=True)
+
+    host: str = "127.0.0.1"
+    port: int = Field(DEFAULT_PORT, ge=0, le=65535)
+    secret: str = Field(DEFAULT_SECRET, min_length=1)
+    """The mesh's shared secret: authenticates nodes and signs routes."""
+    api_keys: Annotated[tuple[str, ...], NoDecode] = ()
+    """Client API keys for the OpenAI front door; empty means the front door is open."""
+
+    # --- registry clocks -------------------------------------------------------
+    node_ttl_s: float = Field(6.0, gt=0, le=3600)
+    """A node whose last heartbeat is older than this leaves every route."""
+    heartbeat_s: float = Field(2.0, gt=0, le=600)
+    """The heartbeat interval the tracker asks nodes for (a hint in the registration answer)."""
+    suspect_after_s: float | None = Field(None, gt=0)
+    """A node silent this long is shown ``suspect`` (still routable); default: half the TTL."""
+    offline_keep_s: float = Field(300.0, ge=0, le=86400)
+    """How long a departed node stays listed as ``offline`` before it is forgotten."""
+    max_nodes: int = Field(1024, ge=1, le=65536)
+    """Most node entries (live and recently departed) the registry holds."""
+
+    # --- failure backoff -----------------------------------------------------------
+    failure_backoff_s: float = Field(5.0, gt=0, le=3600)
+    """Backoff after a node's first reported failure; it doubles on each repeat."""
+    failure_backoff_max_s: float = Field(60.0, gt=0, le=86400)
+    """Longest backoff a run of failures can earn."""
+    failure_reset_s: float = Field(120.0, gt=0, le=86400)
+    """A node with no failure report for this long starts its next backoff from the beginning."""
+
+    # --- routes ----------------------------------------------------------------------
+    route_ttl_s: float = Field(limits.ROUTE_TTL_S, gt=0, le=86400)
+    """Lifetime of a signed route."""
+
+    # --- the OpenAI front door -------------------------------------------------------
+    max_body_bytes: int = Field(limits.MAX_REQUEST_BYTES, ge=1024, le=256 * limits.MIB)
+    """Largest request body the tracker reads."""
+    proxy_connect_timeout_s: float = Field(5.0, gt=0, le=600)
+    """Time to open a connection to a head node."""
+    proxy_read_timeout_s: float = Field(300.0, gt=0, le=3600)
+    """Longest silence allowed from a head node (a long prefill happens before the first byte)."""
+    proxy_write_timeout_s: float = Field(30.0, gt=0, le=600)
+    max_connections: int = Field(256, ge=1, le=65536)
+    """Most simultaneous connections from the tracker to head nodes."""
+
+    @field_validator("api_keys", mode="before")
+    @classmethod
+    def _split_keys(cls, value: Any) -> Any:
+        """Accept ``"k1,k2"`` (the environment form) as well as a sequence."""
+        if isinstance(value, str):
+            value = [part.strip() for part in value.split(",")]
+        if isinstance(value, (list, tuple)):
+            keys = tuple(key for key in value if isinstance(key, str) and key)
+            if len(keys) > MAX_API_KEYS:
+                raise ValueError(f"at most {MAX_API_KEYS} API keys")
+            return keys
+        return value
+
+    @model_validator(mode="after")
+    def _check_clocks(self) -> TrackerSettings:
+        if self.heartbeat_s >= self.node_ttl_s:
+            raise ValueError(f"heartbeat_s ({self.heartbeat_s}) must be shorter than node_ttl_s "
+                             f"({self.node_ttl_s}), or every node would expire between heartbeats")
+        if self.failure_backoff_max_s < self.failure_backoff_s:
+            raise ValueError("failure_backoff_max_s must be at least failure_backoff_s")
+        return self
+
+    @property
+    def suspect_s(self) -> float:
+        """Silence after which a node is shown ``suspect``."""
+        return self.suspect_after_s if self.suspect_after_s is not None else self.node_ttl_s / 2
+
+    @property
+    def url(self) -> str:
+        """The base URL clients use (``0.0.0.0`` shown as ``127.0.0.1``)."""
+        host = "127.0.0.1" if self.host in ("0.0.0.0", "") else self.host
+        if ":" in host and not host.startswith("["):
+            host = f"[{host}]"
+        return f"http://{host}:{self.port}"

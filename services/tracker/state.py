@@ -1,0 +1,127 @@
+"""What one running tracker holds, and the two questions every route asks of it.
+
+:class:`TrackerState` bundles the settings, the registry, the metrics, the
+clock and the HTTP client to head nodes; the app keeps one in
+``app.state.tracker``. :meth:`TrackerState.resolve_model` and
+:meth:`TrackerState.route_for` turn the registry's answers into the errors the
+design card names: an unknown model is a 404, a model without a complete route
+a 503 naming the missing layers.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Callable, Collection
+from dataclasses import dataclass, field
+from typing import Final
+
+import httpx
+from fastapi import Request
+
+from meshwire import errors, limits
+from meshwire.routes import Route, SignedRoute, issue_signed_route
+
+from .metrics import TrackerMetrics
+from .planner import IncompleteCoverage, RouteTooLong, format_ranges, plan_route
+from .registry import Registry, RegistryPolicy, resolve_model_name
+from .responses import HTTPError
+from .settings import TrackerSettings
+
+logger = logging.getLogger(__name__)
+
+MAX_MODELS_NAMED: Final = 10
+"""Most known model names listed in a 404's message."""
+MAX_EXCLUDED: Final = 256
+"""Most node ids one ``exclude`` may name."""
+
+
+@dataclass
+class TrackerState:
+    """The tracker's state and collaborators (one per app)."""
+
+    settings: TrackerSettings
+    registry: Registry
+    metrics: TrackerMetrics
+    clock: Callable[[], float] = time.monotonic
+    client: httpx.AsyncClient | None = field(default=None)
+    """The HTTP client to head nodes; opened and closed by the app's lifespan."""
+
+    @classmethod
+    def create(cls, settings: TrackerSettings, clock: Callable[[], float] = time.monotonic) -> TrackerState:
+        registry = Registry(RegistryPolicy(
+            ttl_s=settings.node_ttl_s, suspect_s=settings.suspect_s, offline_keep_s=settings.offline_keep_s,
+            max_nodes=settings.max_nodes, backoff_s=settings.failure_backoff_s,
+            backoff_max_s=settings.failure_backoff_max_s, failure_reset_s=settings.failure_reset_s,
+        ))
+        metrics = TrackerMetrics(nodes=lambda: registry.snapshot(clock()),
+                                 coverage=lambda: registry.coverage(clock()))
+        return cls(settings=settings, registry=registry, metrics=metrics, clock=clock)
+
+    def now(self) -> float:
+        return self.clock()
+
+    def http(self) -> httpx.AsyncClient:
+        if self.client is None:
+            raise RuntimeError("the tracker's HTTP client is not open (is the app's lifespan running?)")
+        return self.client
+
+    def resolve_model(self, requested: str) -> str:
+        """The registered model name ``requested`` means (exact, or a unique basename); 404 otherwise."""
+        known = self.registry.models(self.now())
+        resolved = resolve_model_name(requested, known)
+        if resolved is None:
+            raise self._unknown_model(requested, known)
+        return resolved
+
+    @staticmethod
+    def _unknown_model(requested: str, known: Collection[str]) -> HTTPError:
+        names = sorted(known)[:MAX_MODELS_NAMED]
+        hint = f"; this mesh serves {', '.join(repr(n) for n in names)}" if names else "; no node has registered"
+        return HTTPError(404, f"The model {requested[:200]!r} does not exist{hint}.",
+                         errors.INVALID_REQUEST, "model_not_found", "model")
+
+    def route_for(self, model: str, exclude: Collection[str] = ()) -> SignedRoute:
+        """A signed route through live nodes for ``model`` (a resolved name); 503 naming any gap."""
+        now = self.now()
+        models = self.registry.models(now)
+        num_layers = models.get(model)
+        if num_layers is None:  # forgotten since it was resolved
+            raise self._unknown_model(model, models)
+        try:
+            hops = plan_route(self.registry.candidates(model, now), num_layers, exclude=frozenset(exclude))
+        except IncompleteCoverage as gap:
+            self.metrics.routes.labels("incomplete").inc()
+            excluded = f" (excluding {', '.join(sorted(exclude))})" if exclude else ""
+            raise HTTPError(
+                503, f"No complete route for model {model!r}: no live node holds layers "
+                     f"{format_ranges(gap.missing)} of {num_layers}{excluded}.",
+                errors.UNAVAILABLE, "no_route", "model",
+                headers={"Retry-After": str(math.ceil(self.settings.heartbeat_s))},
+                missing_layers=[list(r) for r in gap.missing], num_layers=num_layers,
+            ) from None
+        except RouteTooLong as exc:
+            self.metrics.routes.labels("incomplete").inc()
+            raise HTTPError(503, str(exc), errors.UNAVAILABLE, "route_too_long", "model") from None
+        self.metrics.routes.labels("planned").inc()
+        route = Route(model=model, nodes=hops, num_layers=num_layers)
+        return issue_signed_route(route, self.settings.secret, ttl_s=self.settings.route_ttl_s, now=time.time())
+
+
+def tracker_state(request: Request) -> TrackerState:
+    """The :class:`TrackerState` of the app serving ``request``."""
+    state: TrackerState = request.app.state.tracker
+    return state
+
+
+def parse_exclude(values: list[str]) -> frozenset[str]:
+    """Node ids from ``exclude=a,b`` and/or repeated ``exclude=`` parameters; bounded."""
+    ids = {part.strip() for value in values for part in value.split(",") if part.strip()}
+    if len(ids) > MAX_EXCLUDED:
+        raise HTTPError(400, f"exclude lists more than {MAX_EXCLUDED} nodes",
+                        errors.INVALID_REQUEST, "too_many_excluded", "exclude")
+    if any(len(node_id) > limits.MAX_ID_CHARS for node_id in ids):
+        raise HTTPError(400, f"a node id in exclude is longer than {limits.MAX_ID_CHARS} characters",
+                        errors.INVALID_REQUEST, "bad_exclude", "exclude")
+    return frozenset(ids)

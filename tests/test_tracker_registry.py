@@ -1,0 +1,242 @@
+"""The tracker registry: leases, states, expiry, failure backoff, coverage (time driven by hand)."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from meshwire.registry import NodeRegistration
+from services.tracker.planner import plan_route
+from services.tracker.registry import (
+    LayerCountMismatch,
+    LeaseConflict,
+    Registry,
+    RegistryFull,
+    RegistryPolicy,
+    UnknownNode,
+    resolve_model_name,
+)
+
+POLICY = RegistryPolicy(ttl_s=6.0, suspect_s=3.0, offline_keep_s=300.0, max_nodes=8,
+                        backoff_s=5.0, backoff_max_s=20.0, failure_reset_s=120.0)
+MODEL = "/models/tiny"
+
+
+def reg(node_id: str = "a", start: int = 0, end: int = 3, *, port: int = 9001, model: str = MODEL,
+        num_layers: int | None = 4, **load: object) -> NodeRegistration:
+    return NodeRegistration(node_id=node_id, model=model, endpoint=f"http://127.0.0.1:{port}",
+                            shard_start=start, shard_end=end, num_layers=num_layers, **load)  # type: ignore[arg-type]
+
+
+@pytest.fixture
+def registry() -> Registry:
+    counter = itertools.count()
+    return Registry(POLICY, new_lease=lambda: f"lease-{next(counter)}")
+
+
+def routable_ids(registry: Registry, now: float, model: str = MODEL) -> set[str]:
+    return {c.node_id for c in registry.candidates(model, now)}
+
+
+# --- leases -------------------------------------------------------------------------------------------
+
+
+def test_a_first_registration_gets_a_lease_and_heartbeats_keep_it(registry: Registry) -> None:
+    first = registry.register(reg("a"), None, now=0.0)
+    again = registry.register(reg("a"), first.lease, now=2.0)
+    assert first.new_lease and not again.new_lease and again.lease == first.lease
+    assert registry.state("a", 2.0) == "online"
+
+
+def test_a_node_cannot_register_under_a_live_nodes_id(registry: Registry) -> None:
+    registry.register(reg("a", port=9001), None, now=0.0)
+    with pytest.raises(LeaseConflict):
+        registry.register(reg("a", port=9002), None, now=1.0)
+    with pytest.raises(LeaseConflict):
+        registry.register(reg("a", port=9002), "guessed-lease", now=1.0)
+    assert registry.snapshot(1.0)[0].endpoint == "http://127.0.0.1:9001"
+
+
+def test_a_node_restarted_at_its_own_endpoint_gets_a_fresh_lease(registry: Registry) -> None:
+    old = registry.register(reg("a"), None, now=0.0)
+    registry.report_failure("a", "connection refused", now=1.0)
+    restarted = registry.register(reg("a"), None, now=2.0)
+    assert restarted.new_lease and restarted.lease != old.lease
+    assert registry.state("a", 2.0) == "joining"  # a clean slate: no backoff carried over
+
+
+def test_an_offline_id_can_be_taken_by_a_new_node(registry: Registry) -> None:
+    registry.register(reg("a", port=9001), None, now=0.0)
+    taken = registry.register(reg("a", port=9002), None, now=10.0)
+    assert taken.new_lease
+    assert registry.snapshot(10.0)[0].endpoint == "http://127.0.0.1:9002"
+
+
+def test_a_heartbeat_after_a_silence_brings_the_node_back_with_its_lease(registry: Registry) -> None:
+    first = registry.register(reg("a"), None, now=0.0)
+    assert registry.state("a", 7.0) == "offline"
+    back = registry.register(reg("a"), first.lease, now=8.0)
+    assert back.lease == first.lease and registry.state("a", 8.0) == "online"
+
+
+def test_a_heartbeat_with_a_lease_the_tracker_never_issued_registers_afresh(registry: Registry) -> None:
+    answer = registry.register(reg("a"), "lease-from-a-previous-tracker", now=0.0)
+    assert answer.new_lease and answer.lease != "lease-from-a-previous-tracker"
+
+
+def test_nodes_of_one_model_must_agree_on_its_layer_count(registry: Registry) -> None:
+    registry.register(reg("a", 0, 1, num_layers=4), None, now=0.0)
+    with pytest.raises(LayerCountMismatch):
+        registry.register(reg("b", 2, 5, port=9002, num_layers=6), None, now=1.0)
+    assert registry.state("b", 1.0) is None
+
+
+def test_the_registry_refuses_nodes_beyond_its_bound_but_evicts_offline_ones_first() -> None:
+    registry = Registry(RegistryPolicy(ttl_s=6.0, max_nodes=2))
+    registry.register(reg("a", port=9001), None, now=0.0)
+    registry.register(reg("b", port=9002), None, now=0.0)
+    with pytest.raises(RegistryFull):
+        registry.register(reg("c", port=9003), None, now=1.0)
+    registry.register(reg("c", port=9003), None, now=10.0)  # a and b are offline by now
+    assert {n.node_id for n in registry.snapshot(10.0)} >= {"c"} and len(registry) == 2
+
+
+# --- states and expiry ---------------------------------------------------------------------------------
+
+
+def test_a_node_goes_from_joining_to_online_to_suspect_to_offline(registry: Registry) -> None:
+    lease = registry.register(reg("a"), None, now=0.0).lease
+    assert registry.state("a", 0.5) == "joining"
+    registry.register(reg("a"), lease, now=1.0)
+    assert registry.state("a", 1.5) == "online"
+    assert registry.state("a", 5.0) == "suspect"
+    assert registry.state("a", 7.5) == "offline"
+
+
+def test_a_silent_node_leaves_the_routes_after_the_ttl(registry: Registry) -> None:
+    registry.register(reg("a"), None, now=0.0)
+    assert routable_ids(registry, 5.9) == {"a"}
+    assert routable_ids(registry, 6.1) == set()
+
+
+def test_an_offline_node_stays_listed_for_a_while_then_is_forgotten(registry: Registry) -> None:
+    registry.register(reg("a"), None, now=0.0)
+    assert [n.state for n in registry.snapshot(100.0)] == ["offline"]
+    assert registry.snapshot(6.0 + 300.0 + 1.0) == ()
+
+
+def test_a_deregistered_node_is_offline_at_once(registry: Registry) -> None:
+    lease = registry.register(reg("a"), None, now=0.0).lease
+    registry.deregister("a", lease, now=1.0)
+    assert registry.state("a", 1.0) == "offline" and routable_ids(registry, 1.0) == set()
+
+
+def test_deregistering_needs_the_right_lease_when_one_is_given(registry: Registry) -> None:
+    registry.register(reg("a"), None, now=0.0)
+    with pytest.raises(LeaseConflict):
+        registry.deregister("a", "not-the-lease", now=1.0)
+    with pytest.raises(UnknownNode):
+        registry.deregister("nobody", None, now=1.0)
+    assert registry.state("a", 1.0) == "joining"
+
+
+# --- failures and backoff ---------------------------------------------------------------------------------
+
+
+def test_repeated_failures_back_off_longer_each_time_up_to_a_cap(registry: Registry) -> None:
+    registry.register(reg("a"), None, now=0.0)
+    backoffs = []
+    now = 1.0
+    for _ in range(4):
+        backoffs.append(registry.report_failure("a", "timeout", now=now))
+        now += backoffs[-1] + 0.1
+    assert backoffs == [5.0, 10.0, 20.0, 20.0]
+
+
+def test_reports_during_a_backoff_do_not_lengthen_it(registry: Registry) -> None:
+    registry.register(reg("a"), None, now=0.0)
+    assert registry.report_failure("a", "timeout", now=1.0) == 5.0
+    assert registry.report_failure("a", "timeout", now=2.0) == pytest.approx(4.0)
+    assert registry.report_failure("a", "timeout", now=6.5) == 10.0  # the next run, after the backoff
+
+
+def test_a_failure_long_after_the_last_starts_the_backoff_over(registry: Registry) -> None:
+    lease = registry.register(reg("a"), None, now=0.0).lease
+    registry.report_failure("a", "timeout", now=1.0)
+    registry.report_failure("a", "timeout", now=7.0)
+    for t in range(10, 200, 2):
+        registry.register(reg("a"), lease, now=float(t))
+    assert registry.report_failure("a", "timeout", now=200.0) == 5.0
+
+
+def test_a_node_in_backoff_is_suspect_and_avoided_then_comes_back_by_itself(registry: Registry) -> None:
+    a = registry.register(reg("a", port=9001), None, now=0.0).lease
+    b = registry.register(reg("b", port=9002), None, now=0.0).lease
+    registry.report_failure("a", "connection refused", now=1.0)
+    assert registry.state("a", 1.0) == "suspect"
+    assert plan_route(registry.candidates(MODEL, 2.0), 4)[0].node_id == "b"
+    for t in (2.0, 4.0, 6.0):
+        registry.register(reg("a", port=9001), a, now=t)
+        registry.register(reg("b", port=9002), b, now=t)
+    assert registry.state("a", 6.5) == "online"
+    assert not any(c.backoff for c in registry.candidates(MODEL, 6.5))
+
+
+def test_the_only_holder_of_a_range_stays_routable_in_backoff(registry: Registry) -> None:
+    registry.register(reg("a", 0, 1, port=9001), None, now=0.0)
+    registry.register(reg("b", 2, 3, port=9002), None, now=0.0)
+    registry.report_failure("b", "timeout", now=1.0)
+    assert [h.node_id for h in plan_route(registry.candidates(MODEL, 1.0), 4)] == ["a", "b"]
+
+
+def test_a_failure_report_about_an_unknown_node_is_refused(registry: Registry) -> None:
+    with pytest.raises(UnknownNode):
+        registry.report_failure("nobody", "timeout", now=0.0)
+
+
+# --- load and views -----------------------------------------------------------------------------------
+
+
+def test_in_flight_requests_count_as_load_until_the_node_reports_more(registry: Registry) -> None:
+    registry.register(reg("a", active_sessions=1), None, now=0.0)
+    registry.begin_request(["a"])
+    registry.begin_request(["a"])
+    assert registry.candidates(MODEL, 0.0)[0].active_sessions == 2
+    registry.end_request(["a"])
+    registry.end_request(["a"])
+    registry.end_request(["a"])
+    assert registry.candidates(MODEL, 0.0)[0].active_sessions == 1
+
+
+def test_coverage_names_missing_layers_and_holders_per_layer(registry: Registry) -> None:
+    registry.register(reg("a", 0, 1, port=9001), None, now=0.0)
+    registry.register(reg("b", 0, 0, port=9002), None, now=0.0)
+    (coverage,) = registry.coverage(1.0)
+    assert coverage.model == MODEL and coverage.num_layers == 4
+    assert not coverage.complete and coverage.missing == ((2, 3),)
+    assert coverage.layer_holders == (2, 1, 0, 0)
+
+
+def test_a_model_with_only_offline_nodes_is_listed_as_missing_every_layer(registry: Registry) -> None:
+    registry.register(reg("a"), None, now=0.0)
+    (coverage,) = registry.coverage(10.0)
+    assert coverage.missing == ((0, 3),) and coverage.nodes_routable == 0 and coverage.nodes_listed == 1
+
+
+def test_the_node_list_shows_load_and_health(registry: Registry) -> None:
+    registry.register(reg("a", kv_capacity_tokens=100, kv_free_tokens=40, active_sessions=2,
+                          decode_tokens_per_s=12.5), None, now=0.0)
+    (info,) = registry.snapshot(1.5)
+    assert (info.kv_free_tokens, info.kv_capacity_tokens, info.active_sessions) == (40, 100, 2)
+    assert info.decode_tokens_per_s == 12.5 and info.last_heartbeat_age_s == 1.5
+    assert info.state == "joining" and info.routable
+
+
+def test_a_model_is_found_by_its_exact_name_or_its_unique_basename() -> None:
+    known = ["/tmp/x/tiny", "HuggingFaceTB/SmolLM2-135M-Instruct"]
+    assert resolve_model_name("/tmp/x/tiny", known) == "/tmp/x/tiny"
+    assert resolve_model_name("tiny", known) == "/tmp/x/tiny"
+    assert resolve_model_name("SmolLM2-135M-Instruct", known) == "HuggingFaceTB/SmolLM2-135M-Instruct"
+    assert resolve_model_name("gpt-4", known) is None
+    assert resolve_model_name("tiny", ["/a/tiny", "/b/tiny"]) is None
