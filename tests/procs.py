@@ -167,3 +167,19 @@ def running(*services: Service) -> Iterator[tuple[Service, ...]]:
     finally:
         for service in reversed(services):
             service.stop()
+
+
+def start_together(specs: Sequence[tuple[ServiceKind, Mapping[str, str]]]) -> list[Service]:
+    """Start several services at once (they load in parallel), then wait until each is healthy.
+
+    If any fails to come up, every one started is stopped before the error propagates.
+    """
+    services = [start_service(kind, env, wait_ready=False) for kind, env in specs]
+    try:
+        for service in services:
+            wait_healthy(service)
+    except Exception:
+        for service in services:
+            service.kill()
+        raise
+    return services

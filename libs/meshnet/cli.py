@@ -194,6 +194,9 @@ def main(argv: Sequence[str] | None = None) -> None:
         if isinstance(exc, ValidationError):
             print(f"meshnet {args.command}: invalid setting: {exc}", file=sys.stderr)
             raise SystemExit(2) from None
+        if isinstance(exc, OSError) and args.log_level != "debug":  # a taken port, an unknown host
+            print(f"meshnet {args.command}: {exc}", file=sys.stderr)
+            raise SystemExit(1) from None
         raise
 
 
