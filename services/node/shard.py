@@ -1,0 +1,369 @@
+"""A contiguous range of a decoder-only model's layers, loaded alone and run step by step.
+
+A node holds layers ``start..end`` (inclusive) of a Llama-like causal LM
+(Llama, Mistral, Qwen2/Qwen3, SmolLM: ``model.model.layers``,
+``model.model.embed_tokens``, ``model.model.norm``, ``model.lm_head``,
+``model.model.rotary_emb``). :func:`load_shard` builds the model skeleton on
+the meta device, keeps only the modules this shard needs and reads only their
+tensors from the safetensors files, so the memory of the other layers is never
+allocated. The head (``start == 0``) also holds the token embedding; the tail
+(``end == num_layers - 1``) also holds the final norm and the LM head.
+
+:meth:`Shard.run_layers` does for this shard's layers exactly what
+``LlamaModel.forward`` does for all of them (positions, rotary embedding,
+causal mask sized against the KV cache before the layers append to it, then
+each decoder layer with the cache), so a chain of shards equals the
+single-process model token for token. A decode step feeds one token and costs
+what the same step costs inside transformers: no work grows with the context
+except attention over the cache.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Final, Literal
+
+import torch
+from safetensors import safe_open
+from torch import nn
+from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
+from transformers.cache_utils import get_layer_types_and_kwargs
+from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
+
+from services.node.kv_cache import ShardCache
+
+logger = logging.getLogger(__name__)
+
+ATTN_IMPLEMENTATION: Final = "sdpa"
+"""Attention kernel; the same one ``from_pretrained`` picks by default, so outputs match it."""
+
+ShardRole = Literal["whole", "head", "middle", "tail"]
+MaskKind = Literal["full_attention", "sliding_attention"]
+_MASK_BUILDERS: Final[dict[str, Callable[..., torch.Tensor | None]]] = {
+    "full_attention": create_causal_mask,
+    "sliding_attention": create_sliding_window_causal_mask,
+}
+
+EMBED_KEY: Final = "model.embed_tokens.weight"
+LM_HEAD_KEY: Final = "lm_head.weight"
+
+
+class ShardError(ValueError):
+    """A shard was asked for something it cannot do (bad range, wrong input, wrong role)."""
+
+
+def _tensor_bytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
+
+
+class Shard:
+    """Layers ``start..end`` of one model on one device, ready to run sessions through."""
+
+    def __init__(
+        self,
+        *,
+        config: PretrainedConfig,
+        start: int,
+        end: int,
+        modules: nn.Module,
+        layers: dict[int, nn.Module],
+        embed_tokens: nn.Module | None,
+        norm: nn.Module | None,
+        lm_head: nn.Module | None,
+        rotary_emb: nn.Module,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        self.config = config
+        self.start = start
+        self.end = end
+        self.num_layers: int = config.num_hidden_layers
+        self.is_head = start == 0
+        self.is_tail = end == self.num_layers - 1
+        self.hidden_size: int = config.hidden_size
+        self.vocab_size: int = config.vocab_size
+        self.dtype = dtype
+        self.device = device
+        self.modules = modules
+        """Every parameter this shard holds, named as in the checkpoint (``model.layers.3.mlp...``)."""
+        self._layers = layers
+        self._embed_tokens = embed_tokens
+        self._norm = norm
+        self._lm_head = lm_head
+        self._rotary_emb = rotary_emb
+        self._mask_kinds: dict[int, MaskKind] = _mask_kinds(config, start, end)
+
+    @property
+    def role(self) -> ShardRole:
+        """Where the shard sits in a route: it embeds tokens (head), samples them (tail), both, or neither."""
+        if self.is_head and self.is_tail:
+            return "whole"
+        return "head" if self.is_head else "tail" if self.is_tail else "middle"
+
+    @property
+    def layer_range(self) -> range:
+        """The absolute layer numbers this shard holds."""
+        return range(self.start, self.end + 1)
+
+    def weight_bytes(self) -> int:
+        """Bytes of parameters and buffers held (tied weights counted once)."""
+        seen: set[int] = set()
+        total = 0
+        for tensor in [*self.modules.parameters(), *self.modules.buffers(), *self._rotary_emb.buffers()]:
+            if tensor.data_ptr() in seen:
+                continue
+            seen.add(tensor.data_ptr())
+            total += _tensor_bytes(tensor)
+        return total
+
+    def new_cache(self, reserve_tokens: int | None = None) -> ShardCache:
+        """An empty KV cache for one new session on this shard.
+
+        ``reserve_tokens`` (prompt + max_tokens, ``X-Meshnet-Reserve``) sizes the
+        buffers once, so a session that stays within it never reallocates.
+        """
+        return ShardCache(self.config, self.layer_range, reserve_tokens)
+
+    @torch.inference_mode()
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Token embeddings of ``input_ids`` (``[1, n]``) as ``[1, n, hidden]``; head only."""
+        if self._embed_tokens is None:
+            raise ShardError(f"layers {self.start}-{self.end} are not the head: no token embedding here")
+        if input_ids.ndim != 2 or input_ids.shape[0] != 1 or input_ids.shape[1] < 1:
+            raise ShardError(f"input_ids must have shape [1, n>=1], got {list(input_ids.shape)}")
+        if input_ids.dtype not in (torch.long, torch.int32, torch.int64):
+            raise ShardError(f"input_ids must be integers, got {input_ids.dtype}")
+        low, high = int(input_ids.min()), int(input_ids.max())
+        if low < 0 or high >= self.vocab_size:
+            raise ShardError(f"token ids must be in 0..{self.vocab_size - 1}, got {low}..{high}")
+        return self._embed_tokens(input_ids.to(device=self.device, dtype=torch.long))
+
+    @torch.inference_mode()
+    def run_layers(
+        self,
+        hidden: torch.Tensor,
+        cache: ShardCache,
+        position_offset: int,
+        from_layer: int | None = None,
+    ) -> torch.Tensor:
+        """Run layers ``from_layer..end`` on ``hidden`` (``[1, n, hidden]``) for tokens at
+        positions ``position_offset..position_offset+n-1``, appending their keys and
+        values to ``cache``; return the output hidden states ``[1, n, hidden]``.
+
+        ``position_offset`` must equal the tokens the cache already holds: a step
+        that does not follow the session's previous one is refused, because its
+        attention would silently be wrong.
+        """
+        first = self.start if from_layer is None else from_layer
+        if first not in self.layer_range:
+            raise ShardError(f"from_layer {first} is outside this shard's layers {self.start}-{self.end}")
+        if cache.entry_layer is None:
+            cache.entry_layer = first
+        elif cache.entry_layer != first:
+            raise ShardError(f"session entered this shard at layer {cache.entry_layer}, not {first}")
+        if (
+            hidden.ndim != 3
+            or hidden.shape[0] != 1
+            or hidden.shape[1] < 1
+            or hidden.shape[2] != self.hidden_size
+        ):
+            raise ShardError(
+                f"hidden states must have shape [1, n>=1, {self.hidden_size}], got {list(hidden.shape)}"
+            )
+        held = cache.seq_len
+        if position_offset != held:
+            raise ShardError(
+                f"position offset {position_offset} does not follow the {held} tokens in the KV cache"
+            )
+
+        hidden = hidden.to(device=self.device, dtype=self.dtype)
+        n = hidden.shape[1]
+        position_ids = torch.arange(position_offset, position_offset + n, device=self.device).unsqueeze(0)
+        masks = self._masks(hidden, cache, position_ids, first)
+        position_embeddings = self._rotary_emb(hidden, position_ids=position_ids)
+        try:
+            for index in range(first, self.end + 1):
+                out = self._layers[index](
+                    hidden,
+                    attention_mask=masks[self._mask_kinds[index]],
+                    position_embeddings=position_embeddings,
+                    position_ids=position_ids,
+                    cache=cache.kv,
+                    use_cache=True,
+                )
+                hidden = out[0] if isinstance(out, tuple) else out
+        except BaseException:
+            cache.truncate(held)  # leave the session as it was before this step (e.g. out of memory)
+            raise
+        return hidden
+
+    @torch.inference_mode()
+    def logits_last(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Final norm and LM head of the last position of ``hidden``: a float32 ``[vocab]``; tail only."""
+        if self._norm is None or self._lm_head is None:
+            raise ShardError(f"layers {self.start}-{self.end} are not the tail: no LM head here")
+        if hidden.ndim != 3 or hidden.shape[0] != 1 or hidden.shape[2] != self.hidden_size:
+            raise ShardError(
+                f"hidden states must have shape [1, n, {self.hidden_size}], got {list(hidden.shape)}"
+            )
+        last = hidden[:, -1:, :].to(device=self.device, dtype=self.dtype)
+        logits = self._lm_head(self._norm(last))
+        return logits[0, -1].to(dtype=torch.float32)
+
+    def _masks(
+        self, hidden: torch.Tensor, cache: ShardCache, position_ids: torch.Tensor, first: int
+    ) -> dict[MaskKind, torch.Tensor | None]:
+        """One attention mask per kind of layer run, sized against the cache before this step."""
+        masks: dict[MaskKind, torch.Tensor | None] = {}
+        for index in range(first, self.end + 1):
+            kind = self._mask_kinds[index]
+            if kind in masks:
+                continue
+            masks[kind] = _MASK_BUILDERS[kind](
+                config=self.config,
+                inputs_embeds=hidden,
+                attention_mask=None,
+                cache=cache.kv,
+                position_ids=position_ids,
+                layer_idx=index,
+            )
+        return masks
+
+
+def _mask_kinds(config: PretrainedConfig, start: int, end: int) -> dict[int, MaskKind]:
+    layer_types, _ = get_layer_types_and_kwargs(config.get_text_config(decoder=True))
+    kinds: dict[int, MaskKind] = {}
+    for index in range(start, end + 1):
+        kind = layer_types[index]
+        if kind not in _MASK_BUILDERS:
+            raise ShardError(f"layer {index} has attention type {kind!r}, which meshnet does not support")
+        kinds[index] = kind  # type: ignore[assignment]
+    return kinds
+
+
+def load_shard(path: Path, start: int, end: int, dtype: torch.dtype, device: torch.device) -> Shard:
+    """Load layers ``start..end`` (inclusive) of the model in folder ``path``.
+
+    Only the tensors of the kept modules are read from the safetensors files;
+    the rest of the model exists only as a meta-device skeleton while loading.
+    """
+    began = time.perf_counter()
+    if not (path / "config.json").is_file():
+        raise ShardError(f"{path} is not a model folder (no config.json)")
+    config = AutoConfig.from_pretrained(path, local_files_only=True)
+    num_layers = config.num_hidden_layers
+    if not 0 <= start <= end < num_layers:
+        raise ShardError(
+            f"layers {start}-{end} are not a range within the model's {num_layers} layers (0-{num_layers - 1})"
+        )
+
+    with torch.device("meta"):
+        skeleton = AutoModelForCausalLM.from_config(
+            config, dtype=dtype, attn_implementation=ATTN_IMPLEMENTATION
+        )
+    config = skeleton.config  # the object the layers read at run time (attention kernel, layer types)
+    decoder = _decoder_of(skeleton)
+    is_head, is_tail = start == 0, end == num_layers - 1
+
+    modules = nn.Module()
+    modules.model = nn.Module()
+    modules.model.layers = nn.ModuleDict({str(i): decoder.layers[i] for i in range(start, end + 1)})
+    if is_head:
+        modules.model.embed_tokens = decoder.embed_tokens
+    if is_tail:
+        modules.model.norm = decoder.norm
+        modules.lm_head = skeleton.lm_head
+    _load_weights(path, modules, config, dtype, device)
+
+    with torch.device(device):
+        rotary_emb = type(decoder.rotary_emb)(config=config)
+    rotary_emb.eval()
+    modules.eval()
+
+    shard = Shard(
+        config=config,
+        start=start,
+        end=end,
+        modules=modules,
+        layers={i: modules.model.layers[str(i)] for i in range(start, end + 1)},
+        embed_tokens=modules.model.embed_tokens if is_head else None,
+        norm=modules.model.norm if is_tail else None,
+        lm_head=modules.lm_head if is_tail else None,
+        rotary_emb=rotary_emb,
+        dtype=dtype,
+        device=device,
+    )
+    logger.info(
+        "loaded layers %d-%d of %d (%s) as %s on %s: %.1f MiB in %.2f s",
+        start,
+        end,
+        num_layers,
+        shard.role,
+        str(dtype).removeprefix("torch."),
+        device,
+        shard.weight_bytes() / (1 << 20),
+        time.perf_counter() - began,
+    )
+    return shard
+
+
+def _decoder_of(skeleton: nn.Module) -> nn.Module:
+    """The inner decoder (``model.model``), checked for the parts a shard needs."""
+    decoder = getattr(skeleton, "model", None)
+    needed = ("layers", "embed_tokens", "norm", "rotary_emb")
+    if (
+        decoder is None
+        or not all(hasattr(decoder, name) for name in needed)
+        or not hasattr(skeleton, "lm_head")
+    ):
+        raise ShardError(
+            f"{type(skeleton).__name__} is not a Llama-like decoder-only model "
+            "(needs model.layers, model.embed_tokens, model.norm, model.rotary_emb and lm_head)"
+        )
+    return decoder
+
+
+def _load_weights(
+    path: Path,
+    modules: nn.Module,
+    config: PretrainedConfig,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> None:
+    """Read exactly the tensors ``modules`` names from the safetensors files and assign them."""
+    wanted = set(modules.state_dict().keys())
+    # A tied LM head *is* the embedding (as in transformers), whatever else the checkpoint stores.
+    tied = LM_HEAD_KEY in wanted and bool(getattr(config, "tie_word_embeddings", False))
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise ShardError(f"no .safetensors files in {path}")
+
+    state: dict[str, torch.Tensor] = {}
+    for file in files:
+        with safe_open(str(file), framework="pt", device="cpu") as reader:
+            for key in reader.keys():  # noqa: SIM118 - safe_open is not a mapping
+                if tied and key == LM_HEAD_KEY:
+                    continue
+                if key in wanted:
+                    state[key] = _cast(reader.get_tensor(key), dtype, device)
+                elif tied and key == EMBED_KEY:
+                    state[LM_HEAD_KEY] = _cast(reader.get_tensor(key), dtype, device)
+    if tied and EMBED_KEY in state:
+        state[LM_HEAD_KEY] = state[EMBED_KEY]  # head and tail on one node: one matrix, two roles
+
+    missing = sorted(wanted - state.keys())
+    if missing:
+        raise ShardError(f"checkpoint in {path} lacks {len(missing)} tensors, e.g. {missing[:3]}")
+    modules.load_state_dict(state, strict=True, assign=True)
+    leftover = [name for name, t in [*modules.named_parameters(), *modules.named_buffers()] if t.is_meta]
+    if leftover:
+        raise ShardError(f"tensors not in the checkpoint and not computable: {leftover[:3]}")
+
+
+def _cast(tensor: torch.Tensor, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    if tensor.is_floating_point():
+        return tensor.to(device=device, dtype=dtype)
+    return tensor.to(device=device)
