@@ -1,0 +1,28 @@
+"""Run a relay under uvicorn (what ``meshnet relay`` calls).
+
+uvicorn's own WebSocket message bound is raised above the relay's
+``max_message_bytes``, so an oversize message reaches the relay, which answers
+it with a ``too_large`` error for that request instead of a dropped connection.
+(Under a bare ``uvicorn services.relay.app:app`` uvicorn's default of 16 MiB
+applies first; pass ``--ws-max-size`` to raise it.)
+"""
+
+from __future__ import annotations
+
+from typing import Final
+
+import uvicorn
+
+from meshwire import limits
+from services.relay.app import create_app
+from services.relay.settings import RelaySettings
+
+WS_MAX_SIZE_SLACK: Final = limits.MIB
+"""Room above ``max_message_bytes`` at the transport so the app sees, and answers, oversize messages."""
+
+
+def serve(settings: RelaySettings | None = None) -> None:
+    """Serve a relay until interrupted."""
+    settings = settings or RelaySettings()
+    uvicorn.run(create_app(settings), host=settings.host, port=settings.port, log_level=settings.log_level,
+                ws_max_size=settings.max_message_bytes + WS_MAX_SIZE_SLACK)
