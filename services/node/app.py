@@ -1,0 +1,131 @@
+"""The node service: one shard of the model behind HTTP.
+
+Routes:
+
+* ``GET /health`` — 200 with the node's figures once its layers are loaded and
+  warm; 503 while starting or draining.
+* ``GET /metrics`` — Prometheus metrics.
+* ``POST /forward`` — node-to-node frames (:mod:`services.node.forward`).
+* ``POST /v1/chat/completions``, ``POST /v1/completions`` — on a head node
+  (one holding layer 0) the OpenAI-compatible API (:mod:`services.node.openai_api`);
+  any other node answers 409 ``not_head``.
+
+``create_app(settings)`` builds the app; ``uvicorn services.node.app:app``
+builds it from ``MESHNET_*`` environment variables (module ``__getattr__``, so
+importing this module has no side effects).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from typing import Any
+
+import orjson
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+
+from meshwire import errors
+from meshwire.frames import DTYPE_NAMES
+from meshwire.logs import configure_logging
+from services.node.metrics import CONTENT_TYPE
+from services.node.openai_api import ApiError, OpenAIService
+from services.node.runtime import NodeRuntime
+from services.node.settings import NodeSettings
+
+logger = logging.getLogger(__name__)
+
+Handler = Callable[[Request], Awaitable[Response]]
+
+
+def _json(status: int, payload: dict[str, Any], headers: dict[str, str] | None = None) -> Response:
+    return Response(orjson.dumps(payload), status_code=status, media_type="application/json", headers=headers)
+
+
+def create_app(settings: NodeSettings | None = None) -> Starlette:
+    """Build a node app; its layers load when the app starts (lifespan).
+
+    A plain Starlette app: every endpoint reads its request itself, so
+    FastAPI's per-request parameter machinery would only add latency to each
+    hop of each token.
+    """
+    configure_logging()
+    node = NodeRuntime(settings or NodeSettings())
+    api = OpenAIService(node)
+
+    @asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        await node.start(app)
+        try:
+            yield
+        finally:
+            await node.stop()
+
+    def counted(endpoint: str, handler: Handler) -> Handler:
+        async def wrapper(request: Request) -> Response:
+            response = await handler(request)
+            node.metrics.requests.labels(endpoint=endpoint, status=str(response.status_code)).inc()
+            return response
+        return wrapper
+
+    async def health(_: Request) -> Response:
+        if node.state != "ready" or node.shard is None or node.runner is None:
+            return _json(503, {"status": node.state, "node_id": node.node_id})
+        shard = node.shard
+        return _json(200, {
+            "status": "ok", "node_id": node.node_id, "model": node.model_id,
+            "shard_start": shard.start, "shard_end": shard.end, "num_layers": shard.num_layers,
+            "head": shard.is_head, "tail": shard.is_tail,
+            "dtype": DTYPE_NAMES[shard.dtype], "device": str(shard.device),
+            "sessions": len(node.sessions), "kv_budget_tokens": node.sessions.kv_budget_tokens,
+            "kv_free_tokens": node.sessions.free_tokens, "kv_used_tokens": node.sessions.used_tokens,
+            "decode_tokens_per_s": round(node.runner.decode_tokens_per_s, 3),
+        })
+
+    async def metrics(_: Request) -> Response:
+        return Response(node.metrics.render(), media_type=CONTENT_TYPE)
+
+    async def forward(request: Request) -> Response:
+        if node.forward is None or node.state == "starting":
+            return ApiError(503, "this node is still loading its layers", "not_ready", retry_after="2").response()
+        return await node.forward.handle(request)
+
+    async def http_error(_: Request, exc: Exception) -> Response:
+        assert isinstance(exc, StarletteHTTPException)
+        kind = errors.NOT_FOUND if exc.status_code == 404 else errors.INVALID_REQUEST
+        return _json(exc.status_code, errors.error_body(str(exc.detail), kind, None))
+
+    async def internal_error(request: Request, exc: Exception) -> Response:
+        logger.exception("unexpected error on %s %s", request.method, request.url.path, exc_info=exc)
+        return _json(500, errors.error_body("internal error; see the node's log", errors.SERVER_ERROR, "internal"))
+
+    app = Starlette(
+        routes=[
+            Route("/health", health, methods=["GET"]),
+            Route("/metrics", metrics, methods=["GET"]),
+            Route("/forward", counted("forward", forward), methods=["POST"]),
+            Route("/v1/chat/completions", counted("chat", api.chat), methods=["POST"]),
+            Route("/v1/completions", counted("completions", api.completions), methods=["POST"]),
+        ],
+        exception_handlers={StarletteHTTPException: http_error, Exception: internal_error},
+        lifespan=lifespan,
+    )
+    app.state.node = node
+    return app
+
+
+@functools.cache
+def _app_from_env() -> Starlette:
+    return create_app(NodeSettings())
+
+
+def __getattr__(name: str) -> Any:
+    """``services.node.app:app`` for uvicorn: built from the environment on first access."""
+    if name == "app":
+        return _app_from_env()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,0 +1,175 @@
+"""All torch work of a node, on one dedicated thread.
+
+A node serves HTTP on an asyncio event loop and runs its layers with torch.
+Running a forward on the loop would stall every other request (heartbeats,
+health checks, other sessions' frames) for the whole forward; running forwards
+on a pool would make torch run two at once and fight over the same cores.
+So every forward of this node goes through :class:`ComputeWorker`, a
+single-thread executor: the loop never blocks, and torch runs one forward at
+a time with all its threads.
+
+:class:`ShardRunner` is the node's one verb on top of it: run one step of one
+session through this shard (embed at the head, layers, and at the tail the
+LM head and the sampler), and it measures the shard's decode speed, which the
+node reports to the tracker.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Final, ParamSpec, TypeVar
+
+import torch
+
+from services.node.sampling import Sampler
+from services.node.shard import Shard, ShardCache
+
+logger = logging.getLogger(__name__)
+
+P = ParamSpec("P")
+T = TypeVar("T")
+
+WARMUP_PROMPT_TOKENS: Final = 8
+"""Tokens of the warm-up prefill."""
+WARMUP_UNTIMED_STEPS: Final = 3
+"""Decode steps run before timing: a process's first forwards pay one-off costs."""
+WARMUP_DECODE_STEPS: Final = 8
+"""Decode steps timed at warm-up to estimate this shard's decode rate."""
+RATE_SMOOTHING: Final = 0.1
+"""Weight of the newest decode step in the running decode-rate estimate."""
+
+
+class ComputeWorker:
+    """A single-thread executor for torch: one forward at a time, never on the event loop."""
+
+    def __init__(self, threads: int | None = None) -> None:
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="meshnet-torch",
+                                            initializer=_init_thread, initargs=(threads,))
+
+    async def run(self, fn: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> T:
+        """Run ``fn(*args, **kwargs)`` on the torch thread and await its result."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._executor, functools.partial(fn, *args, **kwargs))
+
+    def shutdown(self) -> None:
+        """Stop the thread once the work already queued is done."""
+        self._executor.shutdown(wait=True, cancel_futures=True)
+
+
+def _init_thread(threads: int | None) -> None:
+    if threads is not None:
+        torch.set_num_threads(threads)
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """What one step of one session through this shard produced."""
+
+    hidden: torch.Tensor | None
+    """Output hidden states ``[1, n, hidden]`` on the CPU, to pass on; ``None`` at the tail."""
+    token: int | None
+    """The sampled token, at the tail on a frame that samples; else ``None``."""
+    compute_ms: float
+
+
+class ShardRunner:
+    """Runs sessions' steps through one shard on the compute worker."""
+
+    def __init__(self, shard: Shard, worker: ComputeWorker) -> None:
+        self.shard = shard
+        self._worker = worker
+        self._decode_s: float | None = None
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        """This shard's decode speed (one-token steps a second), warm-up measured, then live."""
+        if not self._decode_s:
+            return 0.0
+        return 1.0 / self._decode_s
+
+    def new_cache(self, reserve_tokens: int | None = None) -> ShardCache:
+        """An empty KV cache sized for ``reserve_tokens`` (it grows beyond if it must)."""
+        return self.shard.new_cache(reserve_tokens)
+
+    async def step(self, cache: ShardCache, *, position_offset: int, from_layer: int,
+                   ids: Sequence[int] | None = None, hidden: torch.Tensor | None = None,
+                   sampler: Sampler | None = None) -> StepResult:
+        """Run one step: ``ids`` (head) or ``hidden`` (other hops) at ``position_offset``.
+
+        At the tail, ``sampler`` picks the next token; without one (a prefill
+        chunk that is not the last) no logits are computed.
+        """
+        result = await self._worker.run(self._step_sync, cache, position_offset, from_layer, ids, hidden, sampler)
+        tokens = len(ids) if ids is not None else (hidden.shape[1] if hidden is not None else 0)
+        if tokens == 1:
+            self._record_decode(result.compute_ms / 1000.0)
+        return result
+
+    def _step_sync(self, cache: ShardCache, position_offset: int, from_layer: int,
+                   ids: Sequence[int] | None, hidden: torch.Tensor | None, sampler: Sampler | None) -> StepResult:
+        began = time.perf_counter()
+        with torch.inference_mode():
+            if ids is not None:
+                states = self.shard.embed(torch.tensor([list(ids)], dtype=torch.long))
+            elif hidden is not None:
+                states = hidden
+            else:
+                raise ValueError("a step needs token ids or hidden states")
+            states = self.shard.run_layers(states, cache, position_offset, from_layer=from_layer)
+            if self.shard.is_tail:
+                token = sampler.sample(self.shard.logits_last(states)) if sampler is not None else None
+                out = StepResult(hidden=None, token=token, compute_ms=_ms_since(began))
+            else:
+                out = StepResult(hidden=states.to("cpu").contiguous(), token=None, compute_ms=_ms_since(began))
+        return out
+
+    def _record_decode(self, seconds: float) -> None:
+        if self._decode_s is None:
+            self._decode_s = seconds
+        else:
+            self._decode_s = (1 - RATE_SMOOTHING) * self._decode_s + RATE_SMOOTHING * seconds
+
+    async def warm_up(self) -> float:
+        """Run a short prefill and timed decode steps on a scratch cache; the measured tokens/s.
+
+        The first forwards of a process are slow (allocator, kernels); doing
+        them here keeps them out of the first request and gives the tracker a
+        real decode rate at registration.
+        """
+        return await self._worker.run(self._warm_up_sync)
+
+    def _warm_up_sync(self) -> float:
+        cache = self.shard.new_cache()
+        generator = torch.Generator().manual_seed(0)
+        with torch.inference_mode():
+            self._scratch_step(cache, WARMUP_PROMPT_TOKENS, 0, generator)
+            for _ in range(WARMUP_UNTIMED_STEPS):
+                self._scratch_step(cache, 1, cache.seq_len, generator)
+            began = time.perf_counter()
+            for _ in range(WARMUP_DECODE_STEPS):
+                self._scratch_step(cache, 1, cache.seq_len, generator)
+            per_step = (time.perf_counter() - began) / WARMUP_DECODE_STEPS
+        self._decode_s = per_step
+        logger.info("warm-up: layers %d-%d decode %.1f ms a token (%.1f tokens/s)",
+                    self.shard.start, self.shard.end, per_step * 1000, self.decode_tokens_per_s)
+        return self.decode_tokens_per_s
+
+    def _scratch_step(self, cache: ShardCache, n: int, offset: int, generator: torch.Generator) -> None:
+        if self.shard.is_head:
+            ids = torch.randint(0, self.shard.vocab_size, (1, n), generator=generator)
+            states = self.shard.embed(ids)
+        else:
+            states = torch.randn((1, n, self.shard.hidden_size), generator=generator).to(self.shard.dtype)
+        states = self.shard.run_layers(states, cache, offset, from_layer=self.shard.start)
+        if self.shard.is_tail:
+            self.shard.logits_last(states)
+
+
+def _ms_since(began: float) -> float:
+    return (time.perf_counter() - began) * 1000.0

@@ -1,0 +1,277 @@
+"""``POST /forward``: run this node's layers on a frame and pass the result along the route.
+
+The order of checks is the security model:
+
+1. the mesh's credential (``Authorization: Bearer``), before anything else is read: 401/403;
+2. the signed route (``X-Meshnet-Route``): it must verify, name this node at
+   ``X-Meshnet-Hop-Index`` and agree with the layers it holds: 403 ``bad_route``;
+3. the frame's headers, before its body is read, then the body: 400 with the
+   :class:`~meshwire.frames.FrameError` code;
+4. the session: step order (409 ``bad_step``), position (409 ``bad_position``),
+   unknown session (409 ``unknown_session``), KV budget (503 ``kv_budget``
+   with ``Retry-After``).
+
+Nothing is changed before every check passed, so a refused frame leaves every
+session as it was. Then the layers run on the compute worker; the tail samples;
+any other hop sends the result to the next hop and answers with what comes
+back (a 502 ``hop_failed`` naming the node that failed when the rest of the
+route breaks). A close frame (``X-Meshnet-Control: close``, no body) frees the
+session here and is passed on.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any, Final
+
+import orjson
+from pydantic import ValidationError
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import Response
+
+from meshwire import errors
+from meshwire import headers as h
+from meshwire.auth import check_bearer
+from meshwire.frames import (
+    FrameError,
+    FrameLimits,
+    compress_bound,
+    decode_frame,
+    encode_frame,
+    get_header,
+    parse_frame_headers,
+    parse_int_header,
+)
+from services.node.compute import ShardRunner
+from services.node.hop_client import ChainFailure, HopClient, send_along
+from services.node.metrics import NodeMetrics
+from services.node.protocol import CLOSE, ForwardAnswer, StepInfo, check_session_id, close_headers
+from services.node.routing import RoutedHop, RouteRefused, verify_hop
+from services.node.sampling import Sampler, SamplingParams
+from services.node.sessions import Session, SessionExists, SessionRefused, SessionTable
+
+logger = logging.getLogger(__name__)
+
+JSON: Final = "application/json"
+_ERROR_TYPES: Final = {
+    400: errors.INVALID_REQUEST, 401: errors.AUTHENTICATION, 403: errors.PERMISSION,
+    409: errors.INVALID_REQUEST, 500: errors.SERVER_ERROR, 502: errors.SERVER_ERROR, 503: errors.UNAVAILABLE,
+}
+
+
+class ForwardRefusal(Exception):
+    """A frame is refused with ``status`` and error ``code``; nothing was changed."""
+
+    def __init__(self, status: int, code: str, message: str, retry_after: int | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.code = code
+        self.retry_after = retry_after
+
+
+def json_response(status: int, payload: dict[str, Any], headers: dict[str, str] | None = None) -> Response:
+    """A JSON response serialised with orjson."""
+    return Response(orjson.dumps(payload), status_code=status, media_type=JSON, headers=headers)
+
+
+class ForwardService:
+    """The ``/forward`` endpoint of one node."""
+
+    def __init__(self, *, node_id: str, model_id: str, secret: str, runner: ShardRunner, sessions: SessionTable,
+                 hops: HopClient, metrics: NodeMetrics, frame_limits: FrameLimits) -> None:
+        self.node_id = node_id
+        self.model_id = model_id
+        self._secret = secret
+        self._runner = runner
+        self._sessions = sessions
+        self._hops = hops
+        self._metrics = metrics
+        self._limits = frame_limits
+
+    # --- entry point ---------------------------------------------------------------
+
+    async def handle(self, request: Request) -> Response:
+        """Answer one ``POST /forward``."""
+        began = time.perf_counter()
+        failure = check_bearer(request.headers.get("authorization"), self._secret)
+        if failure is not None:
+            return self._refuse(ForwardRefusal(failure.status, "unauthorized" if failure.status == 401 else "forbidden",
+                                               failure.message))
+        try:
+            hop = self._verify_route(request.headers)
+            control = get_header(request.headers, h.CONTROL)
+            if control is not None:
+                if control.strip().lower() != CLOSE:
+                    raise FrameError("bad_header", f"unknown {h.CONTROL} {control[:40]!r}; the only one is 'close'")
+                return await self._close(request, hop)
+            response = await self._data_frame(request, hop)
+        except FrameError as exc:
+            return self._refuse(ForwardRefusal(400, exc.code, str(exc)))
+        except ForwardRefusal as exc:
+            return self._refuse(exc)
+        except ChainFailure as exc:
+            self._metrics.frames_refused.labels(code=str(exc.body.get("error", {}).get("code"))).inc()
+            extra = {"Retry-After": exc.retry_after} if exc.retry_after else None
+            return json_response(exc.status, exc.body, extra)
+        self._metrics.forward_latency.observe(time.perf_counter() - began)
+        return response
+
+    def _refuse(self, refusal: ForwardRefusal) -> Response:
+        self._metrics.frames_refused.labels(code=refusal.code).inc()
+        logger.info("refused a frame: %d %s: %s", refusal.status, refusal.code, refusal)
+        body = errors.error_body(str(refusal), _ERROR_TYPES.get(refusal.status, errors.INVALID_REQUEST),
+                                 refusal.code, node_id=self.node_id)
+        headers = {"Retry-After": str(refusal.retry_after)} if refusal.retry_after is not None else None
+        return json_response(refusal.status, body, headers)
+
+    # --- route ------------------------------------------------------------------------
+
+    def _verify_route(self, headers: Any) -> RoutedHop:
+        """The verified route naming this node at the frame's hop index, or a 403 ``bad_route``."""
+        hop_index = parse_int_header(h.HOP_INDEX, get_header(headers, h.HOP_INDEX), minimum=0)
+        try:
+            hop = verify_hop(get_header(headers, h.ROUTE), hop_index, secret=self._secret, node_id=self.node_id,
+                             model_id=self.model_id, shard=self._runner.shard)
+        except RouteRefused as exc:
+            raise ForwardRefusal(403, "bad_route", str(exc)) from None
+        start_layer = parse_int_header(h.START_LAYER, get_header(headers, h.START_LAYER), minimum=0)
+        if start_layer != hop.me.start_layer:
+            raise FrameError("bad_header", f"{h.START_LAYER} is {start_layer}, the route says {hop.me.start_layer}")
+        return hop
+
+    # --- close ------------------------------------------------------------------------
+
+    async def _close(self, request: Request, hop: RoutedHop) -> Response:
+        wire = get_header(request.headers, h.WIRE)
+        if wire is None or wire.strip() != h.WIRE_VERSION:
+            raise FrameError("wire_version", f"{h.WIRE} must be {h.WIRE_VERSION!r}")
+        session_id = check_session_id(get_header(request.headers, h.SESSION))
+        closed = await self.close_local(session_id)
+        nxt = hop.next
+        if nxt is not None:
+            try:
+                await send_along(self._hops, nxt, close_headers(session_id, hop.token, hop.hop_index + 1,
+                                                                nxt.start_layer), b"")
+            except ChainFailure as exc:  # the session there expires on its own
+                logger.info("could not pass the close of %s on to %s: %s", session_id, nxt.node_id, exc)
+        return json_response(200, {"token": None, "closed": closed, "node_timings_ms": {}})
+
+    async def close_local(self, session_id: str) -> bool:
+        """Free ``session_id`` on this node once its step in flight (if any) is done."""
+        session = self._sessions.get(session_id)
+        if session is None:
+            return False
+        async with session.lock:
+            return self._sessions.close(session_id)
+
+    # --- data frames ------------------------------------------------------------------
+
+    async def _data_frame(self, request: Request, hop: RoutedHop) -> Response:
+        shard = self._runner.shard
+        if hop.hop_index == 0:
+            raise FrameError("bad_header", f"{h.HOP_INDEX} 0 is the head, which takes tokens through the chat API, "
+                                           "not hidden states")
+        spec = parse_frame_headers(request.headers, self._limits)
+        if len(spec.shape) != 3 or spec.shape[0] != 1 or spec.shape[2] != shard.hidden_size:
+            raise FrameError("bad_shape", f"frame shape {list(spec.shape)} is not [1, n, {shard.hidden_size}] "
+                                          "(this model's hidden size)")
+        tokens = spec.shape[1]
+        info = StepInfo.parse(request.headers, tokens)
+        body = await self._read_body(request, spec.nbytes if spec.encoding == "identity"
+                                     else compress_bound(spec.nbytes))
+        frame = decode_frame(request.headers, body, self._limits)
+        samples = shard.is_tail and frame.chunk_index == frame.chunk_total - 1
+        params = self._sampling_params(info) if samples else None
+
+        session = self._sessions.get(frame.session)
+        if session is None:
+            session = self._open(frame.session, info, tokens)
+        async with session.lock:
+            self._check_order(session, info)
+            sampler = self._sampler(session, params, info) if samples else None
+            try:
+                self._sessions.ensure_room(session, info.position_offset + tokens)
+            except SessionRefused as exc:
+                raise ForwardRefusal(503, exc.code, str(exc), exc.retry_after_s) from None
+            try:
+                result = await self._runner.step(session.cache, position_offset=info.position_offset,
+                                                 from_layer=info.start_layer, hidden=frame.tensor, sampler=sampler)
+            except Exception:
+                logger.exception("layers failed on session %s; closing it", frame.session)
+                self._sessions.close(frame.session)
+                raise ForwardRefusal(500, "compute_failed", "this node failed to run its layers; "
+                                                            "the session is closed") from None
+            session.next_step += 1
+            self._sessions.touch(session)
+            self._metrics.frame_tokens.observe(tokens)
+            self._metrics.compute_latency.observe(result.compute_ms / 1000)
+            timings = {self.node_id: round(result.compute_ms, 3)}
+            nxt = hop.next
+            if nxt is None:
+                return json_response(200, {"token": result.token, "node_timings_ms": timings})
+            assert result.hidden is not None
+            out_headers, out_body = encode_frame(
+                result.hidden, session=frame.session, chunk_index=frame.chunk_index,
+                chunk_total=frame.chunk_total, extra=info.for_next_hop(nxt.start_layer).headers())
+            answer: ForwardAnswer = await send_along(self._hops, nxt, out_headers, out_body)
+            return json_response(200, {"token": answer.token, "node_timings_ms": {**timings, **answer.node_timings_ms}})
+
+    async def _read_body(self, request: Request, max_bytes: int) -> bytes:
+        """The request body, refusing (``too_large``) one longer than ``max_bytes``."""
+        chunks: list[bytes] = []
+        size = 0
+        try:
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > max_bytes:
+                    raise FrameError("too_large", f"body is longer than the {max_bytes} bytes its headers announce")
+                chunks.append(chunk)
+        except ClientDisconnect:
+            raise FrameError("bad_length", "the sender went away before the body was complete") from None
+        return b"".join(chunks)
+
+    def _sampling_params(self, info: StepInfo) -> SamplingParams | None:
+        """The sampling parameters a sampling frame carries (``None``: the session already has a sampler)."""
+        if info.sampling is None:
+            return None
+        try:
+            return SamplingParams.model_validate_json(info.sampling)
+        except ValidationError as exc:
+            raise FrameError("bad_header", f"{h.SAMPLING} is not valid sampling parameters: "
+                                           f"{exc.errors()[0]['msg']}") from None
+
+    def _open(self, session_id: str, info: StepInfo, tokens: int) -> Session:
+        if info.step != 0:
+            raise ForwardRefusal(409, "unknown_session", f"session {session_id} is not open on this node "
+                                                         f"(closed, expired, or never opened); step {info.step}")
+        if info.position_offset != 0:
+            raise ForwardRefusal(409, "bad_position", f"the first frame of session {session_id} must start at "
+                                                      f"position 0, not {info.position_offset}")
+        reserve = max(info.reserve or 0, info.position_offset + tokens)
+        try:
+            return self._sessions.open(session_id, reserve, self._runner.new_cache(reserve))
+        except SessionRefused as exc:
+            raise ForwardRefusal(503, exc.code, str(exc), exc.retry_after_s) from None
+        except SessionExists:  # another frame of the same session opened it meanwhile
+            raise ForwardRefusal(409, "bad_step", f"session {session_id} is already open") from None
+
+    def _check_order(self, session: Session, info: StepInfo) -> None:
+        if session.closed:
+            raise ForwardRefusal(409, "unknown_session", f"session {session.session_id} was closed")
+        if info.step != session.next_step:
+            raise ForwardRefusal(409, "bad_step", f"session {session.session_id} expects step {session.next_step}, "
+                                                  f"got {info.step}")
+        if info.position_offset != session.position:
+            raise ForwardRefusal(409, "bad_position", f"session {session.session_id} holds {session.position} "
+                                                      f"tokens; a frame at offset {info.position_offset} "
+                                                      "does not follow them")
+
+    def _sampler(self, session: Session, params: SamplingParams | None, info: StepInfo) -> Sampler:
+        if session.sampler is None:
+            if params is None:
+                raise FrameError("bad_header", f"the tail needs {h.SAMPLING} on the first frame that samples")
+            session.sampler = Sampler(params)
+            if info.sample_draws:
+                session.sampler.skip(info.sample_draws)
+        return session.sampler

@@ -1,0 +1,311 @@
+"""The head's generation loop: prompt in, a stream of text out.
+
+One request is one session along one route. The head:
+
+1. opens the session on itself (KV budget: ``prompt + max_tokens``) and runs
+   the prompt through its own layers in chunks of ``prefill_chunk_tokens``,
+   sending each chunk's hidden states to hop 1 (:class:`SessionChain`); the
+   last chunk makes the tail sample the first token;
+2. then feeds back one token per step, so every decode frame carries exactly
+   one position;
+3. turns tokens into text incrementally (never splitting a character), holds
+   back text that may begin a stop string, and ends on an EOS id, a stop
+   string or ``max_tokens`` (``stop`` / ``length``);
+4. closes the session on every hop when it ends, however it ends (client gone
+   included), in a task that a cancelled request cannot interrupt.
+
+It keeps the session's token history (prompt and generated tokens) and the
+sampler's draw count, which is what failover needs to rebuild the route's
+caches; a hop failure surfaces as :class:`RouteFailed` naming the node.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+import uuid
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+from typing import Final, Literal
+
+import orjson
+
+from meshwire.frames import encode_frame
+from services.node.compute import ShardRunner
+from services.node.hop_client import ChainFailure, HopClient, send_along
+from services.node.metrics import NodeMetrics
+from services.node.protocol import StepInfo, close_headers
+from services.node.routing import RoutedHop
+from services.node.sampling import MAX_SEED, Sampler, SamplingParams
+from services.node.sessions import Session, SessionRefused, SessionTable
+from services.node.stops import StopMatcher
+from services.node.tokens import HeadTokenizer
+
+logger = logging.getLogger(__name__)
+
+FinishReason = Literal["stop", "length"]
+CLOSE_TIMEOUT_S: Final = 10.0
+"""How long closing a session along the route may take before it is left to the idle sweepers."""
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    """What to generate: prompt ids, limits, stop strings and sampling (with a definite seed)."""
+
+    prompt_ids: tuple[int, ...]
+    max_tokens: int
+    stop: tuple[str, ...]
+    sampling: SamplingParams
+
+
+@dataclass(frozen=True)
+class TextDelta:
+    """New answer text, safe to send."""
+
+    text: str
+
+
+@dataclass(frozen=True)
+class Finished:
+    """The answer is complete."""
+
+    finish_reason: FinishReason
+    prompt_tokens: int
+    completion_tokens: int
+
+
+GenerationEvent = TextDelta | Finished
+
+
+class GenerationFailed(Exception):
+    """The request could not be completed; ``status``/``code`` are what the API answers."""
+
+    def __init__(self, status: int, code: str, message: str, *, retry_after: str | None = None,
+                 failed_node: str | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.code = code
+        self.retry_after = retry_after
+        self.failed_node = failed_node
+
+
+class RouteFailed(GenerationFailed):
+    """A hop of the route failed (unreachable, crashed, lost the session): failover can route around it."""
+
+    def __init__(self, failed_node: str, message: str) -> None:
+        super().__init__(502, "hop_failed", message, failed_node=failed_node)
+
+
+def pick_seed(requested: int | None) -> int:
+    """The sampler seed: the request's (as ``torch.manual_seed`` would take it), else a random one."""
+    if requested is None:
+        return secrets.randbits(63)
+    seed = requested % (1 << 64)  # torch seeds are unsigned 64-bit; negative seeds wrap as in torch
+    return seed if seed <= MAX_SEED else seed & MAX_SEED
+
+
+def new_session_id() -> str:
+    return f"s-{uuid.uuid4().hex}"
+
+
+@dataclass
+class History:
+    """A session's tokens so far: what failover replays to rebuild a route's caches."""
+
+    prompt: tuple[int, ...]
+    generated: list[int] = field(default_factory=list)
+
+    @property
+    def draws(self) -> int:
+        """Sampler draws made so far (one per sampled token; greedy sessions make none)."""
+        return len(self.generated)
+
+
+class SessionChain:
+    """One session of this head along one route (or alone, when the head holds every layer)."""
+
+    def __init__(self, *, runner: ShardRunner, sessions: SessionTable, hops: HopClient, metrics: NodeMetrics,
+                 hop: RoutedHop | None, session_id: str, sampling: SamplingParams, reserve: int,
+                 sample_draws: int = 0) -> None:
+        self._runner = runner
+        self._metrics = metrics
+        self._sessions = sessions
+        self._hops = hops
+        self.hop = hop
+        self.session_id = session_id
+        self._sampling = sampling
+        self._sampling_json = orjson.dumps(sampling.model_dump()).decode()
+        self._reserve = reserve
+        self._sample_draws = sample_draws
+        self._session: Session | None = None
+        self._step = 0
+
+    @property
+    def solo(self) -> bool:
+        """True when this head runs every layer itself."""
+        return self.hop is None or self.hop.next is None
+
+    async def step(self, ids: Sequence[int], *, chunk_index: int = 0, chunk_total: int = 1) -> int | None:
+        """Run ``ids`` through the whole route; the sampled token on the last chunk, else ``None``."""
+        samples = chunk_index == chunk_total - 1
+        session = self._open() if self._session is None else self._session
+        async with session.lock:
+            if session.closed:
+                raise GenerationFailed(503, "session_expired", f"session {self.session_id} was closed on the head")
+            offset = session.position
+            try:
+                self._sessions.ensure_room(session, offset + len(ids))
+            except SessionRefused as exc:
+                raise GenerationFailed(503, exc.code, str(exc), retry_after=str(exc.retry_after_s)) from None
+            sampler = self._local_sampler(session) if self.solo and samples else None
+            result = await self._runner.step(session.cache, position_offset=offset, from_layer=0, ids=ids,
+                                             sampler=sampler)
+            self._metrics.compute_latency.observe(result.compute_ms / 1000)
+            self._sessions.touch(session)
+            step = self._step
+            self._step += 1
+            if self.solo:
+                return result.token
+            assert self.hop is not None and self.hop.next is not None and result.hidden is not None
+            nxt = self.hop.next
+            info = StepInfo(
+                route_token=self.hop.token, hop_index=1, start_layer=nxt.start_layer, step=step,
+                position_offset=offset,
+                reserve=self._reserve if step == 0 else None,
+                sampling=self._sampling_json if samples else None,
+                sample_draws=self._sample_draws if step == 0 and self._sample_draws else None,
+            )
+            headers, body = encode_frame(result.hidden, session=self.session_id, chunk_index=chunk_index,
+                                         chunk_total=chunk_total, extra=info.headers())
+            try:
+                answer = await send_along(self._hops, nxt, headers, body)
+            except ChainFailure as exc:
+                raise _generation_failure(exc) from exc
+        if samples and answer.token is None:
+            raise RouteFailed(self.hop.route.nodes[-1].node_id, "the tail answered no token")
+        return answer.token
+
+    def _open(self) -> Session:
+        try:
+            self._session = self._sessions.open(self.session_id, self._reserve, self._runner.new_cache(self._reserve))
+        except SessionRefused as exc:
+            raise GenerationFailed(503, exc.code, str(exc), retry_after=str(exc.retry_after_s)) from None
+        return self._session
+
+    def _local_sampler(self, session: Session) -> Sampler:
+        if session.sampler is None:
+            session.sampler = Sampler(self._sampling)
+            session.sampler.skip(self._sample_draws)
+        return session.sampler
+
+    async def close(self) -> None:
+        """Free the session here and along the route (best effort: idle expiry catches the rest)."""
+        session = self._session
+        if session is not None:
+            async with session.lock:
+                self._sessions.close(self.session_id)
+        if self.hop is None or self.hop.next is None or self._step == 0:
+            return
+        nxt = self.hop.next
+        try:
+            await send_along(self._hops, nxt, close_headers(self.session_id, self.hop.token, 1, nxt.start_layer), b"")
+        except ChainFailure as exc:
+            logger.info("closing session %s along the route failed at %s: %s", self.session_id,
+                        exc.failed_node or exc.busy_node, exc)
+
+
+def _generation_failure(exc: ChainFailure) -> GenerationFailed:
+    if exc.failed_node is not None:
+        return RouteFailed(exc.failed_node, str(exc))
+    code = str(exc.body.get("error", {}).get("code") or "kv_budget")
+    return GenerationFailed(503, code, str(exc), retry_after=exc.retry_after)
+
+
+class Generator:
+    """Runs requests on this head: the generation loop over a :class:`SessionChain`."""
+
+    def __init__(self, *, runner: ShardRunner, sessions: SessionTable, hops: HopClient, tokenizer: HeadTokenizer,
+                 metrics: NodeMetrics, prefill_chunk_tokens: int) -> None:
+        self._runner = runner
+        self._sessions = sessions
+        self._hops = hops
+        self.tokenizer = tokenizer
+        self._metrics = metrics
+        self._chunk = prefill_chunk_tokens
+        self._closing: set[asyncio.Task[None]] = set()
+
+    async def generate(self, request: GenerationRequest, hop: RoutedHop | None) -> AsyncIterator[GenerationEvent]:
+        """Generate the answer to ``request`` along ``hop``'s route (``None``: alone), as events."""
+        history = History(prompt=request.prompt_ids)
+        chain = self._chain(hop, request, history)
+        detok = self.tokenizer.detokenizer()
+        stops = StopMatcher(request.stop)
+        reason: FinishReason = "length"
+        stopped = False
+        try:
+            token = await self._prefill(chain, list(request.prompt_ids))
+            while True:
+                history.generated.append(token)
+                self._metrics.tokens_generated.inc()
+                if token in self.tokenizer.eos_ids:
+                    reason = "stop"
+                    break
+                out = stops.feed(detok.push(token))
+                if out.text:
+                    yield TextDelta(out.text)
+                if out.stopped:
+                    reason, stopped = "stop", True
+                    break
+                if len(history.generated) >= request.max_tokens:
+                    break
+                token = await self._decode(chain, token)
+            if not stopped:  # the end: release what was held back for a character or a stop string
+                out = stops.feed(detok.flush())
+                rest = out.text if out.stopped else out.text + stops.flush()
+                if out.stopped:
+                    reason = "stop"
+                if rest:
+                    yield TextDelta(rest)
+            yield Finished(finish_reason=reason, prompt_tokens=len(request.prompt_ids),
+                           completion_tokens=len(history.generated))
+        finally:
+            await self._close(chain)
+
+    def _chain(self, hop: RoutedHop | None, request: GenerationRequest, history: History) -> SessionChain:
+        return SessionChain(runner=self._runner, sessions=self._sessions, hops=self._hops, metrics=self._metrics,
+                            hop=hop, session_id=new_session_id(), sampling=request.sampling,
+                            reserve=len(request.prompt_ids) + request.max_tokens,
+                            sample_draws=history.draws)
+
+    async def _prefill(self, chain: SessionChain, ids: list[int]) -> int:
+        """Run the prompt through the route in chunks; the first generated token."""
+        chunks = [ids[i:i + self._chunk] for i in range(0, len(ids), self._chunk)]
+        token: int | None = None
+        for index, chunk in enumerate(chunks):
+            token = await chain.step(chunk, chunk_index=index, chunk_total=len(chunks))
+        if token is None:
+            raise GenerationFailed(500, "no_token", "the route produced no token for the prompt")
+        return token
+
+    async def _decode(self, chain: SessionChain, token: int) -> int:
+        """Feed back ``token`` (one position) and get the next one."""
+        nxt = await chain.step([token])
+        if nxt is None:
+            raise GenerationFailed(500, "no_token", "the route produced no token for a decode step")
+        return nxt
+
+    async def _close(self, chain: SessionChain) -> None:
+        """Close ``chain`` in a task a cancelled request cannot interrupt, and wait for it if we may."""
+        task = asyncio.create_task(asyncio.wait_for(chain.close(), CLOSE_TIMEOUT_S))
+        self._closing.add(task)
+        task.add_done_callback(self._closing.discard)
+        try:
+            await asyncio.shield(task)
+        except TimeoutError:  # closing is best effort: the sessions expire anyway
+            logger.info("closing session %s timed out after %.0f s", chain.session_id, CLOSE_TIMEOUT_S)
+
+    async def drain(self) -> None:
+        """Wait for the closes still in flight (shutdown)."""
+        if self._closing:
+            await asyncio.gather(*self._closing, return_exceptions=True)

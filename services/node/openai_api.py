@@ -1,0 +1,331 @@
+"""The head's OpenAI-compatible endpoints: ``/v1/chat/completions`` and ``/v1/completions``.
+
+The tracker proxies client requests here with the signed route in
+``X-Meshnet-Route``; the head checks the route names it first (403
+``bad_route`` otherwise). Without a route a head that holds every layer
+serves alone, and any other head asks the tracker for a route.
+
+Requests are validated with :mod:`meshwire.openai` (400 naming the field).
+Streams are server-sent events: a first chunk with the role, one chunk per
+piece of text as tokens are produced, a final chunk with ``finish_reason``,
+a usage chunk when ``stream_options.include_usage``, then ``data: [DONE]``.
+Errors found before the first token (busy route, no route) are plain HTTP
+errors; a failure after the stream began ends it with an error event. The
+streamed text equals the non-streamed text: both are the concatenation of
+the same :class:`~services.node.generation.TextDelta` events.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Final
+
+import orjson
+from pydantic import ValidationError
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import Response, StreamingResponse
+
+from meshwire import errors, sse
+from meshwire import headers as h
+from meshwire import openai as oa
+from services.node.generation import Finished, GenerationEvent, GenerationFailed, GenerationRequest, pick_seed
+from services.node.routing import NoRoute, RoutedHop, RouteRefused, verify_hop
+from services.node.runtime import NodeRuntime
+from services.node.sampling import SamplingParams
+from services.node.tokens import TemplateError
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_CHAT_MAX_TOKENS: Final = 1024
+"""``max_tokens`` of a chat request that gives none (bounded so a session's KV reservation is too)."""
+DEFAULT_TEMPERATURE: Final = 1.0
+DEFAULT_TOP_P: Final = 1.0
+_STATUS_TYPES: Final = {
+    400: errors.INVALID_REQUEST, 403: errors.PERMISSION, 404: errors.NOT_FOUND, 409: errors.INVALID_REQUEST,
+    413: errors.INVALID_REQUEST, 502: errors.SERVER_ERROR, 503: errors.UNAVAILABLE,
+}
+
+
+class ApiError(Exception):
+    """An OpenAI-shaped error answer."""
+
+    def __init__(self, status: int, message: str, code: str | None = None, param: str | None = None,
+                 retry_after: str | None = None, **extra: Any) -> None:
+        super().__init__(message)
+        self.status = status
+        self.code = code
+        self.param = param
+        self.retry_after = retry_after
+        self.extra = extra
+
+    def body(self) -> dict[str, Any]:
+        return errors.error_body(str(self), _STATUS_TYPES.get(self.status, errors.SERVER_ERROR), self.code,
+                                 self.param, **self.extra)
+
+    def response(self) -> Response:
+        headers = {"Retry-After": self.retry_after} if self.retry_after else None
+        return Response(orjson.dumps(self.body()), status_code=self.status, media_type="application/json",
+                        headers=headers)
+
+
+def _from_failure(exc: GenerationFailed) -> ApiError:
+    extra = {"failed_node": exc.failed_node} if exc.failed_node else {}
+    return ApiError(exc.status, str(exc), exc.code, retry_after=exc.retry_after, **extra)
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """A validated request, tokenised, with its route: ready to generate."""
+
+    generation: GenerationRequest
+    hop: RoutedHop | None
+    stream: bool
+    include_usage: bool
+
+
+class OpenAIService:
+    """The head's OpenAI endpoints over one :class:`NodeRuntime`."""
+
+    def __init__(self, node: NodeRuntime) -> None:
+        self._node = node
+
+    async def chat(self, request: Request) -> Response:
+        """``POST /v1/chat/completions``."""
+        return await self._serve(request, oa.ChatCompletionRequest, chat=True)
+
+    async def completions(self, request: Request) -> Response:
+        """``POST /v1/completions`` (a raw prompt, no chat template)."""
+        return await self._serve(request, oa.CompletionRequest, chat=False)
+
+    async def _serve(self, request: Request, schema: type[oa.SamplingRequest], *, chat: bool) -> Response:
+        try:
+            prepared = await self._prepare(request, schema, chat=chat)
+            response_id = oa.new_id("chatcmpl" if chat else "cmpl")
+            events = self._events(prepared)
+            first = await _first_event(events)  # errors before the first token are plain HTTP errors
+        except ApiError as exc:
+            return exc.response()
+        except GenerationFailed as exc:
+            return _from_failure(exc).response()
+        if prepared.stream:
+            render = ChatStream if chat else CompletionStream
+            stream = render(response_id, self._node.model_id, prepared.include_usage)
+            return StreamingResponse(stream.events(first, events), media_type=sse.MEDIA_TYPE,
+                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        try:
+            text, finished = await _collect(first, events)
+        except GenerationFailed as exc:
+            return _from_failure(exc).response()
+        usage = oa.Usage.of(finished.prompt_tokens, finished.completion_tokens)
+        body: Any
+        if chat:
+            body = oa.ChatCompletion(id=response_id, created=oa.now_s(), model=self._node.model_id, usage=usage,
+                                     choices=(oa.ChatChoice(message=oa.AssistantMessage(content=text),
+                                                            finish_reason=finished.finish_reason),))
+        else:
+            body = oa.Completion(id=response_id, created=oa.now_s(), model=self._node.model_id, usage=usage,
+                                 choices=(oa.CompletionChoice(text=text, finish_reason=finished.finish_reason),))
+        return Response(body.model_dump_json(), media_type="application/json")
+
+    # --- preparation ------------------------------------------------------------------
+
+    async def _prepare(self, request: Request, schema: type[oa.SamplingRequest], *, chat: bool) -> Prepared:
+        node = self._node
+        generator, shard = node.generator, node.shard
+        if shard is None or node.state != "ready":
+            raise ApiError(503, f"this node is {node.state}", "not_ready", retry_after="2")
+        if generator is None:
+            raise ApiError(409, f"this node holds layers {shard.start}-{shard.end}, not layer 0: it is not a head; "
+                                "send chat requests to the tracker", "not_head")
+        body = await _read_json_body(request, node.settings.max_body_bytes)
+        try:
+            parsed = schema.model_validate_json(body)
+        except ValidationError as exc:
+            raise ApiError(400, oa.validation_error_message(exc), "invalid_request",
+                           oa.validation_error_param(exc)) from None
+        if request.headers.get(h.ROUTE) is None:  # with a route, the tracker has matched the name already
+            self._check_model_name(parsed.model)
+        hop = await self._route(request)
+        try:
+            if isinstance(parsed, oa.ChatCompletionRequest):
+                messages = [m.template_dict() for m in parsed.messages]
+                prompt = await asyncio.to_thread(generator.tokenizer.encode_chat, messages)
+            else:
+                assert isinstance(parsed, oa.CompletionRequest)
+                prompt = await asyncio.to_thread(generator.tokenizer.encode_text, parsed.prompt)
+        except TemplateError as exc:
+            raise ApiError(400, str(exc), "invalid_request", "messages") from None
+        generation = self._generation_request(parsed, prompt, chat=chat)
+        return Prepared(generation=generation, hop=hop, stream=parsed.stream, include_usage=parsed.include_usage)
+
+    def _check_model_name(self, model: str) -> None:
+        node = self._node
+        if model not in (node.model_id, node.settings.model, Path(node.settings.model).name):
+            raise ApiError(404, f"model {model!r} is not served here; this node serves {node.model_id!r}",
+                           "model_not_found", "model")
+
+    def _generation_request(self, parsed: oa.SamplingRequest, prompt: list[int], *, chat: bool) -> GenerationRequest:
+        node = self._node
+        assert node.shard is not None
+        context = int(getattr(node.shard.config, "max_position_embeddings", 0) or 0) or None
+        if not prompt:
+            raise ApiError(400, "the prompt is empty", "invalid_request", "prompt")
+        limit = node.settings.max_prompt_tokens if context is None else min(node.settings.max_prompt_tokens,
+                                                                             context - 1)
+        if len(prompt) > limit:
+            raise ApiError(400, f"the prompt is {len(prompt)} tokens, over this mesh's limit of {limit}",
+                           "context_length_exceeded", "messages" if chat else "prompt")
+        wanted = parsed.token_budget(DEFAULT_CHAT_MAX_TOKENS) if chat else parsed.token_budget()
+        max_tokens = wanted if context is None else max(1, min(wanted, context - len(prompt)))
+        sampling = SamplingParams(
+            temperature=float(DEFAULT_TEMPERATURE if parsed.temperature is None else parsed.temperature),
+            top_p=float(DEFAULT_TOP_P if parsed.top_p is None else parsed.top_p),
+            top_k=parsed.top_k or 0,
+            seed=pick_seed(parsed.seed),
+        )
+        return GenerationRequest(prompt_ids=tuple(prompt), max_tokens=max_tokens, stop=parsed.stop_sequences,
+                                 sampling=sampling)
+
+    async def _route(self, request: Request) -> RoutedHop | None:
+        """The route to run along: the tracker's (verified), none (alone), or one asked of the tracker."""
+        node = self._node
+        assert node.shard is not None
+        token = request.headers.get(h.ROUTE)
+        if token is None:
+            if node.shard.is_tail:
+                return None
+            try:
+                signed = await node.tracker_routes.fetch(node.model_id)
+            except NoRoute as exc:
+                raise ApiError(exc.status, str(exc), "no_route") from None
+            token = signed.token
+        try:
+            return verify_hop(token, 0, secret=node.settings.secret, node_id=node.node_id, model_id=node.model_id,
+                              shard=node.shard)
+        except RouteRefused as exc:
+            raise ApiError(403, str(exc), "bad_route") from None
+
+    def _events(self, prepared: Prepared) -> AsyncIterator[GenerationEvent]:
+        assert self._node.generator is not None
+        return self._node.generator.generate(prepared.generation, prepared.hop)
+
+
+async def _read_json_body(request: Request, max_bytes: int) -> bytes:
+    """The request body, refusing (413) one over ``max_bytes``."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > max_bytes:
+        raise ApiError(413, f"request body of {declared} bytes is over the {max_bytes}-byte limit", "too_large")
+    chunks: list[bytes] = []
+    size = 0
+    try:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > max_bytes:
+                raise ApiError(413, f"request body is over the {max_bytes}-byte limit", "too_large")
+            chunks.append(chunk)
+    except ClientDisconnect:
+        raise ApiError(400, "the client went away before the request body was complete") from None
+    return b"".join(chunks)
+
+
+async def _first_event(events: AsyncIterator[GenerationEvent]) -> GenerationEvent:
+    """The first event; on failure the generator is closed (which closes its session)."""
+    try:
+        return await anext(events)
+    except BaseException:
+        await events.aclose()  # type: ignore[attr-defined]
+        raise
+
+
+async def _collect(first: GenerationEvent, events: AsyncIterator[GenerationEvent]) -> tuple[str, Finished]:
+    pieces: list[str] = []
+    event = first
+    try:
+        while not isinstance(event, Finished):
+            pieces.append(event.text)
+            event = await anext(events)
+    finally:
+        await events.aclose()  # type: ignore[attr-defined]
+    return "".join(pieces), event
+
+
+class _Stream:
+    """Server-sent events of one answer; subclasses say how a chunk looks."""
+
+    def __init__(self, response_id: str, model: str, include_usage: bool) -> None:
+        self.response_id = response_id
+        self.model = model
+        self.include_usage = include_usage
+        self.created = oa.now_s()
+
+    async def events(self, first: GenerationEvent, rest: AsyncIterator[GenerationEvent]) -> AsyncIterator[bytes]:
+        """SSE bytes: opening, a chunk per text delta, the finish chunk, usage, ``[DONE]``."""
+        try:
+            opening = self.opening()
+            if opening is not None:
+                yield sse.sse_event(opening)
+            event = first
+            while not isinstance(event, Finished):
+                yield sse.sse_event(self.text_chunk(event.text))
+                event = await anext(rest)
+            yield sse.sse_event(self.finish_chunk(event))
+            if self.include_usage:
+                yield sse.sse_event(self.usage_chunk(oa.Usage.of(event.prompt_tokens, event.completion_tokens)))
+            yield sse.DONE
+        except GenerationFailed as exc:
+            logger.warning("stream %s failed after it began: %s", self.response_id, exc)
+            yield sse.sse_error(orjson.dumps(_from_failure(exc).body()))
+        finally:
+            await rest.aclose()  # type: ignore[attr-defined]
+
+    def opening(self) -> Any | None:
+        return None
+
+    def text_chunk(self, text: str) -> Any:
+        raise NotImplementedError
+
+    def finish_chunk(self, finished: Finished) -> Any:
+        raise NotImplementedError
+
+    def usage_chunk(self, usage: oa.Usage) -> Any:
+        raise NotImplementedError
+
+
+class ChatStream(_Stream):
+    """``chat.completion.chunk`` events."""
+
+    def _chunk(self, **fields: Any) -> oa.ChatCompletionChunk:
+        return oa.ChatCompletionChunk(id=self.response_id, created=self.created, model=self.model, **fields)
+
+    def opening(self) -> oa.ChatCompletionChunk:
+        return self._chunk(choices=(oa.ChunkChoice(delta=oa.Delta(role="assistant", content="")),))
+
+    def text_chunk(self, text: str) -> oa.ChatCompletionChunk:
+        return self._chunk(choices=(oa.ChunkChoice(delta=oa.Delta(content=text)),))
+
+    def finish_chunk(self, finished: Finished) -> oa.ChatCompletionChunk:
+        return self._chunk(choices=(oa.ChunkChoice(delta=oa.Delta(), finish_reason=finished.finish_reason),))
+
+    def usage_chunk(self, usage: oa.Usage) -> oa.ChatCompletionChunk:
+        return self._chunk(usage=usage)
+
+
+class CompletionStream(_Stream):
+    """``text_completion`` events."""
+
+    def _chunk(self, **fields: Any) -> oa.CompletionChunk:
+        return oa.CompletionChunk(id=self.response_id, created=self.created, model=self.model, **fields)
+
+    def text_chunk(self, text: str) -> oa.CompletionChunk:
+        return self._chunk(choices=(oa.CompletionChoice(text=text),))
+
+    def finish_chunk(self, finished: Finished) -> oa.CompletionChunk:
+        return self._chunk(choices=(oa.CompletionChoice(text="", finish_reason=finished.finish_reason),))
+
+    def usage_chunk(self, usage: oa.Usage) -> oa.CompletionChunk:
+        return self._chunk(usage=usage)
+

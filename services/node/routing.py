@@ -1,0 +1,142 @@
+"""Routes as a node sees them: verifying its place in one, and getting one from the tracker.
+
+Every hop checks that a route token verifies (HMAC, expiry), names this node
+at the hop index the frame claims, and gives it the layers it actually holds
+(:func:`verify_hop`). A head without a route from the tracker serves alone
+when it holds every layer, and otherwise asks the tracker
+(:class:`TrackerRoutes`), which is also where a head reports a failed hop and
+asks for a route that avoids it (failover).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Final
+
+import httpx
+from pydantic import ValidationError
+
+from meshwire.auth import bearer_headers
+from meshwire.routes import Route, RouteError, RouteNode, SignedRoute, verify_route
+from services.node.shard import Shard
+
+logger = logging.getLogger(__name__)
+
+ROUTE_PATH: Final = "/v1/route"
+MAX_ROUTE_ANSWER_BYTES: Final = 64 * 1024
+TRACKER_TIMEOUT_S: Final = 10.0
+MAX_REASON_CHARS: Final = 500
+
+
+class RouteRefused(Exception):
+    """A route cannot be used by this node (bad token, wrong node, wrong layers): 403 ``bad_route``."""
+
+
+class NoRoute(Exception):
+    """No route could be had: the tracker has none (or is unreachable, or not configured)."""
+
+    def __init__(self, message: str, status: int = 503) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+@dataclass(frozen=True)
+class RoutedHop:
+    """A verified route and this node's place in it."""
+
+    route: Route
+    token: str
+    hop_index: int
+
+    @property
+    def me(self) -> RouteNode:
+        return self.route.nodes[self.hop_index]
+
+    @property
+    def next(self) -> RouteNode | None:
+        """The next hop, or ``None`` at the tail."""
+        return self.route.nodes[self.hop_index + 1] if self.hop_index + 1 < len(self.route.nodes) else None
+
+    @property
+    def node_ids(self) -> tuple[str, ...]:
+        return tuple(node.node_id for node in self.route.nodes)
+
+
+def verify_hop(token: str | None, hop_index: int, *, secret: str, node_id: str, model_id: str,
+               shard: Shard) -> RoutedHop:
+    """Verify ``token`` and that its hop ``hop_index`` is this node with the layers it holds."""
+    if not token:
+        raise RouteRefused("missing X-Meshnet-Route: a node forwards only along a signed route")
+    try:
+        route = verify_route(token, secret)
+    except RouteError as exc:
+        raise RouteRefused(f"route refused ({exc.code}): {exc}") from None
+    if not 0 <= hop_index < len(route.nodes):
+        raise RouteRefused(f"hop index {hop_index} is outside the route's {len(route.nodes)} hops")
+    me = route.nodes[hop_index]
+    if me.node_id != node_id:
+        raise RouteRefused(f"the route names {me.node_id} at hop {hop_index}, this node is {node_id}")
+    if route.model != model_id or route.num_layers != shard.num_layers:
+        raise RouteRefused(f"the route is for {route.model} ({route.num_layers} layers); "
+                           f"this node serves {model_id} ({shard.num_layers} layers)")
+    if me.shard_end != shard.end or not shard.start <= me.start_layer <= shard.end:
+        raise RouteRefused(f"the route gives this node layers {me.start_layer}-{me.shard_end}; "
+                           f"it holds {shard.start}-{shard.end}")
+    return RoutedHop(route=route, token=token, hop_index=hop_index)
+
+
+class TrackerRoutes:
+    """The head's view of the tracker: ask for routes, report failed nodes."""
+
+    def __init__(self, http: httpx.AsyncClient, tracker: str | None, secret: str, node_id: str) -> None:
+        self._http = http
+        self._tracker = tracker
+        self._secret = secret
+        self._node_id = node_id
+
+    @property
+    def available(self) -> bool:
+        return self._tracker is not None
+
+    async def fetch(self, model: str, exclude: Iterable[str] = ()) -> SignedRoute:
+        """``GET /v1/route?model=M&exclude=a,b``: a fresh signed route, or :class:`NoRoute`."""
+        if self._tracker is None:
+            raise NoRoute("this node does not hold every layer and has no tracker to ask for a route")
+        params = {"model": model}
+        excluded = ",".join(sorted(set(exclude)))
+        if excluded:
+            params["exclude"] = excluded
+        try:
+            response = await self._http.get(f"{self._tracker}{ROUTE_PATH}", params=params,
+                                            headers=bearer_headers(self._secret), timeout=TRACKER_TIMEOUT_S)
+        except httpx.HTTPError as exc:
+            raise NoRoute(f"tracker {self._tracker} unreachable: {exc}") from exc
+        if response.status_code != 200:
+            raise NoRoute(f"tracker has no route for {model}: {_error_message(response)}",
+                          status=response.status_code if response.status_code in (404, 503) else 503)
+        if len(response.content) > MAX_ROUTE_ANSWER_BYTES:
+            raise NoRoute("tracker's route answer is too large")
+        try:
+            return SignedRoute.model_validate_json(response.content)
+        except ValidationError as exc:
+            raise NoRoute(f"tracker's route answer is invalid: {exc.errors()[0]['msg']}") from None
+
+    async def report_failure(self, node_id: str, reason: str) -> None:
+        """``POST /v1/nodes/{id}/failures``, best effort: the tracker backs the node off."""
+        if self._tracker is None:
+            return
+        try:
+            report = {"reason": reason[:MAX_REASON_CHARS] or "failed", "reporter": self._node_id}
+            await self._http.post(f"{self._tracker}/v1/nodes/{node_id}/failures", json=report,
+                                  headers=bearer_headers(self._secret), timeout=TRACKER_TIMEOUT_S)
+        except httpx.HTTPError as exc:
+            logger.warning("could not report failed node %s to the tracker: %s", node_id, exc)
+
+
+def _error_message(response: httpx.Response) -> str:
+    try:
+        return str(response.json()["error"]["message"])
+    except (ValueError, KeyError, TypeError):
+        return f"HTTP {response.status_code}"

@@ -1,0 +1,161 @@
+"""A node's parts, built when it starts and torn down when it stops.
+
+:meth:`NodeRuntime.start` resolves the model (converting the default one on
+a first start, with progress in the log), loads only this node's layers on
+the chosen device and dtype, warms up (which also measures the decode rate
+the tracker is told), then starts the idle sweeper and the registration.
+:meth:`NodeRuntime.stop` stops taking sessions, deregisters, lets in-flight
+closes finish and releases everything.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from typing import Any, Final, Literal
+
+import httpx
+from transformers import AutoConfig
+
+try:  # written by the relay piece; without it a node is reached directly only
+    from meshwire.relay_client import RelayPeer
+except ImportError:  # pragma: no cover - depends on which pieces are installed
+    RelayPeer = None  # type: ignore[assignment,misc]
+
+from meshwire.frames import DTYPE_NAMES, FrameLimits
+from meshwire.registry import NodeRegistration
+from services.node.compute import ComputeWorker, ShardRunner
+from services.node.device import pick_device, pick_dtype
+from services.node.forward import ForwardService
+from services.node.generation import Generator
+from services.node.hop_client import HopClient
+from services.node.metrics import NodeMetrics
+from services.node.model_source import resolve_model
+from services.node.registration import Registrar
+from services.node.relay_link import ASGIApp, asgi_handler
+from services.node.routing import TrackerRoutes
+from services.node.sessions import SessionTable, run_sweeper
+from services.node.settings import NodeSettings
+from services.node.shard import Shard, load_shard
+from services.node.tokens import HeadTokenizer
+
+logger = logging.getLogger(__name__)
+
+NodeState = Literal["starting", "ready", "draining", "stopped"]
+HTTP_POOL_CONNECTIONS: Final = 64
+"""Keep-alive connections to other hops and the tracker."""
+CONNECT_TIMEOUT_S: Final = 5.0
+
+
+class NodeRuntime:
+    """Everything one node holds: its shard, sessions, clients and background tasks."""
+
+    def __init__(self, settings: NodeSettings) -> None:
+        self.settings = settings
+        self.node_id = settings.resolved_node_id()
+        self.state: NodeState = "starting"
+        self.model_id = settings.model
+        self.sessions = SessionTable(kv_budget_tokens=settings.kv_budget_tokens, max_sessions=settings.max_sessions,
+                                     idle_timeout_s=settings.idle_timeout_s)
+        self.metrics = NodeMetrics(self.sessions)
+        self.worker = ComputeWorker(settings.threads)
+        self.http = httpx.AsyncClient(
+            http1=True, http2=False,
+            limits=httpx.Limits(max_connections=HTTP_POOL_CONNECTIONS, max_keepalive_connections=HTTP_POOL_CONNECTIONS),
+            timeout=httpx.Timeout(settings.hop_timeout_s, connect=CONNECT_TIMEOUT_S),
+        )
+        self.hops = HopClient(self.http, settings.secret, settings.hop_timeout_s)
+        self.tracker_routes = TrackerRoutes(self.http, settings.tracker, settings.secret, self.node_id)
+        self.shard: Shard | None = None
+        self.runner: ShardRunner | None = None
+        self.forward: ForwardService | None = None
+        self.generator: Generator | None = None
+        self.registrar: Registrar | None = None
+        self.relay_addr: str | None = None
+        """Where other nodes reach this one through the relay (with ``--relay``)."""
+        self._relay_peer: Any = None
+        self._tasks: list[asyncio.Task[None]] = []
+
+    # --- start ------------------------------------------------------------------------
+
+    async def start(self, app: ASGIApp | None = None) -> None:
+        """Load this node's layers, warm up, and join the mesh.
+
+        ``app`` is the node's own ASGI app: with ``--relay`` the requests that
+        arrive over the relay are served by it.
+        """
+        s = self.settings
+        began = time.perf_counter()
+        resolved = await self.worker.run(resolve_model, s.model, s.model_cache_dir)
+        self.model_id = resolved.model_id
+        device = pick_device(s.device)
+        dtype = await self.worker.run(pick_dtype, s.dtype, device)
+        config = await asyncio.to_thread(AutoConfig.from_pretrained, resolved.path)
+        start, end = s.layer_range() or (0, config.num_hidden_layers - 1)
+        self.shard = await self.worker.run(load_shard, resolved.path, start, end, dtype, device)
+        self.runner = ShardRunner(self.shard, self.worker)
+        self.forward = ForwardService(node_id=self.node_id, model_id=self.model_id, secret=s.secret,
+                                      runner=self.runner, sessions=self.sessions, hops=self.hops,
+                                      metrics=self.metrics, frame_limits=FrameLimits(max_bytes=s.max_frame_bytes))
+        if self.shard.is_head:
+            tokenizer = await asyncio.to_thread(HeadTokenizer.from_folder, resolved.path, self.shard.config)
+            self.generator = Generator(runner=self.runner, sessions=self.sessions, hops=self.hops,
+                                       tokenizer=tokenizer, metrics=self.metrics,
+                                       prefill_chunk_tokens=s.prefill_chunk_tokens)
+        await self.runner.warm_up()
+        self._tasks.append(asyncio.create_task(
+            run_sweeper(self.sessions, self.metrics.sessions_expired.inc), name="idle-sweeper"))
+        if s.relay is not None and app is not None:
+            self._start_relay_peer(app)
+        if s.tracker is not None:
+            self.registrar = Registrar(self.http, s.tracker, s.secret, self.registration, s.heartbeat_s)
+            self._tasks.append(asyncio.create_task(self.registrar.run(), name="registration"))
+        self.state = "ready"
+        logger.info("node %s ready in %.1f s: %s layers %d-%d of %d on %s as %s at %s", self.node_id,
+                    time.perf_counter() - began, self.model_id, start, end, self.shard.num_layers, device,
+                    DTYPE_NAMES[dtype], s.public_url())
+
+    def _start_relay_peer(self, app: ASGIApp) -> None:
+        if RelayPeer is None:
+            logger.error("--relay given but meshwire.relay_client is not installed; serving directly only")
+            return
+        assert self.settings.relay is not None
+        peer = RelayPeer(self.settings.relay, self.node_id, self.settings.secret, asgi_handler(app))
+        self._relay_peer = peer
+        self.relay_addr = peer.relay_addr
+        self._tasks.append(asyncio.create_task(peer.run(), name="relay-peer"))
+        logger.info("reachable through the relay at %s", self.relay_addr)
+
+    def registration(self) -> NodeRegistration:
+        """This node's registration body, with its load figures as of now."""
+        assert self.shard is not None and self.runner is not None
+        return NodeRegistration(
+            node_id=self.node_id, model=self.model_id, endpoint=self.settings.public_url(),
+            shard_start=self.shard.start, shard_end=self.shard.end, num_layers=self.shard.num_layers,
+            relay_addr=self.relay_addr, dtype=DTYPE_NAMES[self.shard.dtype], device=str(self.shard.device),
+            kv_capacity_tokens=self.sessions.kv_budget_tokens, kv_free_tokens=self.sessions.free_tokens,
+            active_sessions=len(self.sessions), decode_tokens_per_s=round(self.runner.decode_tokens_per_s, 3),
+        )
+
+    # --- stop -------------------------------------------------------------------------
+
+    async def stop(self) -> None:
+        """Stop taking sessions, leave the mesh, and release everything."""
+        self.state = "draining"
+        self.sessions.drain()
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        if self.registrar is not None:
+            await self.registrar.deregister()
+        if self._relay_peer is not None:
+            await self._relay_peer.close()
+        if self.generator is not None:
+            await self.generator.drain()
+        await self.http.aclose()
+        await asyncio.to_thread(self.worker.shutdown)
+        self.state = "stopped"

@@ -1,0 +1,29 @@
+"""Run a node in this process: what ``meshnet node`` calls."""
+
+from __future__ import annotations
+
+import logging
+
+import uvicorn
+
+from meshwire.auth import DEFAULT_SECRET
+from meshwire.logs import configure_logging
+from services.node.app import create_app
+from services.node.settings import NodeSettings
+
+logger = logging.getLogger(__name__)
+
+
+def serve(settings: NodeSettings) -> None:
+    """Serve ``settings``' node until interrupted.
+
+    The device and dtype are chosen (and logged, with the reason) when the
+    layers load; the ready line names both.
+    """
+    configure_logging()
+    if settings.secret == DEFAULT_SECRET:
+        logger.warning("MESHNET_SECRET is the development default: anyone who knows it can use this mesh")
+    logger.info("starting node on %s:%d (model %s, layers %s, device %s, dtype %s)", settings.host, settings.port,
+                settings.model, settings.layers or "all", settings.device, settings.dtype)
+    uvicorn.run(create_app(settings), host=settings.host, port=settings.port, log_level="warning",
+                timeout_graceful_shutdown=10)

@@ -1,0 +1,124 @@
+"""Configuration of a node, from ``MESHNET_*`` environment variables.
+
+Every field has an environment twin ``MESHNET_<FIELD>`` and a ``meshnet node``
+flag of the same name (``--kv-budget-tokens`` sets ``kv_budget_tokens``).
+Every limit a node enforces on its callers is a field here, bounded, so an
+operator can tighten it and a reviewer can find it.
+"""
+
+from __future__ import annotations
+
+import re
+import uuid
+from pathlib import Path
+from typing import Final, Literal
+
+from pydantic import Field, field_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from meshwire import limits
+from meshwire.auth import DEFAULT_SECRET
+
+DEFAULT_MODEL: Final = "HuggingFaceTB/SmolLM2-135M-Instruct"
+DEFAULT_PORT: Final = 8100
+DEFAULT_KV_BUDGET_TOKENS: Final = 32768
+"""KV tokens a node holds across all its sessions (SmolLM2-135M float32: ~46 KiB a token for all layers)."""
+DEFAULT_MAX_SESSIONS: Final = 64
+DEFAULT_IDLE_TIMEOUT_S: Final = 300.0
+DEFAULT_HEARTBEAT_S: Final = 5.0
+DEFAULT_MAX_PROMPT_TOKENS: Final = 8192
+DEFAULT_PREFILL_CHUNK_TOKENS: Final = 512
+DEFAULT_HOP_TIMEOUT_S: Final = 120.0
+MAX_THREADS: Final = 1024
+NodeDType = Literal["auto", "float32", "bfloat16", "float16"]
+
+_LAYERS = re.compile(r"^\s*(\d{1,5})\s*-\s*(\d{1,5})\s*$")
+_DEVICE = re.compile(r"^(auto|cpu|cuda(:\d{1,3})?|mps)$")
+
+
+class NodeSettings(BaseSettings):
+    """Everything a node needs to know to load its layers and join a mesh."""
+
+    model_config = SettingsConfigDict(env_prefix="MESHNET_", frozen=True, extra="ignore")
+
+    model: str = Field(default=DEFAULT_MODEL, min_length=1, max_length=limits.MAX_URL_CHARS)
+    """A local folder of a Hugging Face causal LM, or a hub name."""
+    layers: str | None = None
+    """Layers this node holds, ``"A-B"`` inclusive; ``None`` holds every layer."""
+    tracker: str | None = Field(default=None, max_length=limits.MAX_URL_CHARS)
+    """Tracker base URL; ``None`` runs without registering."""
+    host: str = "127.0.0.1"
+    port: int = Field(default=DEFAULT_PORT, ge=0, le=65535)
+    relay: str | None = Field(default=None, max_length=limits.MAX_URL_CHARS)
+    """Relay base URL (``ws://relay:8003``) when this node is reached through a relay."""
+    dtype: NodeDType = "auto"
+    device: str = "auto"
+    secret: str = Field(default=DEFAULT_SECRET, min_length=1, max_length=1024)
+    node_id: str | None = Field(default=None, min_length=1, max_length=limits.MAX_ID_CHARS,
+                                pattern=r"^[A-Za-z0-9._:\-]+$")
+    advertise: str | None = Field(default=None, max_length=limits.MAX_URL_CHARS)
+    """Base URL other nodes and the tracker reach this node at; default ``http://host:port``."""
+    model_cache_dir: Path | None = None
+    """Where converted models are kept; ``None``: ``$XDG_CACHE_HOME/meshnet/models`` or ``~/.cache/meshnet/models``."""
+
+    kv_budget_tokens: int = Field(default=DEFAULT_KV_BUDGET_TOKENS, ge=1, le=1 << 32)
+    """KV tokens reserved by all open sessions together may not exceed this."""
+    max_sessions: int = Field(default=DEFAULT_MAX_SESSIONS, ge=1, le=1 << 16)
+    idle_timeout_s: float = Field(default=DEFAULT_IDLE_TIMEOUT_S, gt=0, le=86400)
+    """A session untouched this long is closed and its KV cache freed."""
+    heartbeat_s: float = Field(default=DEFAULT_HEARTBEAT_S, gt=0, le=3600)
+    max_frame_bytes: int = Field(default=limits.FRAME_MAX_BYTES, ge=1024, le=limits.FRAME_MAX_BYTES)
+    max_prompt_tokens: int = Field(default=DEFAULT_MAX_PROMPT_TOKENS, ge=1, le=1 << 20)
+    max_body_bytes: int = Field(default=limits.MAX_REQUEST_BYTES, ge=1024, le=limits.MAX_REQUEST_BYTES)
+    """Largest JSON request body (chat/completions) read."""
+    prefill_chunk_tokens: int = Field(default=DEFAULT_PREFILL_CHUNK_TOKENS, ge=1, le=1 << 16)
+    """A prompt is sent along the route in frames of at most this many tokens."""
+    hop_timeout_s: float = Field(default=DEFAULT_HOP_TIMEOUT_S, gt=0, le=3600)
+    """How long a hop waits for the rest of the route to answer one frame."""
+    threads: int | None = Field(default=None, ge=1, le=MAX_THREADS)
+    """torch intra-op threads; ``None`` keeps torch's default."""
+
+    @field_validator("layers")
+    @classmethod
+    def _check_layers(cls, value: str | None) -> str | None:
+        if value is None or not value.strip():
+            return None
+        match = _LAYERS.match(value)
+        if match is None:
+            raise ValueError(f"layers must be 'A-B' (inclusive), got {value!r}")
+        start, end = int(match.group(1)), int(match.group(2))
+        if start > end:
+            raise ValueError(f"layers {value!r}: the first layer is after the last")
+        return f"{start}-{end}"
+
+    @field_validator("device")
+    @classmethod
+    def _check_device(cls, value: str) -> str:
+        if not _DEVICE.match(value):
+            raise ValueError(f"device must be auto, cpu, cuda, cuda:N or mps, got {value!r}")
+        return value
+
+    @field_validator("tracker", "advertise", "relay")
+    @classmethod
+    def _strip_url(cls, value: str | None) -> str | None:
+        if value is None or not value.strip():
+            return None
+        return value.strip().rstrip("/")
+
+    def layer_range(self) -> tuple[int, int] | None:
+        """``(start, end)`` inclusive, or ``None`` for every layer."""
+        if self.layers is None:
+            return None
+        start, _, end = self.layers.partition("-")
+        return int(start), int(end)
+
+    def public_url(self) -> str:
+        """The base URL this node registers: ``advertise``, else ``http://host:port``."""
+        if self.advertise:
+            return self.advertise
+        host = "127.0.0.1" if self.host in ("0.0.0.0", "::", "") else self.host
+        return f"http://{host}:{self.port}"
+
+    def resolved_node_id(self) -> str:
+        """``node_id``, or a fresh random one (callers keep the result)."""
+        return self.node_id or f"node-{uuid.uuid4().hex[:12]}"

@@ -1,0 +1,86 @@
+"""The head's text side: prompt to token ids, end-of-sequence ids, ids back to text.
+
+Chat prompts go through the model's own chat template with the generation
+prompt appended, exactly as ``apply_chat_template(..., add_generation_prompt=True)``
+does for single-process transformers, so both see the same ids. Raw
+``/v1/completions`` prompts are tokenised as they are (with the tokenizer's
+special tokens, e.g. a BOS, as ``tokenizer(prompt)`` adds them).
+
+End of sequence follows ``generate``: the ids of the model's generation
+config (``generation_config.json``, else the model config), which may be a list.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+from transformers import AutoTokenizer, GenerationConfig, PretrainedConfig, PreTrainedTokenizerBase
+
+from services.node.detok import IncrementalDetokenizer
+
+logger = logging.getLogger(__name__)
+
+
+class TemplateError(ValueError):
+    """The chat template could not render these messages (answered as a 400)."""
+
+
+class HeadTokenizer:
+    """Tokenizer, chat template and EOS ids of the served model."""
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, eos_ids: Iterable[int]) -> None:
+        self._tokenizer = tokenizer
+        self.eos_ids: frozenset[int] = frozenset(eos_ids)
+
+    @classmethod
+    def from_folder(cls, path: Path, config: PretrainedConfig) -> HeadTokenizer:
+        """Load the tokenizer in ``path`` and the EOS ids ``generate`` would use."""
+        tokenizer = AutoTokenizer.from_pretrained(path)
+        eos = _eos_ids(path, config)
+        if not eos:
+            logger.warning("the model names no end-of-sequence token: answers end at max_tokens or a stop string")
+        return cls(tokenizer, eos)
+
+    @property
+    def has_chat_template(self) -> bool:
+        return bool(getattr(self._tokenizer, "chat_template", None))
+
+    def encode_chat(self, messages: Sequence[dict[str, str]]) -> list[int]:
+        """Ids of ``messages`` rendered with the chat template and the generation prompt."""
+        if not self.has_chat_template:
+            raise TemplateError("this model has no chat template; use /v1/completions with a raw prompt")
+        try:
+            ids: Any = self._tokenizer.apply_chat_template(list(messages), add_generation_prompt=True,
+                                                           tokenize=True, return_dict=False)
+        except Exception as exc:  # jinja raises its own exception types for unsupported conversations
+            raise TemplateError(f"the chat template cannot render these messages: {exc}") from exc
+        return [int(i) for i in ids]
+
+    def encode_text(self, prompt: str) -> list[int]:
+        """Ids of a raw prompt, with the special tokens the tokenizer adds by itself."""
+        return [int(i) for i in self._tokenizer(prompt).input_ids]
+
+    def decode(self, ids: Sequence[int]) -> str:
+        """The text of ``ids`` (special tokens skipped)."""
+        return self._tokenizer.decode(list(ids), skip_special_tokens=True, clean_up_tokenization_spaces=False)
+
+    def detokenizer(self) -> IncrementalDetokenizer:
+        """A fresh incremental detokeniser for one answer."""
+        return IncrementalDetokenizer(self._tokenizer)
+
+
+def _eos_ids(path: Path, config: PretrainedConfig) -> set[int]:
+    eos: Any = None
+    if (path / "generation_config.json").is_file():
+        try:
+            eos = GenerationConfig.from_pretrained(path).eos_token_id
+        except (OSError, ValueError) as exc:
+            logger.warning("unreadable generation_config.json in %s: %s", path, exc)
+    if eos is None:
+        eos = getattr(config, "eos_token_id", None)
+    if eos is None:
+        return set()
+    return {int(e) for e in (eos if isinstance(eos, list | tuple) else [eos])}
