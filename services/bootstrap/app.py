@@ -31,6 +31,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from meshwire.logs import configure_logging
 from services.bootstrap import refusals
 from services.bootstrap.body_guard import BodyGuard
 from services.bootstrap.metrics import METRICS_CONTENT_TYPE, BootstrapMetrics, MetricsMiddleware
@@ -55,6 +56,7 @@ def create_app(settings: BootstrapSettings | None = None) -> FastAPI:
     ``settings`` defaults to :class:`BootstrapSettings` read from the
     environment. The table is ``app.state.registry``.
     """
+    configure_logging()
     settings = settings if settings is not None else BootstrapSettings()
     table = BootstrapRegistry(settings.registry, max_ranks=settings.max_ranks)
     metrics = BootstrapMetrics(table)
