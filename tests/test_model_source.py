@@ -22,6 +22,7 @@ from services.node.model_source import (
     has_chat_template,
     resolve_model,
 )
+from services.node.sampling_defaults import SamplingDefaults
 from services.node.shard import load_shard
 
 CPU = torch.device("cpu")
@@ -88,6 +89,7 @@ def test_the_default_model_is_converted_once_and_its_shards_match_generate(tmp_p
 
     assert resolved.model_id == DEFAULT_MODEL
     assert has_chat_template(resolved.path)
+    assert SamplingDefaults.from_folder(resolved.path) == SamplingDefaults(temperature=0.2, top_p=0.9)
     assert any("writing safetensors" in stage for stage, _ in reports)
     assert reports[-1][1] == 1.0
     assert [done for _, done in reports] == sorted(done for _, done in reports)

@@ -177,7 +177,8 @@ def run_up(settings: UpSettings, log_level: str = "info") -> int:
         children.append(_spawn("relay", ["relay", "--host", host, "--port", str(settings.relay_port)], env,
                                relay_url, log_level))
         boot_url = f"http://{host}:{settings.bootstrap_port}"
-        children.append(_spawn("bootstrap", ["bootstrap", "--host", host, "--port", str(settings.bootstrap_port)],
+        children.append(_spawn("bootstrap", ["bootstrap", "--host", host, "--port", str(settings.bootstrap_port),
+                                             "--no-access-log"],
                                env, boot_url, log_level))
         _wait(children, lambda: all(_healthy(c.url) for c in children), "the tracker, relay and bootstrap")
         for index, ((first, last), port) in enumerate(zip(split_layers(num_layers, settings.nodes), node_ports)):

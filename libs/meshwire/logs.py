@@ -18,6 +18,7 @@ import orjson
 LogFormat = Literal["text", "json"]
 TEXT_FORMAT = "%(asctime)s %(levelname)-7s %(name)s: %(message)s"
 _STANDARD_ATTRS = frozenset(vars(logging.makeLogRecord({})).keys()) | {"message", "asctime"}
+QUIET_LOGGERS = ("httpx", "httpcore")
 _configured = False
 
 
@@ -51,4 +52,6 @@ def configure_logging(level: str | None = None, fmt: LogFormat | None = None) ->
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level)
+    for chatty in QUIET_LOGGERS:  # one INFO line per HTTP request (every heartbeat) drowns what matters
+        logging.getLogger(chatty).setLevel(max(logging.WARNING, root.level))
     _configured = True

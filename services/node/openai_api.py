@@ -10,7 +10,8 @@ Streams are server-sent events: a first chunk with the role, one chunk per
 piece of text as tokens are produced, a final chunk with ``finish_reason``,
 a usage chunk when ``stream_options.include_usage``, then ``data: [DONE]``.
 Errors found before the first token (busy route, no route) are plain HTTP
-errors; a failure after the stream began ends it with an error event. The
+errors; a failure after the stream began (failover gave up) ends it with an
+error event, then ``data: [DONE]``. The
 streamed text equals the non-streamed text: both are the concatenation of
 the same :class:`~services.node.generation.TextDelta` events.
 """
@@ -42,8 +43,6 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_CHAT_MAX_TOKENS: Final = 1024
 """``max_tokens`` of a chat request that gives none (bounded so a session's KV reservation is too)."""
-DEFAULT_TEMPERATURE: Final = 1.0
-DEFAULT_TOP_P: Final = 1.0
 _STATUS_TYPES: Final = {
     400: errors.INVALID_REQUEST, 403: errors.PERMISSION, 404: errors.NOT_FOUND, 409: errors.INVALID_REQUEST,
     413: errors.INVALID_REQUEST, 502: errors.SERVER_ERROR, 503: errors.UNAVAILABLE,
@@ -181,10 +180,11 @@ class OpenAIService:
                            "context_length_exceeded", "messages" if chat else "prompt")
         wanted = parsed.token_budget(DEFAULT_CHAT_MAX_TOKENS) if chat else parsed.token_budget()
         max_tokens = wanted if context is None else max(1, min(wanted, context - len(prompt)))
+        defaults = node.sampling_defaults
         sampling = SamplingParams(
-            temperature=float(DEFAULT_TEMPERATURE if parsed.temperature is None else parsed.temperature),
-            top_p=float(DEFAULT_TOP_P if parsed.top_p is None else parsed.top_p),
-            top_k=parsed.top_k or 0,
+            temperature=float(defaults.temperature if parsed.temperature is None else parsed.temperature),
+            top_p=float(defaults.top_p if parsed.top_p is None else parsed.top_p),
+            top_k=defaults.top_k if parsed.top_k is None else parsed.top_k,
             seed=pick_seed(parsed.seed),
         )
         return GenerationRequest(prompt_ids=tuple(prompt), max_tokens=max_tokens, stop=parsed.stop_sequences,
@@ -279,6 +279,7 @@ class _Stream:
         except GenerationFailed as exc:
             logger.warning("stream %s failed after it began: %s", self.response_id, exc)
             yield sse.sse_error(orjson.dumps(_from_failure(exc).body()))
+            yield sse.DONE  # the stream still ends as every OpenAI stream does
         finally:
             await rest.aclose()  # type: ignore[attr-defined]
 

@@ -36,6 +36,7 @@ from services.node.model_source import resolve_model
 from services.node.registration import Registrar
 from services.node.relay_link import ASGIApp, asgi_handler
 from services.node.routing import TrackerRoutes
+from services.node.sampling_defaults import SamplingDefaults
 from services.node.sessions import SessionTable, run_sweeper
 from services.node.settings import NodeSettings
 from services.node.shard import Shard, load_shard
@@ -74,6 +75,7 @@ class NodeRuntime:
         self.generator: Generator | None = None
         self.registrar: Registrar | None = None
         self.relay_addr: str | None = None
+        self.sampling_defaults = SamplingDefaults()
         """Where other nodes reach this one through the relay (with ``--relay``)."""
         self._relay_peer: Any = None
         self._tasks: list[asyncio.Task[None]] = []
@@ -101,9 +103,11 @@ class NodeRuntime:
                                       metrics=self.metrics, frame_limits=FrameLimits(max_bytes=s.max_frame_bytes))
         if self.shard.is_head:
             tokenizer = await asyncio.to_thread(HeadTokenizer.from_folder, resolved.path, self.shard.config)
+            self.sampling_defaults = SamplingDefaults.from_folder(resolved.path)
             self.generator = Generator(runner=self.runner, sessions=self.sessions, hops=self.hops,
                                        tokenizer=tokenizer, metrics=self.metrics,
-                                       prefill_chunk_tokens=s.prefill_chunk_tokens)
+                                       prefill_chunk_tokens=s.prefill_chunk_tokens,
+                                       routes=self.tracker_routes, model_id=self.model_id)
         await self.runner.warm_up()
         self._tasks.append(asyncio.create_task(
             run_sweeper(self.sessions, self.metrics.sessions_expired.inc), name="idle-sweeper"))
@@ -156,6 +160,7 @@ class NodeRuntime:
             await self._relay_peer.close()
         if self.generator is not None:
             await self.generator.drain()
+        await self.hops.aclose()
         await self.http.aclose()
         await asyncio.to_thread(self.worker.shutdown)
         self.state = "stopped"
