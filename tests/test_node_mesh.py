@@ -33,6 +33,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, P
 
 from meshwire import headers as h
 from meshwire.frames import encode_frame
+from meshwire.limits import ROUTE_TTL_S
 from meshwire.routes import Route, RouteNode, plan_start_layers, sign_route
 from tests.procs import TEST_SECRET, Service, start_service, wait_healthy
 
@@ -42,6 +43,7 @@ FRONT_CHUNK_TOKENS = 16
 BACK_KV_BUDGET = 1024
 BACK_IDLE_TIMEOUT_S = 5.0
 SETTLE_TIMEOUT_S = 20.0
+SHORT_ROUTE_TTL_S = 1.0
 LAYERS = {"full": (0, 3), "front": (0, 1), "mid": (2, 2), "back": (2, 3)}
 ROUTES = {1: ("full",), 2: ("front", "back"), 3: ("front", "mid", "back")}
 SAMPLING = {"temperature": 0.8, "top_p": 0.9, "top_k": 20, "seed": 1234}
@@ -62,12 +64,12 @@ class Mesh:
     def url(self, name: str) -> str:
         return self.nodes[name].url
 
-    def route(self, *names: str, secret: str = TEST_SECRET) -> str:
+    def route(self, *names: str, secret: str = TEST_SECRET, ttl_s: float = ROUTE_TTL_S) -> str:
         """A signed route token through ``names``, as the tracker would issue it."""
         hops = [RouteNode(node_id=name, endpoint=self.url(name), shard_start=LAYERS[name][0],
                           shard_end=LAYERS[name][1], start_layer=LAYERS[name][0]) for name in names]
         route = Route(model=self.model, nodes=plan_start_layers(hops), num_layers=NUM_LAYERS)
-        return sign_route(route, secret)
+        return sign_route(route, secret, ttl_s=ttl_s)
 
     def client(self, hops: int) -> openai.OpenAI:
         """An OpenAI client talking to the head of the ``hops``-node route, with the route attached."""
@@ -486,3 +488,17 @@ def test_health_reports_the_layers_and_the_kv_budget(mesh: Mesh) -> None:
     assert (back["shard_start"], back["shard_end"], back["tail"], back["head"]) == (2, 3, True, False)
     assert back["kv_budget_tokens"] == BACK_KV_BUDGET
     assert back["decode_tokens_per_s"] > 0
+
+
+def test_a_route_that_expires_mid_session_keeps_serving_it_but_opens_no_new_session(mesh: Mesh) -> None:
+    short_lived = mesh.route("front", "back", ttl_s=SHORT_ROUTE_TTL_S)
+    headers, body = frame(mesh, "outlives-its-route", step=0, offset=0, tokens=3, reserve=16)
+    assert post_frame(mesh.url("back"), {**headers, h.ROUTE: short_lived}, body).status_code == 200
+    time.sleep(SHORT_ROUTE_TTL_S + 0.5)
+    headers, body = frame(mesh, "outlives-its-route", step=1, offset=3)
+    assert post_frame(mesh.url("back"), {**headers, h.ROUTE: short_lived}, body).status_code == 200
+    headers, body = frame(mesh, "opened-too-late", step=0, offset=0, tokens=3, reserve=16)
+    refused = post_frame(mesh.url("back"), {**headers, h.ROUTE: short_lived}, body)
+    assert refused.status_code == 403
+    assert "expired" in refused.json()["error"]["message"]
+    close_session(mesh, "back", "outlives-its-route")

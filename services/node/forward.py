@@ -130,9 +130,11 @@ class ForwardService:
     def _verify_route(self, headers: Any) -> RoutedHop:
         """The verified route naming this node at the frame's hop index, or a 403 ``bad_route``."""
         hop_index = parse_int_header(h.HOP_INDEX, get_header(headers, h.HOP_INDEX), minimum=0)
+        session_id = get_header(headers, h.SESSION)
+        opens_session = session_id is None or self._sessions.get(session_id) is None
         try:
             hop = verify_hop(get_header(headers, h.ROUTE), hop_index, secret=self._secret, node_id=self.node_id,
-                             model_id=self.model_id, shard=self._runner.shard)
+                             model_id=self.model_id, shard=self._runner.shard, check_expiry=opens_session)
         except RouteRefused as exc:
             raise ForwardRefusal(403, "bad_route", str(exc)) from None
         start_layer = parse_int_header(h.START_LAYER, get_header(headers, h.START_LAYER), minimum=0)

@@ -14,9 +14,22 @@ One request is one session along one route. The head:
 4. closes the session on every hop when it ends, however it ends (client gone
    included), in a task that a cancelled request cannot interrupt.
 
-It keeps the session's token history (prompt and generated tokens) and the
-sampler's draw count, which is what failover needs to rebuild the route's
-caches; a hop failure surfaces as :class:`RouteFailed` naming the node.
+Failover. The head keeps the session's token history (prompt and generated
+tokens). When a hop fails (:class:`RouteFailed` naming the node), the head
+gets a route around it (:mod:`services.node.failover`), opens a new session
+along it and replays the whole history as a chunked prefill, with
+``X-Meshnet-Sample-Draws`` set to the sampler draws made so far, so the new
+tail samples exactly the token the old one would have: greedy output is
+identical to an uninterrupted run and seeded sampling continues the same
+stream. The client sees no gap, no repeated and no lost token: the text
+pipeline (detokenizer, stop matcher) only ever sees the next token.
+
+The replay goes through the head's own layers too, in a fresh local session:
+the next hop needs the hidden states the head's last layer produces for every
+history token, and the head's KV cache does not hold those, so its layers
+must run again whatever is reused; starting clean is as cheap and cannot mix
+two sessions' states. The old session is closed on the hops that survive
+(best effort, before the replay reserves KV again on a shared hop).
 """
 
 from __future__ import annotations
@@ -33,10 +46,11 @@ import orjson
 
 from meshwire.frames import encode_frame
 from services.node.compute import ShardRunner
+from services.node.failover import Failover, FailoverGaveUp, FailoverPolicy
 from services.node.hop_client import ChainFailure, HopClient, send_along
 from services.node.metrics import NodeMetrics
 from services.node.protocol import StepInfo, close_headers
-from services.node.routing import RoutedHop
+from services.node.routing import RoutedHop, TrackerRoutes
 from services.node.sampling import MAX_SEED, Sampler, SamplingParams
 from services.node.sessions import Session, SessionRefused, SessionTable
 from services.node.stops import StopMatcher
@@ -47,6 +61,11 @@ logger = logging.getLogger(__name__)
 FinishReason = Literal["stop", "length"]
 CLOSE_TIMEOUT_S: Final = 10.0
 """How long closing a session along the route may take before it is left to the idle sweepers."""
+RETRY_AFTER_GIVE_UP: Final = "2"
+"""``Retry-After`` of a request that failover gave up on (the tracker may have a route again by then)."""
+RETIRE_WAIT_S: Final = 2.0
+"""How long a failover waits for the broken session's close on the surviving hops (which frees KV
+the replay may need there) before it replays anyway; the close goes on in the background."""
 
 
 @dataclass(frozen=True)
@@ -97,6 +116,14 @@ class RouteFailed(GenerationFailed):
         super().__init__(502, "hop_failed", message, failed_node=failed_node)
 
 
+class RouteBusy(GenerationFailed):
+    """A hop of the route refused the session for load (503 ``kv_budget``...): another route may take it."""
+
+    def __init__(self, busy_node: str, code: str, message: str, retry_after: str | None) -> None:
+        super().__init__(503, code, message, retry_after=retry_after)
+        self.busy_node = busy_node
+
+
 def pick_seed(requested: int | None) -> int:
     """The sampler seed: the request's (as ``torch.manual_seed`` would take it), else a random one."""
     if requested is None:
@@ -121,6 +148,10 @@ class History:
         """Sampler draws made so far (one per sampled token; greedy sessions make none)."""
         return len(self.generated)
 
+    def tokens(self) -> list[int]:
+        """Every token so far, prompt first: what a new route replays."""
+        return [*self.prompt, *self.generated]
+
 
 class SessionChain:
     """One session of this head along one route (or alone, when the head holds every layer)."""
@@ -140,6 +171,9 @@ class SessionChain:
         self._sample_draws = sample_draws
         self._session: Session | None = None
         self._step = 0
+        self._closed = False
+        self.prefilled = False
+        """True once the route produced its first token (the prefill is done; decode steps follow)."""
 
     @property
     def solo(self) -> bool:
@@ -166,6 +200,7 @@ class SessionChain:
             step = self._step
             self._step += 1
             if self.solo:
+                self.prefilled = self.prefilled or samples
                 return result.token
             assert self.hop is not None and self.hop.next is not None and result.hidden is not None
             nxt = self.hop.next
@@ -174,7 +209,8 @@ class SessionChain:
                 position_offset=offset,
                 reserve=self._reserve if step == 0 else None,
                 sampling=self._sampling_json if samples else None,
-                sample_draws=self._sample_draws if step == 0 and self._sample_draws else None,
+                # On every frame of a replayed prefill: the tail creates its sampler on the last one.
+                sample_draws=self._sample_draws if self._sample_draws and not self.prefilled else None,
             )
             headers, body = encode_frame(result.hidden, session=self.session_id, chunk_index=chunk_index,
                                          chunk_total=chunk_total, extra=info.headers())
@@ -184,6 +220,7 @@ class SessionChain:
                 raise _generation_failure(exc) from exc
         if samples and answer.token is None:
             raise RouteFailed(self.hop.route.nodes[-1].node_id, "the tail answered no token")
+        self.prefilled = self.prefilled or samples
         return answer.token
 
     def _open(self) -> Session:
@@ -199,17 +236,34 @@ class SessionChain:
             session.sampler.skip(self._sample_draws)
         return session.sampler
 
-    async def close(self) -> None:
-        """Free the session here and along the route (best effort: idle expiry catches the rest)."""
+    async def close(self, failed_node: str | None = None) -> None:
+        """Free the session here and along the route (best effort: idle expiry catches the rest).
+
+        A close frame travels down the route from hop 1 and stops where the
+        route is broken; with ``failed_node`` named, the hops past it are sent
+        their own close, so the survivors of a failure free their caches too.
+        Closing twice does nothing the second time.
+        """
+        if self._closed:
+            return
+        self._closed = True
         session = self._session
         if session is not None:
             async with session.lock:
                 self._sessions.close(self.session_id)
         if self.hop is None or self.hop.next is None or self._step == 0:
             return
-        nxt = self.hop.next
+        nodes = self.hop.route.nodes
+        starts = [i for i in range(1, len(nodes))
+                  if nodes[i].node_id != failed_node and (i == 1 or nodes[i - 1].node_id == failed_node)]
+        await asyncio.gather(*(self._close_from(i) for i in starts))
+
+    async def _close_from(self, index: int) -> None:
+        assert self.hop is not None
+        node = self.hop.route.nodes[index]
         try:
-            await send_along(self._hops, nxt, close_headers(self.session_id, self.hop.token, 1, nxt.start_layer), b"")
+            await send_along(self._hops, node, close_headers(self.session_id, self.hop.token, index,
+                                                             node.start_layer), b"")
         except ChainFailure as exc:
             logger.info("closing session %s along the route failed at %s: %s", self.session_id,
                         exc.failed_node or exc.busy_node, exc)
@@ -219,32 +273,48 @@ def _generation_failure(exc: ChainFailure) -> GenerationFailed:
     if exc.failed_node is not None:
         return RouteFailed(exc.failed_node, str(exc))
     code = str(exc.body.get("error", {}).get("code") or "kv_budget")
-    return GenerationFailed(503, code, str(exc), retry_after=exc.retry_after)
+    return RouteBusy(exc.busy_node or "unknown", code, str(exc), exc.retry_after)
+
+
+DEFAULT_FAILOVER: Final = FailoverPolicy()
+
+
+@dataclass
+class _Run:
+    """One request in flight: the session it is on now, and its failover state."""
+
+    chain: SessionChain
+    failover: Failover
 
 
 class Generator:
-    """Runs requests on this head: the generation loop over a :class:`SessionChain`."""
+    """Runs requests on this head: the generation loop over a :class:`SessionChain`, with failover."""
 
     def __init__(self, *, runner: ShardRunner, sessions: SessionTable, hops: HopClient, tokenizer: HeadTokenizer,
-                 metrics: NodeMetrics, prefill_chunk_tokens: int) -> None:
+                 metrics: NodeMetrics, prefill_chunk_tokens: int, routes: TrackerRoutes | None = None,
+                 model_id: str = "", failover: FailoverPolicy = DEFAULT_FAILOVER) -> None:
         self._runner = runner
         self._sessions = sessions
         self._hops = hops
         self.tokenizer = tokenizer
         self._metrics = metrics
         self._chunk = prefill_chunk_tokens
+        self._routes = routes
+        self._model_id = model_id
+        self._failover = failover
         self._closing: set[asyncio.Task[None]] = set()
 
     async def generate(self, request: GenerationRequest, hop: RoutedHop | None) -> AsyncIterator[GenerationEvent]:
         """Generate the answer to ``request`` along ``hop``'s route (``None``: alone), as events."""
         history = History(prompt=request.prompt_ids)
-        chain = self._chain(hop, request, history)
+        run = _Run(chain=self._chain(hop, request, history),
+                   failover=Failover(self._failover, self._routes, model=self._model_id, shard=self._runner.shard))
         detok = self.tokenizer.detokenizer()
         stops = StopMatcher(request.stop)
         reason: FinishReason = "length"
         stopped = False
         try:
-            token = await self._prefill(chain, list(request.prompt_ids))
+            token = await self._next_token(run, request, history)
             while True:
                 history.generated.append(token)
                 self._metrics.tokens_generated.inc()
@@ -259,7 +329,7 @@ class Generator:
                     break
                 if len(history.generated) >= request.max_tokens:
                     break
-                token = await self._decode(chain, token)
+                token = await self._next_token(run, request, history)
             if not stopped:  # the end: release what was held back for a character or a stop string
                 out = stops.feed(detok.flush())
                 rest = out.text if out.stopped else out.text + stops.flush()
@@ -270,7 +340,7 @@ class Generator:
             yield Finished(finish_reason=reason, prompt_tokens=len(request.prompt_ids),
                            completion_tokens=len(history.generated))
         finally:
-            await self._close(chain)
+            await self._close(run.chain)
 
     def _chain(self, hop: RoutedHop | None, request: GenerationRequest, history: History) -> SessionChain:
         return SessionChain(runner=self._runner, sessions=self._sessions, hops=self._hops, metrics=self._metrics,
@@ -278,8 +348,50 @@ class Generator:
                             reserve=len(request.prompt_ids) + request.max_tokens,
                             sample_draws=history.draws)
 
+    async def _next_token(self, run: _Run, request: GenerationRequest, history: History) -> int:
+        """The token that follows ``history``, moving the request to a new route while hops fail.
+
+        A fresh session (the first, or one opened by failover) is prefilled
+        with the whole history; an established one decodes the last token.
+        """
+        try:
+            while True:
+                chain = run.chain
+                try:
+                    async with run.failover.bounded():
+                        if chain.prefilled:
+                            token = await self._decode(chain, history.generated[-1])
+                        else:
+                            token = await self._prefill(chain, history.tokens())
+                except RouteFailed as exc:
+                    assert exc.failed_node is not None
+                    await self._move(run, request, history, exc.failed_node, str(exc), failed=True)
+                except RouteBusy as exc:
+                    if not run.failover.recovering:
+                        raise  # the route the request came with is busy: the caller may try later or elsewhere
+                    await self._move(run, request, history, exc.busy_node, str(exc), failed=False)
+                else:
+                    run.failover.recovered()
+                    return token
+        except FailoverGaveUp as exc:
+            logger.warning("session %s gives up: %s", run.chain.session_id, exc)
+            raise GenerationFailed(503, exc.code, str(exc), retry_after=RETRY_AFTER_GIVE_UP,
+                                   failed_node=exc.failed_node) from None
+
+    async def _move(self, run: _Run, request: GenerationRequest, history: History, node_id: str, reason: str,
+                    *, failed: bool) -> None:
+        """Leave the broken session for a new one along a route that avoids ``node_id``."""
+        old = run.chain
+        closing = self._spawn_close(old, failed_node=node_id if failed else None)
+        hop = await run.failover.reroute(node_id, reason, failed=failed)
+        await asyncio.wait({closing}, timeout=RETIRE_WAIT_S)
+        run.chain = self._chain(hop, request, history)
+        logger.warning("session %s: node %s %s (%s); moving to session %s along %s, replaying %d tokens",
+                       old.session_id, node_id, "failed" if failed else "is busy", reason, run.chain.session_id,
+                       " -> ".join(hop.node_ids), len(history.tokens()))
+
     async def _prefill(self, chain: SessionChain, ids: list[int]) -> int:
-        """Run the prompt through the route in chunks; the first generated token."""
+        """Run ``ids`` (the prompt, or a replayed history) through the route in chunks; the next token."""
         chunks = [ids[i:i + self._chunk] for i in range(0, len(ids), self._chunk)]
         token: int | None = None
         for index, chunk in enumerate(chunks):
@@ -295,11 +407,16 @@ class Generator:
             raise GenerationFailed(500, "no_token", "the route produced no token for a decode step")
         return nxt
 
-    async def _close(self, chain: SessionChain) -> None:
-        """Close ``chain`` in a task a cancelled request cannot interrupt, and wait for it if we may."""
-        task = asyncio.create_task(asyncio.wait_for(chain.close(), CLOSE_TIMEOUT_S))
+    def _spawn_close(self, chain: SessionChain, failed_node: str | None = None) -> asyncio.Task[None]:
+        """Close ``chain`` in a task a cancelled request cannot interrupt (bounded by :data:`CLOSE_TIMEOUT_S`)."""
+        task = asyncio.create_task(asyncio.wait_for(chain.close(failed_node), CLOSE_TIMEOUT_S))
         self._closing.add(task)
         task.add_done_callback(self._closing.discard)
+        return task
+
+    async def _close(self, chain: SessionChain) -> None:
+        """Close ``chain``, and wait for it if we may."""
+        task = self._spawn_close(chain)
         try:
             await asyncio.shield(task)
         except TimeoutError:  # closing is best effort: the sessions expire anyway

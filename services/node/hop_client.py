@@ -2,9 +2,17 @@
 
 A hop is dialled at its ``endpoint`` over one shared keep-alive HTTP/1.1
 client, so a decode step costs one small request on an open connection. A
-hop behind NAT also has a ``relay_addr``: when it cannot be dialled directly,
-the frame goes through the relay (``meshwire.relay_client.RelayCaller``), and
-the node remembers for a while that this hop is reached that way.
+hop behind NAT also has a ``relay_addr``: when it cannot be dialled directly
+(connection refused, or no answer to the connect at all: a NAT drops the
+packets, which shows as a connect timeout), the frame goes through the relay
+(``meshwire.relay_client.RelayCaller``).
+
+Such an endpoint is then remembered as relay-only (:class:`DirectPaths`), so
+later frames go straight to the relay instead of waiting on a dead direct
+path each time. When the memory runs out (:data:`RELAY_ONLY_TTL_S`) the
+direct path is probed in the background (``GET /health``) while frames keep
+going through the relay: no token ever waits on a direct path already known
+to be dead. A probe that connects sends traffic back to the direct path.
 
 Failures that mean "this hop is gone" (cannot connect, connection reset, no
 answer in time) raise :class:`HopUnreachable` naming the hop, which a hop
@@ -14,9 +22,11 @@ whatever its status, is returned as a :class:`HopAnswer` for the caller to judge
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
-from collections.abc import Mapping
+from collections import OrderedDict
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Final
 
@@ -37,13 +47,18 @@ except ImportError:  # pragma: no cover - depends on which pieces are installed
 logger = logging.getLogger(__name__)
 
 FORWARD_PATH: Final = "/forward"
+PROBE_PATH: Final = "/health"
 BUSY_CODES: Final = frozenset({"kv_budget", "too_many_sessions", "draining"})
 """503 codes that mean "busy, try later" rather than "this node failed"."""
 DEFAULT_RETRY_AFTER_S: Final = "2"
 MAX_ANSWER_BYTES: Final = 1 << 20
 """Largest answer accepted from a hop (answers are small JSON)."""
-PREFER_RELAY_S: Final = 60.0
-"""After a hop could not be dialled directly, go through its relay for this long."""
+DIRECT_CONNECT_TIMEOUT_S: Final = 3.0
+"""How long dialling a hop directly may take before it counts as unreachable (allows one SYN retry)."""
+RELAY_ONLY_TTL_S: Final = 60.0
+"""How long an endpoint that could not be dialled is reached through its relay before it is probed again."""
+MAX_REMEMBERED_ENDPOINTS: Final = 4096
+"""Most relay-only endpoints remembered at once (the oldest is forgotten first)."""
 
 
 class HopUnreachable(Exception):
@@ -71,30 +86,81 @@ class HopAnswer:
             return None
 
 
-class HopClient:
-    """Posts frames to hops for one node; shares one HTTP client and one relay caller."""
+class DirectPaths:
+    """Endpoints known not to be dialable directly, and when each is due for another look.
 
-    def __init__(self, http: httpx.AsyncClient, secret: str, timeout_s: float) -> None:
+    Pure bookkeeping with an injected clock; bounded to :data:`MAX_REMEMBERED_ENDPOINTS`.
+    """
+
+    def __init__(self, ttl_s: float = RELAY_ONLY_TTL_S, clock: Callable[[], float] = time.monotonic,
+                 max_endpoints: int = MAX_REMEMBERED_ENDPOINTS) -> None:
+        self._ttl_s = ttl_s
+        self._clock = clock
+        self._max = max_endpoints
+        self._probe_at: OrderedDict[str, float] = OrderedDict()
+
+    def relay_only(self, endpoint: str) -> bool:
+        """True when ``endpoint`` is known not to answer directly (expired memories included)."""
+        return endpoint in self._probe_at
+
+    def probe_due(self, endpoint: str) -> bool:
+        """True when a relay-only ``endpoint`` should be tried directly again."""
+        at = self._probe_at.get(endpoint)
+        return at is not None and self._clock() >= at
+
+    def unreachable(self, endpoint: str) -> None:
+        """Remember (again) that ``endpoint`` cannot be dialled, for the next ``ttl_s``."""
+        self._probe_at.pop(endpoint, None)
+        self._probe_at[endpoint] = self._clock() + self._ttl_s
+        while len(self._probe_at) > self._max:
+            self._probe_at.popitem(last=False)
+
+    def reachable(self, endpoint: str) -> None:
+        """``endpoint`` answers directly again."""
+        self._probe_at.pop(endpoint, None)
+
+
+class HopClient:
+    """Posts frames to hops for one node; shares one HTTP client and one relay caller.
+
+    :meth:`aclose` stops the probes and closes the relay caller's connections
+    (the HTTP client belongs to the caller).
+    """
+
+    def __init__(self, http: httpx.AsyncClient, secret: str, timeout_s: float, *,
+                 connect_timeout_s: float = DIRECT_CONNECT_TIMEOUT_S, relay_only_ttl_s: float = RELAY_ONLY_TTL_S,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self._http = http
         self._secret = secret
         self._timeout_s = timeout_s
+        self._timeout = httpx.Timeout(timeout_s, connect=min(connect_timeout_s, timeout_s))
         self._relay = RelayCaller(secret) if RelayCaller is not None else None
-        self._prefer_relay_until: dict[str, float] = {}
+        self._paths = DirectPaths(relay_only_ttl_s, clock)
+        self._probes: dict[str, asyncio.Task[None]] = {}
+
+    def relay_only(self, endpoint: str) -> bool:
+        """Whether frames for ``endpoint`` go through its relay now, its direct path being known dead."""
+        return self._paths.relay_only(endpoint)
 
     async def post_frame(self, node: RouteNode, headers: Mapping[str, str], body: bytes) -> HopAnswer:
         """POST one frame to ``node``'s ``/forward``; raise :class:`HopUnreachable` when it is gone."""
         out_headers = {**headers, **bearer_headers(self._secret), "Content-Type": "application/octet-stream"}
-        if node.relay_addr is not None and self._relay is not None and self._relay_preferred(node.node_id):
+        relayable = node.relay_addr is not None and self._relay is not None
+        if relayable and self._paths.relay_only(node.endpoint):
+            if self._paths.probe_due(node.endpoint):
+                self._probe_soon(node.endpoint)
             return await self._via_relay(node, out_headers, body)
         try:
             response = await self._http.post(f"{node.endpoint}{FORWARD_PATH}", headers=out_headers, content=body,
-                                             timeout=self._timeout_s)
+                                             timeout=self._timeout)
         except (httpx.ConnectError, httpx.ConnectTimeout) as exc:  # never reached the hop: safe to try another way
-            if node.relay_addr is not None and self._relay is not None:
-                logger.info("hop %s not reachable directly (%s); using its relay", node.node_id, exc)
-                self._prefer_relay_until[node.node_id] = time.monotonic() + PREFER_RELAY_S
+            if relayable:
+                logger.info("hop %s not reachable directly at %s (%s); using its relay", node.node_id,
+                            node.endpoint, type(exc).__name__)
+                self._paths.unreachable(node.endpoint)
                 return await self._via_relay(node, out_headers, body)
-            raise HopUnreachable(node.node_id, f"cannot connect to {node.endpoint}: {exc}") from exc
+            raise HopUnreachable(node.node_id, f"cannot connect to {node.endpoint}: "
+                                               f"{exc or type(exc).__name__}") from exc
         except httpx.TimeoutException as exc:
             raise HopUnreachable(node.node_id, f"no answer within {self._timeout_s:.0f} s") from exc
         except httpx.HTTPError as exc:
@@ -104,14 +170,25 @@ class HopClient:
         return HopAnswer(status=response.status_code, body=response.content,
                          headers={k.lower(): v for k, v in response.headers.items()})
 
-    def _relay_preferred(self, node_id: str) -> bool:
-        until = self._prefer_relay_until.get(node_id)
-        if until is None:
-            return False
-        if time.monotonic() >= until:
-            del self._prefer_relay_until[node_id]
-            return False
-        return True
+    def _probe_soon(self, endpoint: str) -> None:
+        """Try ``endpoint`` directly in the background (at most one probe per endpoint at a time)."""
+        if endpoint in self._probes:
+            return
+        self._paths.unreachable(endpoint)  # not due again while this probe runs, nor after it fails
+        task = asyncio.create_task(self._probe(endpoint), name=f"probe {endpoint}")
+        self._probes[endpoint] = task
+        task.add_done_callback(lambda _: self._probes.pop(endpoint, None))
+
+    async def _probe(self, endpoint: str) -> None:
+        try:
+            await self._http.get(f"{endpoint}{PROBE_PATH}", timeout=self._timeout)
+        except (httpx.ConnectError, httpx.ConnectTimeout):
+            logger.debug("%s still not reachable directly; staying on its relay", endpoint)
+            return
+        except httpx.HTTPError:
+            pass  # connected, so the direct path works, whatever the answer
+        logger.info("%s is reachable directly again", endpoint)
+        self._paths.reachable(endpoint)
 
     async def _via_relay(self, node: RouteNode, headers: dict[str, str], body: bytes) -> HopAnswer:
         assert self._relay is not None and node.relay_addr is not None
@@ -124,6 +201,15 @@ class HopClient:
             raise HopUnreachable(node.node_id, f"answer of {len(answer_body)} bytes is too large")
         return HopAnswer(status=status, body=answer_body,
                          headers={k.lower(): v for k, v in dict(answer_headers).items()})
+
+    async def aclose(self) -> None:
+        """Stop the direct-path probes and close the relay connections (shutdown)."""
+        probes = list(self._probes.values())
+        for task in probes:
+            task.cancel()
+        await asyncio.gather(*probes, return_exceptions=True)
+        if self._relay is not None:
+            await self._relay.close()
 
 
 class ChainFailure(Exception):

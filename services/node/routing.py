@@ -5,13 +5,15 @@ at the hop index the frame claims, and gives it the layers it actually holds
 (:func:`verify_hop`). A head without a route from the tracker serves alone
 when it holds every layer, and otherwise asks the tracker
 (:class:`TrackerRoutes`), which is also where a head reports a failed hop and
-asks for a route that avoids it (failover).
+asks for a route that avoids it (failover): :meth:`TrackerRoutes.route_from_here`
+answers only a route this node heads, since a head cannot hand its session's
+history to another head mid-stream.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 from dataclasses import dataclass
 from typing import Final
 
@@ -28,6 +30,8 @@ ROUTE_PATH: Final = "/v1/route"
 MAX_ROUTE_ANSWER_BYTES: Final = 64 * 1024
 TRACKER_TIMEOUT_S: Final = 10.0
 MAX_REASON_CHARS: Final = 500
+MAX_OTHER_HEADS: Final = 4
+"""Other heads a failover may ask the tracker to leave out before it gives up on a route from here."""
 
 
 class RouteRefused(Exception):
@@ -65,12 +69,17 @@ class RoutedHop:
 
 
 def verify_hop(token: str | None, hop_index: int, *, secret: str, node_id: str, model_id: str,
-               shard: Shard) -> RoutedHop:
-    """Verify ``token`` and that its hop ``hop_index`` is this node with the layers it holds."""
+               shard: Shard, check_expiry: bool = True) -> RoutedHop:
+    """Verify ``token`` and that its hop ``hop_index`` is this node with the layers it holds.
+
+    ``check_expiry=False`` is for frames of a session already open here: a route's
+    expiry bounds when sessions may be opened along it, not how long they may run.
+    The signature is checked on every frame all the same.
+    """
     if not token:
         raise RouteRefused("missing X-Meshnet-Route: a node forwards only along a signed route")
     try:
-        route = verify_route(token, secret)
+        route = verify_route(token, secret, check_expiry=check_expiry)
     except RouteError as exc:
         raise RouteRefused(f"route refused ({exc.code}): {exc}") from None
     if not 0 <= hop_index < len(route.nodes):
@@ -122,6 +131,29 @@ class TrackerRoutes:
             return SignedRoute.model_validate_json(response.content)
         except ValidationError as exc:
             raise NoRoute(f"tracker's route answer is invalid: {exc.errors()[0]['msg']}") from None
+
+    async def route_from_here(self, model: str, shard: Shard, exclude: Collection[str] = ()) -> RoutedHop:
+        """A verified route that this node heads and that avoids ``exclude`` (failover).
+
+        The tracker plans the cheapest route, which may start at another node
+        holding layer 0; that head is then left out too and the tracker asked
+        again, at most :data:`MAX_OTHER_HEADS` times. Raises :class:`NoRoute`
+        when no such route exists (or the tracker answers one this node cannot run).
+        """
+        avoid = set(exclude)
+        for _ in range(MAX_OTHER_HEADS + 1):
+            signed = await self.fetch(model, avoid)
+            head = signed.nodes[0].node_id
+            if head != self._node_id:
+                logger.info("the tracker's route starts at %s, not here; asking again without it", head)
+                avoid.add(head)
+                continue
+            try:
+                return verify_hop(signed.token, 0, secret=self._secret, node_id=self._node_id, model_id=model,
+                                  shard=shard)
+            except RouteRefused as exc:
+                raise NoRoute(f"the tracker's route cannot be run from here: {exc}") from None
+        raise NoRoute(f"every route the tracker offers starts at another head (tried {MAX_OTHER_HEADS + 1})")
 
     async def report_failure(self, node_id: str, reason: str) -> None:
         """``POST /v1/nodes/{id}/failures``, best effort: the tracker backs the node off."""

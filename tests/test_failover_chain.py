@@ -1,0 +1,87 @@
+"""Failover in a four-node chain: around a dead middle node, and a clean end when nothing can replace a node.
+
+Four node processes and a tracker (tests/failover_mesh.py): ``head`` holds
+layer 0, ``mid-a`` and ``mid-b`` both hold 1-2, ``tail`` alone holds 3.
+
+* Killing the middle node that serves a stream moves the session to the
+  other one: the stream equals an uninterrupted run.
+* Killing the tail, the only holder of layer 3, leaves no complete route: the
+  stream ends with an OpenAI-shaped error event and ``data: [DONE]``, well
+  within a bound (a hang fails the test), and a non-streamed request gets
+  503, until the tail, restarted on its port, comes back into routes by itself.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Final
+
+import pytest
+
+from tests.failover_mesh import FailoverMesh, start_mesh, wait_for
+
+MIDDLES: Final = ("mid-a", "mid-b")
+LAYERS: Final = {"head": (0, 0), "mid-a": (1, 2), "mid-b": (1, 2), "tail": (3, 3)}
+MAX_TOKENS: Final = 300
+KILL_AFTER_CHUNKS: Final = 20
+ERROR_BOUND_S: Final = 30.0
+"""A stream that lost the only holder of a range must end within this (a correctness bound, not a benchmark)."""
+
+
+@pytest.fixture(scope="module")
+def mesh(tiny_model_dir: Path) -> Iterator[FailoverMesh]:
+    running = start_mesh(tiny_model_dir, LAYERS)
+    try:
+        yield running
+    finally:
+        running.stop()
+
+
+@pytest.fixture(autouse=True)
+def whole(mesh: FailoverMesh) -> FailoverMesh:
+    """Every test starts with every node up and no session open."""
+    mesh.revive_all()
+    return mesh
+
+
+def test_a_greedy_stream_outlives_its_middle_node_and_equals_the_uninterrupted_run(mesh: FailoverMesh) -> None:
+    whole_run = mesh.stream(MAX_TOKENS)
+    assert whole_run.finish_reason == "length" and whole_run.completion_tokens == MAX_TOKENS
+
+    broken = mesh.stream(MAX_TOKENS, kill_one_of=MIDDLES, kill_after_chunks=KILL_AFTER_CHUNKS)
+
+    assert broken.killed is not None and broken.chunks_before_kill < whole_run.content_chunks
+    assert mesh.node_view()[broken.killed]["failures"] == 1, "the head met the dead middle node and reported it"
+    assert broken.errors == []
+    assert broken.text == whole_run.text
+    assert (broken.finish_reason, broken.completion_tokens, broken.done) == ("length", MAX_TOKENS, True)
+    wait_for(lambda: mesh.idle(), "the tail to free the broken session's cache as well as the new one's")
+
+
+def test_when_the_only_tail_dies_streams_end_with_an_error_event_and_requests_get_503_until_it_restarts(
+        mesh: FailoverMesh) -> None:
+    whole_run = mesh.stream(MAX_TOKENS)
+
+    broken = mesh.stream(MAX_TOKENS, kill_one_of=("tail",), kill_after_chunks=KILL_AFTER_CHUNKS)
+
+    assert broken.killed == "tail"
+    assert broken.seconds_from_kill_to_end is not None and broken.seconds_from_kill_to_end < ERROR_BOUND_S
+    assert len(broken.errors) == 1 and broken.done and broken.events_after_done == 0
+    error = broken.errors[0]
+    assert set(error) >= {"message", "type", "code"}
+    assert error["code"] == "no_route" and error["failed_node"] == "tail" and "tail" in error["message"]
+    assert broken.finish_reason is None
+    assert whole_run.text.startswith(broken.text), "what arrived before the error is the true answer so far"
+
+    refused = mesh.chat(20)
+    assert refused.status_code == 503, refused.text
+    assert set(refused.json()["error"]) >= {"message", "type", "code"}
+
+    mesh.revive("tail")
+
+    back = mesh.node_view()["tail"]
+    assert (back["state"], back["failures"], back["backoff_remaining_s"]) == ("online", 0, 0)
+    answer = mesh.chat(MAX_TOKENS)
+    assert answer.status_code == 200, answer.text
+    assert answer.json()["choices"][0]["message"]["content"] == whole_run.text
