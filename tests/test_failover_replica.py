@@ -16,6 +16,7 @@ from typing import Final
 
 import httpx
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from meshwire import headers as h
 from tests.failover_mesh import FailoverMesh, StreamResult, start_mesh, wait_for
@@ -43,12 +44,21 @@ def whole(mesh: FailoverMesh) -> FailoverMesh:
     return mesh
 
 
+def head_failovers(mesh: FailoverMesh) -> float:
+    """The head's ``meshnet_node_failovers_total{reason="failed", outcome="moved"}``."""
+    text = httpx.get(f"{mesh.nodes['head'].url}/metrics", timeout=10).text
+    return sum(sample.value for family in text_string_to_metric_families(text) for sample in family.samples
+               if sample.name == "meshnet_node_failovers_total"
+               and sample.labels == {"reason": "failed", "outcome": "moved"})
+
+
 def assert_continued_seamlessly(mesh: FailoverMesh, broken: StreamResult, whole_run: StreamResult) -> None:
     assert whole_run.finish_reason == "length" and whole_run.completion_tokens == MAX_TOKENS, \
         "the uninterrupted run must not end early, or the kill could miss the stream"
     assert broken.killed is not None and broken.chunks_before_kill < whole_run.content_chunks
     assert mesh.node_view()[broken.killed]["failures"] == 1, "the head met the dead tail and reported it"
     assert broken.errors == []
+    assert head_failovers(mesh) >= 1, "the head's metrics count the move"
     assert broken.text == whole_run.text
     assert (broken.finish_reason, broken.completion_tokens, broken.done) == ("length", MAX_TOKENS, True)
 

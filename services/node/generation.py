@@ -374,6 +374,7 @@ class Generator:
                     run.failover.recovered()
                     return token
         except FailoverGaveUp as exc:
+            self._metrics.failovers.labels(reason="failed", outcome="gave_up").inc()
             logger.warning("session %s gives up: %s", run.chain.session_id, exc)
             raise GenerationFailed(503, exc.code, str(exc), retry_after=RETRY_AFTER_GIVE_UP,
                                    failed_node=exc.failed_node) from None
@@ -386,6 +387,7 @@ class Generator:
         hop = await run.failover.reroute(node_id, reason, failed=failed)
         await asyncio.wait({closing}, timeout=RETIRE_WAIT_S)
         run.chain = self._chain(hop, request, history)
+        self._metrics.failovers.labels(reason="failed" if failed else "busy", outcome="moved").inc()
         logger.warning("session %s: node %s %s (%s); moving to session %s along %s, replaying %d tokens",
                        old.session_id, node_id, "failed" if failed else "is busy", reason, run.chain.session_id,
                        " -> ".join(hop.node_ids), len(history.tokens()))
