@@ -39,7 +39,8 @@ _DEVICE = re.compile(r"^(auto|cpu|cuda(:\d{1,3})?|mps)$")
 class NodeSettings(BaseSettings):
     """Everything a node needs to know to load its layers and join a mesh."""
 
-    model_config = SettingsConfigDict(env_prefix="MESHNET_", frozen=True, extra="ignore")
+    model_config = SettingsConfigDict(env_prefix="MESHNET_", frozen=True, extra="ignore",
+                                      use_attribute_docstrings=True)
 
     model: str = Field(default=DEFAULT_MODEL, min_length=1, max_length=limits.MAX_URL_CHARS)
     """A local folder of a Hugging Face causal LM, or a hub name."""
@@ -48,14 +49,20 @@ class NodeSettings(BaseSettings):
     tracker: str | None = Field(default=None, max_length=limits.MAX_URL_CHARS)
     """Tracker base URL; ``None`` runs without registering."""
     host: str = "127.0.0.1"
+    """Address to listen on (``0.0.0.0`` for every interface)."""
     port: int = Field(default=DEFAULT_PORT, ge=0, le=65535)
+    """TCP port to listen on."""
     relay: str | None = Field(default=None, max_length=limits.MAX_URL_CHARS)
-    """Relay base URL (``ws://relay:8003``) when this node is reached through a relay."""
+    """Relay base URL (``ws://relay:8001``) when this node is reached through a relay."""
     dtype: NodeDType = "auto"
+    """Number format of the layers; ``auto`` picks the fastest for the device and logs why."""
     device: str = "auto"
+    """``auto`` (the first CUDA GPU, else the CPU), ``cpu``, ``cuda`` or ``cuda:N``."""
     secret: str = Field(default=DEFAULT_SECRET, min_length=1, max_length=1024)
+    """The mesh's shared secret: authenticates hops and registration, verifies routes."""
     node_id: str | None = Field(default=None, min_length=1, max_length=limits.MAX_ID_CHARS,
                                 pattern=r"^[A-Za-z0-9._:\-]+$")
+    """This node's id in the mesh; default: generated from the host, port and a random suffix."""
     advertise: str | None = Field(default=None, max_length=limits.MAX_URL_CHARS)
     """Base URL other nodes and the tracker reach this node at; default ``http://host:port``."""
     model_cache_dir: Path | None = None
@@ -64,11 +71,15 @@ class NodeSettings(BaseSettings):
     kv_budget_tokens: int = Field(default=DEFAULT_KV_BUDGET_TOKENS, ge=1, le=1 << 32)
     """KV tokens reserved by all open sessions together may not exceed this."""
     max_sessions: int = Field(default=DEFAULT_MAX_SESSIONS, ge=1, le=1 << 16)
+    """Open sessions at most; a new one beyond is refused with 503."""
     idle_timeout_s: float = Field(default=DEFAULT_IDLE_TIMEOUT_S, gt=0, le=86400)
     """A session untouched this long is closed and its KV cache freed."""
     heartbeat_s: float = Field(default=DEFAULT_HEARTBEAT_S, gt=0, le=3600)
+    """Seconds between heartbeats to the tracker; a tracker asking for a shorter interval gets it."""
     max_frame_bytes: int = Field(default=limits.FRAME_MAX_BYTES, ge=1024, le=limits.FRAME_MAX_BYTES)
+    """Largest activation frame accepted on ``/forward``."""
     max_prompt_tokens: int = Field(default=DEFAULT_MAX_PROMPT_TOKENS, ge=1, le=1 << 20)
+    """Longest prompt a head accepts, in tokens (never more than the model's context)."""
     max_body_bytes: int = Field(default=limits.MAX_REQUEST_BYTES, ge=1024, le=limits.MAX_REQUEST_BYTES)
     """Largest JSON request body (chat/completions) read."""
     prefill_chunk_tokens: int = Field(default=DEFAULT_PREFILL_CHUNK_TOKENS, ge=1, le=1 << 16)

@@ -30,7 +30,8 @@ DEFAULT_TAKEOVER_PROBE_S: Final = 2.0
 class RelaySettings(BaseSettings):
     """Where a relay listens, its secret, and the bounds it holds peers and callers to."""
 
-    model_config = SettingsConfigDict(env_prefix="MESHNET_", frozen=True, extra="ignore")
+    model_config = SettingsConfigDict(env_prefix="MESHNET_", frozen=True, extra="ignore",
+                                      use_attribute_docstrings=True)
 
     host: str = "127.0.0.1"
     """Listen address; a relay serving peers behind NAT listens on a public one (``0.0.0.0``)."""
