@@ -4,17 +4,21 @@ from __future__ import annotations
 
 import json
 import shutil
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
+from torch.overrides import TorchFunctionMode
+from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, PreTrainedModel
 
+from services.node.device import chunk_compute_dtype
+from services.node.model_source import resolve_model
 from services.node.sampling import Sampler, SamplingParams
-from services.node.shard import Shard, ShardCache, ShardError, load_shard
+from services.node.shard import Float32ChunkLinear, Shard, ShardCache, ShardError, load_shard
 
 CPU = torch.device("cpu")
 NEW_TOKENS = 48
@@ -383,3 +387,150 @@ def test_each_shard_knows_its_role_in_a_route(shards: dict[tuple[int, int], Shar
 def test_a_session_must_reserve_at_least_one_token(shards: dict[tuple[int, int], Shard]) -> None:
     with pytest.raises(ValueError, match="at least one token"):
         shards[(0, 3)].new_cache(reserve_tokens=0)
+
+
+# --- float16 shards: multi-token chunks in float32 where the CPU lacks float16 kernels -----------------
+
+NO_NATIVE_FLOAT16 = chunk_compute_dtype(torch.float16, CPU) == torch.float32
+needs_float32_chunks = pytest.mark.skipif(
+    not NO_NATIVE_FLOAT16, reason="this CPU has native float16 matrix kernels: chunks stay in float16"
+)
+GREEDY = SamplingParams(temperature=0.0)
+
+
+@pytest.fixture
+def one_torch_thread() -> Iterator[None]:
+    """Run a test on one torch thread: on a busy shared machine multi-threaded kernels stall at random."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def reference_f16(tiny_model_dir: Path) -> PreTrainedModel:
+    return AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float16).eval()
+
+
+@pytest.fixture(scope="module")
+def shards_f16(tiny_model_dir: Path) -> dict[tuple[int, int], Shard]:
+    return {r: load_shard(tiny_model_dir, *r, torch.float16, CPU) for r in [(0, 3), (0, 1), (2, 3)]}
+
+
+@pytest.mark.usefixtures("one_torch_thread")
+def test_float16_shards_generate_what_transformers_float16_generates(
+    shards_f16: dict[tuple[int, int], Shard], reference_f16: PreTrainedModel, prompt_ids: torch.Tensor
+) -> None:
+    expected = reference_generate(reference_f16, prompt_ids, GREEDY, NEW_TOKENS)
+    eos = reference_f16.config.eos_token_id
+
+    whole = run_route(route(shards_f16, (0, 3)), prompt_ids, GREEDY, NEW_TOKENS, eos=eos)
+    split = run_route(route(shards_f16, (0, 1), (2, 3)), prompt_ids, GREEDY, NEW_TOKENS, eos=eos)
+
+    assert len(expected) >= 40
+    assert whole == expected
+    assert split == expected
+
+
+@pytest.mark.usefixtures("one_torch_thread")
+def test_a_float16_prompt_fed_in_chunks_continues_like_transformers_float16(
+    shards_f16: dict[tuple[int, int], Shard], reference_f16: PreTrainedModel, prompt_ids: torch.Tensor
+) -> None:
+    shard = shards_f16[(0, 3)]
+    cache = shard.new_cache()
+    for chunk in prompt_ids.split(20, dim=1):  # 20, 20 and 13 tokens: later chunks attend to earlier ones
+        hidden = shard.run_layers(shard.embed(chunk), cache, cache.seq_len)
+    tokens: list[int] = []
+    for _ in range(30):
+        tokens.append(int(shard.logits_last(hidden).argmax()))
+        hidden = shard.run_layers(shard.embed(torch.tensor([[tokens[-1]]])), cache, cache.seq_len)
+
+    assert tokens == reference_generate(reference_f16, prompt_ids, GREEDY, 30)
+
+
+@pytest.mark.usefixtures("one_torch_thread")
+def test_one_token_at_a_time_a_float16_shard_computes_bit_for_bit_what_transformers_float16_computes(
+    shards_f16: dict[tuple[int, int], Shard], reference_f16: PreTrainedModel, prompt_ids: torch.Tensor
+) -> None:
+    shard = shards_f16[(0, 3)]
+    cache, reference_cache = shard.new_cache(), DynamicCache(config=reference_f16.config)
+    for position, token in enumerate(prompt_ids[0, :12].tolist()):
+        step = torch.tensor([[token]])
+        got = shard.logits_last(shard.run_layers(shard.embed(step), cache, position))
+        with torch.inference_mode():
+            out = reference_f16(input_ids=step, cache=reference_cache, use_cache=True)
+
+        assert torch.equal(got, out.logits[0, -1].float()), f"decode step {position} differs"
+
+
+WATCHED_KERNELS: dict[object, str] = {F.linear: "linear", F.scaled_dot_product_attention: "attention"}
+
+
+class KernelFormats(TorchFunctionMode):
+    """Observes, without changing anything, the format every linear and attention kernel is called in."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: set[tuple[str, torch.dtype]] = set()
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        if func in WATCHED_KERNELS:
+            self.seen.add((WATCHED_KERNELS[func], args[0].dtype))
+        return func(*args, **(kwargs or {}))
+
+
+@needs_float32_chunks
+@pytest.mark.usefixtures("one_torch_thread")
+def test_a_float16_shard_on_this_cpu_runs_chunks_in_float32_and_decode_steps_in_float16(
+    shards_f16: dict[tuple[int, int], Shard], prompt_ids: torch.Tensor
+) -> None:
+    shard = shards_f16[(0, 3)]
+    cache = shard.new_cache()
+    with KernelFormats() as prompt_kernels:
+        hidden = shard.run_layers(shard.embed(prompt_ids), cache, 0)
+    with KernelFormats() as decode_kernels:
+        step = torch.tensor([[int(shard.logits_last(hidden).argmax())]])
+        after = shard.run_layers(shard.embed(step), cache, cache.seq_len)
+
+    assert (shard.dtype, shard.chunk_dtype) == (torch.float16, torch.float32)
+    assert prompt_kernels.seen == {("linear", torch.float32), ("attention", torch.float32)}
+    assert decode_kernels.seen == {("linear", torch.float16), ("attention", torch.float16)}
+    assert hidden.dtype == after.dtype == torch.float16
+    assert {layer.keys.dtype for layer in cache.kv.layers} == {torch.float16}
+    assert {t.dtype for t in shard.modules.state_dict().values()} == {torch.float16}  # no float32 copies kept
+
+
+def test_float32_and_bfloat16_shards_keep_their_format_for_chunks(
+    shards: dict[tuple[int, int], Shard], tiny_model_dir: Path
+) -> None:
+    bf16 = load_shard(tiny_model_dir, 0, 3, torch.bfloat16, CPU)
+
+    assert shards[(0, 3)].chunk_dtype == torch.float32
+    assert not any(isinstance(m, Float32ChunkLinear) for m in shards[(0, 3)].modules.modules())
+    assert bf16.chunk_dtype == chunk_compute_dtype(torch.bfloat16, CPU)
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("one_torch_thread")
+def test_smollm2_in_float16_answers_a_chat_prompt_like_transformers_float16_and_float32() -> None:
+    path = resolve_model("default").path
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    prompt = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "Write a haiku about the sea."}],
+        add_generation_prompt=True,
+        return_tensors="pt",
+    )["input_ids"]
+    shard = load_shard(path, 0, 29, torch.float16, CPU)
+    expected = {
+        dtype: reference_generate(
+            AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval(), prompt, GREEDY, 30
+        )
+        for dtype in (torch.float16, torch.float32)
+    }
+
+    got = run_route([Hop(shard, 0)], prompt, GREEDY, 30, eos=shard.config.eos_token_id)
+
+    assert len(got) == 30
+    assert got == expected[torch.float16] == expected[torch.float32]

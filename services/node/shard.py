@@ -16,6 +16,20 @@ each decoder layer with the cache), so a chain of shards equals the
 single-process model token for token. A decode step feeds one token and costs
 what the same step costs inside transformers: no work grows with the context
 except attention over the cache.
+
+On a CPU without native kernels for the shard's half format (float16 on most
+x86 CPUs, see :func:`services.node.device.chunk_compute_dtype`), multi-token
+chunks (prompts, replays) run their linear layers and attention in float32,
+on weights converted as they are used: float16 prompt processing through
+torch's generic kernels is ten times slower than bfloat16's, while a
+one-token decode step, bound by memory rather than arithmetic, stays on the
+float16 kernels that make float16 the fastest format to decode in. torch's
+float16 matrix kernels accumulate in float32 too, so a chunk's linear layers
+give the float16 model's results up to the order of summation (about one
+output in 500 differs by one unit in the last place), and its attention is a
+little more precise than the float16 kernel's; activations, the KV cache and
+the hidden states passed on stay float16, and a decode step is bit for bit
+transformers' float16 step.
 """
 
 from __future__ import annotations
@@ -27,18 +41,28 @@ from pathlib import Path
 from typing import Final, Literal
 
 import torch
+import torch.nn.functional as F
 from safetensors import safe_open
 from torch import nn
-from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
+from transformers import AttentionInterface, AutoConfig, AutoModelForCausalLM, PretrainedConfig
 from transformers.cache_utils import get_layer_types_and_kwargs
-from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import (
+    AttentionMaskInterface,
+    create_causal_mask,
+    create_sliding_window_causal_mask,
+    sdpa_mask,
+)
 
+from services.node.device import chunk_compute_dtype
 from services.node.kv_cache import ShardCache
 
 logger = logging.getLogger(__name__)
 
 ATTN_IMPLEMENTATION: Final = "sdpa"
 """Attention kernel; the same one ``from_pretrained`` picks by default, so outputs match it."""
+FLOAT32_CHUNKS_ATTENTION: Final = "meshnet_sdpa_float32_chunks"
+"""The same kernel, run in float32 for multi-token queries; registered with transformers below."""
 
 ShardRole = Literal["whole", "head", "middle", "tail"]
 MaskKind = Literal["full_attention", "sliding_attention"]
@@ -59,6 +83,59 @@ def _tensor_bytes(tensor: torch.Tensor) -> int:
     return tensor.numel() * tensor.element_size()
 
 
+def _is_one_token(states: torch.Tensor) -> bool:
+    """Whether ``states`` (``[..., features]``) holds a single row: a decode step."""
+    return states.numel() <= states.shape[-1]
+
+
+class Float32ChunkLinear(nn.Linear):
+    """A linear layer over half-precision weights whose multi-token inputs are computed in float32.
+
+    One token goes through the half-precision kernel as it would in
+    transformers. Several tokens go through float32, on a copy of the weight
+    made for the call and freed after it: converting costs a few percent of
+    the product at prompt lengths, while a kept float32 copy would triple the
+    memory of the weights. The output is rounded back to the weights' format.
+    """
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        if _is_one_token(input):
+            return F.linear(input, self.weight, self.bias)
+        bias = None if self.bias is None else self.bias.float()
+        return F.linear(input.float(), self.weight.float(), bias).to(input.dtype)
+
+
+def _sdpa_float32_chunks(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    **kwargs: object,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """transformers' SDPA attention, computed in float32 for a query of several tokens.
+
+    Half-precision SDPA on a CPU without native half kernels is about four
+    times slower than float32 at prompt lengths; a decode step's single
+    query keeps the half-precision path. The keys and values of the cache are
+    converted for the call (a fraction of what attention over them costs).
+    """
+    if query.shape[-2] == 1:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+    if attention_mask is not None and attention_mask.is_floating_point():
+        attention_mask = attention_mask.float()
+    out, weights = sdpa_attention_forward(
+        module, query.float(), key.float(), value.float(), attention_mask, **kwargs
+    )
+    return out.to(query.dtype), weights
+
+
+# transformers' extension point for attention kernels: shards that need it name it at load; the
+# masks are SDPA's, so a mask built for this kernel is exactly the one built for "sdpa".
+AttentionInterface.register(FLOAT32_CHUNKS_ATTENTION, _sdpa_float32_chunks)
+AttentionMaskInterface.register(FLOAT32_CHUNKS_ATTENTION, sdpa_mask)
+
+
 class Shard:
     """Layers ``start..end`` of one model on one device, ready to run sessions through."""
 
@@ -76,6 +153,7 @@ class Shard:
         rotary_emb: nn.Module,
         dtype: torch.dtype,
         device: torch.device,
+        chunk_dtype: torch.dtype | None = None,
     ) -> None:
         self.config = config
         self.start = start
@@ -87,6 +165,8 @@ class Shard:
         self.vocab_size: int = config.vocab_size
         self.dtype = dtype
         self.device = device
+        self.chunk_dtype = dtype if chunk_dtype is None else chunk_dtype
+        """Format of the linear layers and attention of multi-token chunks (decode steps run in ``dtype``)."""
         self.modules = modules
         """Every parameter this shard holds, named as in the checkpoint (``model.layers.3.mlp...``)."""
         self._layers = layers
@@ -260,10 +340,10 @@ def load_shard(path: Path, start: int, end: int, dtype: torch.dtype, device: tor
             f"layers {start}-{end} are not a range within the model's {num_layers} layers (0-{num_layers - 1})"
         )
 
+    chunk_dtype = chunk_compute_dtype(dtype, device)
+    attention = ATTN_IMPLEMENTATION if chunk_dtype == dtype else FLOAT32_CHUNKS_ATTENTION
     with torch.device("meta"):
-        skeleton = AutoModelForCausalLM.from_config(
-            config, dtype=dtype, attn_implementation=ATTN_IMPLEMENTATION
-        )
+        skeleton = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attention)
     config = skeleton.config  # the object the layers read at run time (attention kernel, layer types)
     decoder = _decoder_of(skeleton)
     is_head, is_tail = start == 0, end == num_layers - 1
@@ -276,6 +356,8 @@ def load_shard(path: Path, start: int, end: int, dtype: torch.dtype, device: tor
     if is_tail:
         modules.model.norm = decoder.norm
         modules.lm_head = skeleton.lm_head
+    if chunk_dtype != dtype:
+        _compute_chunks_in_float32(modules.model.layers)
     _load_weights(path, modules, config, dtype, device)
 
     with torch.device(device):
@@ -295,19 +377,45 @@ def load_shard(path: Path, start: int, end: int, dtype: torch.dtype, device: tor
         rotary_emb=rotary_emb,
         dtype=dtype,
         device=device,
+        chunk_dtype=chunk_dtype,
+    )
+    chunks = (
+        ""
+        if chunk_dtype == dtype
+        else f" (multi-token chunks in {_name(chunk_dtype)}: no native {_name(dtype)} matrix kernels here)"
     )
     logger.info(
-        "loaded layers %d-%d of %d (%s) as %s on %s: %.1f MiB in %.2f s",
+        "loaded layers %d-%d of %d (%s) as %s on %s%s: %.1f MiB in %.2f s",
         start,
         end,
         num_layers,
         shard.role,
-        str(dtype).removeprefix("torch."),
+        _name(dtype),
         device,
+        chunks,
         shard.weight_bytes() / (1 << 20),
         time.perf_counter() - began,
     )
     return shard
+
+
+def _name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _compute_chunks_in_float32(layers: nn.Module) -> None:
+    """Replace every linear layer under ``layers`` (still on the meta device) by a :class:`Float32ChunkLinear`."""
+    for parent in list(layers.modules()):
+        for child_name, child in list(parent.named_children()):
+            if type(child) is nn.Linear:
+                with torch.device("meta"):
+                    replacement = Float32ChunkLinear(
+                        child.in_features,
+                        child.out_features,
+                        bias=child.bias is not None,
+                        dtype=child.weight.dtype,
+                    )
+                setattr(parent, child_name, replacement)
 
 
 def _decoder_of(skeleton: nn.Module) -> nn.Module:
