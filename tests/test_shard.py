@@ -15,10 +15,11 @@ from safetensors.torch import load_file, save_file
 from torch.overrides import TorchFunctionMode
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, PreTrainedModel
 
+from services.node.chunk_precision import Float32ChunkLinear
 from services.node.device import chunk_compute_dtype
 from services.node.model_source import resolve_model
 from services.node.sampling import Sampler, SamplingParams
-from services.node.shard import Float32ChunkLinear, Shard, ShardCache, ShardError, load_shard
+from services.node.shard import Shard, ShardCache, ShardError, load_shard
 
 CPU = torch.device("cpu")
 NEW_TOKENS = 48

@@ -17,19 +17,9 @@ single-process model token for token. A decode step feeds one token and costs
 what the same step costs inside transformers: no work grows with the context
 except attention over the cache.
 
-On a CPU without native kernels for the shard's half format (float16 on most
-x86 CPUs, see :func:`services.node.device.chunk_compute_dtype`), multi-token
-chunks (prompts, replays) run their linear layers and attention in float32,
-on weights converted as they are used: float16 prompt processing through
-torch's generic kernels is ten times slower than bfloat16's, while a
-one-token decode step, bound by memory rather than arithmetic, stays on the
-float16 kernels that make float16 the fastest format to decode in. torch's
-float16 matrix kernels accumulate in float32 too, so a chunk's linear layers
-give the float16 model's results up to the order of summation (about one
-output in 500 differs by one unit in the last place), and its attention is a
-little more precise than the float16 kernel's; activations, the KV cache and
-the hidden states passed on stay float16, and a decode step is bit for bit
-transformers' float16 step.
+On a CPU without native kernels for the shard's half format, multi-token
+chunks run in float32 while decode steps stay in half precision: see
+:mod:`services.node.chunk_precision`.
 """
 
 from __future__ import annotations
@@ -41,19 +31,16 @@ from pathlib import Path
 from typing import Final, Literal
 
 import torch
-import torch.nn.functional as F
 from safetensors import safe_open
 from torch import nn
-from transformers import AttentionInterface, AutoConfig, AutoModelForCausalLM, PretrainedConfig
+from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 from transformers.cache_utils import get_layer_types_and_kwargs
-from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import (
-    AttentionMaskInterface,
     create_causal_mask,
     create_sliding_window_causal_mask,
-    sdpa_mask,
 )
 
+from services.node.chunk_precision import FLOAT32_CHUNKS_ATTENTION, compute_chunks_in_float32
 from services.node.device import chunk_compute_dtype
 from services.node.kv_cache import ShardCache
 
@@ -61,8 +48,6 @@ logger = logging.getLogger(__name__)
 
 ATTN_IMPLEMENTATION: Final = "sdpa"
 """Attention kernel; the same one ``from_pretrained`` picks by default, so outputs match it."""
-FLOAT32_CHUNKS_ATTENTION: Final = "meshnet_sdpa_float32_chunks"
-"""The same kernel, run in float32 for multi-token queries; registered with transformers below."""
 
 ShardRole = Literal["whole", "head", "middle", "tail"]
 MaskKind = Literal["full_attention", "sliding_attention"]
@@ -81,59 +66,6 @@ class ShardError(ValueError):
 
 def _tensor_bytes(tensor: torch.Tensor) -> int:
     return tensor.numel() * tensor.element_size()
-
-
-def _is_one_token(states: torch.Tensor) -> bool:
-    """Whether ``states`` (``[..., features]``) holds a single row: a decode step."""
-    return states.numel() <= states.shape[-1]
-
-
-class Float32ChunkLinear(nn.Linear):
-    """A linear layer over half-precision weights whose multi-token inputs are computed in float32.
-
-    One token goes through the half-precision kernel as it would in
-    transformers. Several tokens go through float32, on a copy of the weight
-    made for the call and freed after it: converting costs a few percent of
-    the product at prompt lengths, while a kept float32 copy would triple the
-    memory of the weights. The output is rounded back to the weights' format.
-    """
-
-    def forward(self, input: torch.Tensor) -> torch.Tensor:
-        if _is_one_token(input):
-            return F.linear(input, self.weight, self.bias)
-        bias = None if self.bias is None else self.bias.float()
-        return F.linear(input.float(), self.weight.float(), bias).to(input.dtype)
-
-
-def _sdpa_float32_chunks(
-    module: nn.Module,
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    attention_mask: torch.Tensor | None,
-    **kwargs: object,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """transformers' SDPA attention, computed in float32 for a query of several tokens.
-
-    Half-precision SDPA on a CPU without native half kernels is about four
-    times slower than float32 at prompt lengths; a decode step's single
-    query keeps the half-precision path. The keys and values of the cache are
-    converted for the call (a fraction of what attention over them costs).
-    """
-    if query.shape[-2] == 1:
-        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
-    if attention_mask is not None and attention_mask.is_floating_point():
-        attention_mask = attention_mask.float()
-    out, weights = sdpa_attention_forward(
-        module, query.float(), key.float(), value.float(), attention_mask, **kwargs
-    )
-    return out.to(query.dtype), weights
-
-
-# transformers' extension point for attention kernels: shards that need it name it at load; the
-# masks are SDPA's, so a mask built for this kernel is exactly the one built for "sdpa".
-AttentionInterface.register(FLOAT32_CHUNKS_ATTENTION, _sdpa_float32_chunks)
-AttentionMaskInterface.register(FLOAT32_CHUNKS_ATTENTION, sdpa_mask)
 
 
 class Shard:
@@ -357,7 +289,7 @@ def load_shard(path: Path, start: int, end: int, dtype: torch.dtype, device: tor
         modules.model.norm = decoder.norm
         modules.lm_head = skeleton.lm_head
     if chunk_dtype != dtype:
-        _compute_chunks_in_float32(modules.model.layers)
+        compute_chunks_in_float32(modules.model.layers)
     _load_weights(path, modules, config, dtype, device)
 
     with torch.device(device):
@@ -401,21 +333,6 @@ def load_shard(path: Path, start: int, end: int, dtype: torch.dtype, device: tor
 
 def _name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
-
-
-def _compute_chunks_in_float32(layers: nn.Module) -> None:
-    """Replace every linear layer under ``layers`` (still on the meta device) by a :class:`Float32ChunkLinear`."""
-    for parent in list(layers.modules()):
-        for child_name, child in list(parent.named_children()):
-            if type(child) is nn.Linear:
-                with torch.device("meta"):
-                    replacement = Float32ChunkLinear(
-                        child.in_features,
-                        child.out_features,
-                        bias=child.bias is not None,
-                        dtype=child.weight.dtype,
-                    )
-                setattr(parent, child_name, replacement)
 
 
 def _decoder_of(skeleton: nn.Module) -> nn.Module:
