@@ -15,7 +15,12 @@ from safetensors.torch import load_file, save_file
 from torch.overrides import TorchFunctionMode
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, PreTrainedModel
 
-from services.node.chunk_precision import Float32ChunkLinear
+from services.node.chunk_precision import (
+    FLOAT32_ATTENTION,
+    SDPA_ATTENTION,
+    Float32ChunkLinear,
+    attention_kernel,
+)
 from services.node.device import chunk_compute_dtype
 from services.node.model_source import resolve_model
 from services.node.sampling import Sampler, SamplingParams
@@ -416,6 +421,14 @@ def reference_f16(tiny_model_dir: Path) -> PreTrainedModel:
 
 
 @pytest.fixture(scope="module")
+def reference_f16_float32_attention(tiny_model_dir: Path) -> PreTrainedModel:
+    """transformers float16 with its attention computed in float32, as a half-precision shard on a CPU computes it."""
+    return AutoModelForCausalLM.from_pretrained(
+        tiny_model_dir, dtype=torch.float16, attn_implementation=FLOAT32_ATTENTION
+    ).eval()
+
+
+@pytest.fixture(scope="module")
 def shards_f16(tiny_model_dir: Path) -> dict[tuple[int, int], Shard]:
     return {r: load_shard(tiny_model_dir, *r, torch.float16, CPU) for r in [(0, 3), (0, 1), (2, 3)]}
 
@@ -453,8 +466,11 @@ def test_a_float16_prompt_fed_in_chunks_continues_like_transformers_float16(
 
 @pytest.mark.usefixtures("one_torch_thread")
 def test_one_token_at_a_time_a_float16_shard_computes_bit_for_bit_what_transformers_float16_computes(
-    shards_f16: dict[tuple[int, int], Shard], reference_f16: PreTrainedModel, prompt_ids: torch.Tensor
+    shards_f16: dict[tuple[int, int], Shard],
+    reference_f16_float32_attention: PreTrainedModel,
+    prompt_ids: torch.Tensor,
 ) -> None:
+    reference_f16 = reference_f16_float32_attention
     shard = shards_f16[(0, 3)]
     cache, reference_cache = shard.new_cache(), DynamicCache(config=reference_f16.config)
     for position, token in enumerate(prompt_ids[0, :12].tolist()):
@@ -484,7 +500,7 @@ class KernelFormats(TorchFunctionMode):
 
 @needs_float32_chunks
 @pytest.mark.usefixtures("one_torch_thread")
-def test_a_float16_shard_on_this_cpu_runs_chunks_in_float32_and_decode_steps_in_float16(
+def test_a_float16_shard_on_this_cpu_runs_chunks_in_float32_and_decode_steps_linear_layers_in_float16(
     shards_f16: dict[tuple[int, int], Shard], prompt_ids: torch.Tensor
 ) -> None:
     shard = shards_f16[(0, 3)]
@@ -497,10 +513,47 @@ def test_a_float16_shard_on_this_cpu_runs_chunks_in_float32_and_decode_steps_in_
 
     assert (shard.dtype, shard.chunk_dtype) == (torch.float16, torch.float32)
     assert prompt_kernels.seen == {("linear", torch.float32), ("attention", torch.float32)}
-    assert decode_kernels.seen == {("linear", torch.float16), ("attention", torch.float16)}
+    assert decode_kernels.seen == {("linear", torch.float16), ("attention", torch.float32)}
     assert hidden.dtype == after.dtype == torch.float16
     assert {layer.keys.dtype for layer in cache.kv.layers} == {torch.float16}
     assert {t.dtype for t in shard.modules.state_dict().values()} == {torch.float16}  # no float32 copies kept
+
+
+@pytest.mark.parametrize(
+    ("dtype", "device", "kernel"),
+    [
+        (torch.float16, "cpu", FLOAT32_ATTENTION),
+        (torch.bfloat16, "cpu", FLOAT32_ATTENTION),
+        (torch.float32, "cpu", SDPA_ATTENTION),
+        (torch.float16, "cuda", SDPA_ATTENTION),
+        (torch.bfloat16, "cuda", SDPA_ATTENTION),
+    ],
+)
+def test_only_half_precision_shards_on_a_cpu_compute_attention_in_float32(
+    dtype: torch.dtype, device: str, kernel: str
+) -> None:
+    assert attention_kernel(dtype, torch.device(device)) == kernel
+
+
+def test_a_float32_shard_loads_transformers_own_attention(shards: dict[tuple[int, int], Shard]) -> None:
+    assert shards[(0, 3)].config._attn_implementation == SDPA_ATTENTION
+
+
+@pytest.mark.usefixtures("one_torch_thread")
+def test_a_bfloat16_decode_step_computes_attention_in_float32(
+    tiny_model_dir: Path, prompt_ids: torch.Tensor
+) -> None:
+    shard = load_shard(tiny_model_dir, 0, 3, torch.bfloat16, CPU)
+    cache = shard.new_cache()
+    hidden = shard.run_layers(shard.embed(prompt_ids), cache, 0)
+    with KernelFormats() as decode_kernels:
+        shard.run_layers(shard.embed(prompt_ids[:, -1:]), cache, cache.seq_len)
+
+    assert ("attention", torch.float32) in decode_kernels.seen
+    assert ("attention", torch.bfloat16) not in decode_kernels.seen
+    assert hidden.dtype == torch.bfloat16
+    # the cache keeps the shard's format: float32 copies would double its memory
+    assert {layer.keys.dtype for layer in cache.kv.layers} == {torch.bfloat16}
 
 
 def test_float32_and_bfloat16_shards_keep_their_format_for_chunks(

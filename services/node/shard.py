@@ -17,8 +17,10 @@ single-process model token for token. A decode step feeds one token and costs
 what the same step costs inside transformers: no work grows with the context
 except attention over the cache.
 
-On a CPU without native kernels for the shard's half format, multi-token
-chunks run in float32 while decode steps stay in half precision: see
+A half-precision shard on a CPU computes attention in float32 (torch's half
+SDPA there is ten times slower for a decode step's single query), and on a
+CPU without native kernels for its half format, multi-token chunks run their
+linear layers in float32 too while decode steps stay in half precision: see
 :mod:`services.node.chunk_precision`.
 """
 
@@ -40,14 +42,11 @@ from transformers.masking_utils import (
     create_sliding_window_causal_mask,
 )
 
-from services.node.chunk_precision import FLOAT32_CHUNKS_ATTENTION, compute_chunks_in_float32
+from services.node.chunk_precision import attention_kernel, compute_chunks_in_float32
 from services.node.device import chunk_compute_dtype
 from services.node.kv_cache import ShardCache
 
 logger = logging.getLogger(__name__)
-
-ATTN_IMPLEMENTATION: Final = "sdpa"
-"""Attention kernel; the same one ``from_pretrained`` picks by default, so outputs match it."""
 
 ShardRole = Literal["whole", "head", "middle", "tail"]
 MaskKind = Literal["full_attention", "sliding_attention"]
@@ -98,7 +97,7 @@ class Shard:
         self.dtype = dtype
         self.device = device
         self.chunk_dtype = dtype if chunk_dtype is None else chunk_dtype
-        """Format of the linear layers and attention of multi-token chunks (decode steps run in ``dtype``)."""
+        """Format of the linear layers of multi-token chunks (decode steps run in ``dtype``)."""
         self.modules = modules
         """Every parameter this shard holds, named as in the checkpoint (``model.layers.3.mlp...``)."""
         self._layers = layers
@@ -273,7 +272,7 @@ def load_shard(path: Path, start: int, end: int, dtype: torch.dtype, device: tor
         )
 
     chunk_dtype = chunk_compute_dtype(dtype, device)
-    attention = ATTN_IMPLEMENTATION if chunk_dtype == dtype else FLOAT32_CHUNKS_ATTENTION
+    attention = attention_kernel(dtype, device)
     with torch.device("meta"):
         skeleton = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attention)
     config = skeleton.config  # the object the layers read at run time (attention kernel, layer types)
