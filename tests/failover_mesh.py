@@ -14,13 +14,14 @@ from __future__ import annotations
 
 import signal
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Final
 
 import httpx
 import orjson
+import pytest
 
 from meshwire.sse import parse_sse_line
 from tests.procs import Service, start_service, start_together, wait_healthy
@@ -200,3 +201,28 @@ def start_mesh(model_dir: Path, layers: Mapping[str, tuple[int, int]]) -> Failov
         mesh.stop()
         raise
     return mesh
+
+
+def mesh_fixtures(layers: Mapping[str, tuple[int, int]]) -> tuple[Callable[..., Any], Callable[..., Any]]:
+    """The two fixtures a failover test module needs, for a mesh of ``layers``.
+
+    ``mesh`` (module scope) runs the tracker and nodes; ``whole`` (autouse)
+    revives every node before each test, so a test's kill never leaks into
+    the next. A module binds them by name: ``mesh, whole = mesh_fixtures(LAYERS)``.
+    """
+
+    @pytest.fixture(scope="module", name="mesh")
+    def mesh(tiny_model_dir: Path) -> Iterator[FailoverMesh]:
+        running = start_mesh(tiny_model_dir, layers)
+        try:
+            yield running
+        finally:
+            running.stop()
+
+    @pytest.fixture(autouse=True, name="whole")
+    def whole(mesh: FailoverMesh) -> FailoverMesh:
+        """Every test starts with every node up and no session open."""
+        mesh.revive_all()
+        return mesh
+
+    return mesh, whole

@@ -13,13 +13,9 @@ layer 0, ``mid-a`` and ``mid-b`` both hold 1-2, ``tail`` alone holds 3.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Final
 
-import pytest
-
-from tests.failover_mesh import FailoverMesh, start_mesh, wait_for
+from tests.failover_mesh import FailoverMesh, mesh_fixtures, wait_for
 
 MIDDLES: Final = ("mid-a", "mid-b")
 LAYERS: Final = {"head": (0, 0), "mid-a": (1, 2), "mid-b": (1, 2), "tail": (3, 3)}
@@ -29,20 +25,7 @@ ERROR_BOUND_S: Final = 30.0
 """A stream that lost the only holder of a range must end within this (a correctness bound, not a benchmark)."""
 
 
-@pytest.fixture(scope="module")
-def mesh(tiny_model_dir: Path) -> Iterator[FailoverMesh]:
-    running = start_mesh(tiny_model_dir, LAYERS)
-    try:
-        yield running
-    finally:
-        running.stop()
-
-
-@pytest.fixture(autouse=True)
-def whole(mesh: FailoverMesh) -> FailoverMesh:
-    """Every test starts with every node up and no session open."""
-    mesh.revive_all()
-    return mesh
+mesh, whole = mesh_fixtures(LAYERS)
 
 
 def test_a_greedy_stream_outlives_its_middle_node_and_equals_the_uninterrupted_run(mesh: FailoverMesh) -> None:

@@ -10,16 +10,13 @@ equals an uninterrupted run, greedy and seeded alike, with no error event.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Final
 
 import httpx
-import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from meshwire import headers as h
-from tests.failover_mesh import FailoverMesh, StreamResult, start_mesh, wait_for
+from tests.failover_mesh import FailoverMesh, StreamResult, mesh_fixtures, wait_for
 
 TAILS: Final = ("tail-a", "tail-b")
 LAYERS: Final = {"head": (0, 1), "tail-a": (2, 3), "tail-b": (2, 3)}
@@ -28,20 +25,7 @@ KILL_AFTER_CHUNKS: Final = 20
 SEEDED: Final = {"temperature": 0.8, "seed": 1}
 
 
-@pytest.fixture(scope="module")
-def mesh(tiny_model_dir: Path) -> Iterator[FailoverMesh]:
-    running = start_mesh(tiny_model_dir, LAYERS)
-    try:
-        yield running
-    finally:
-        running.stop()
-
-
-@pytest.fixture(autouse=True)
-def whole(mesh: FailoverMesh) -> FailoverMesh:
-    """Every test starts with every node up and no session open."""
-    mesh.revive_all()
-    return mesh
+mesh, whole = mesh_fixtures(LAYERS)
 
 
 def head_failovers(mesh: FailoverMesh) -> float:
