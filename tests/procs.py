@@ -16,9 +16,10 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator, Literal, Mapping, Sequence
+from typing import Literal
 
 import httpx
 
@@ -78,7 +79,7 @@ class Service:
             except subprocess.TimeoutExpired:
                 self.kill()
 
-    def __enter__(self) -> "Service":
+    def __enter__(self) -> Service:
         return self
 
     def __exit__(self, *exc: object) -> None:

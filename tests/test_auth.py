@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+
 from meshwire.auth import AuthFailure, bearer_headers, check_bearer
 
 SECRET = "s3cret-value"

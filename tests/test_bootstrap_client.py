@@ -12,6 +12,9 @@ from typing import Any
 import httpx
 import orjson
 import pytest
+from pydantic import ValidationError
+from starlette.types import Receive, Scope, Send
+
 from meshwire.bootstrap_client import (
     AsyncBootstrapClient,
     BootstrapClient,
@@ -24,9 +27,6 @@ from meshwire.bootstrap_client import (
     RankRegistration,
     RetryPolicy,
 )
-from pydantic import ValidationError
-from starlette.types import Receive, Scope, Send
-
 from services.bootstrap.app import create_app
 from services.bootstrap.server import BootstrapServer
 from services.bootstrap.settings import BootstrapSettings

@@ -9,8 +9,8 @@ from typing import Any
 
 import httpx
 import pytest
-from meshwire.bootstrap_client import AsyncBootstrapClient, RankRegistration
 
+from meshwire.bootstrap_client import AsyncBootstrapClient, RankRegistration
 from services.bootstrap.registry import RegistryKind
 from services.bootstrap.server import BootstrapServer
 from services.bootstrap.settings import BootstrapSettings

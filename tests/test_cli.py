@@ -123,9 +123,3 @@ def test_chat_against_no_mesh_says_it_cannot_reach_it() -> None:
     result = run_cli("chat", "--url", f"http://127.0.0.1:{free_port()}", "hello")
     assert result.returncode == 1
     assert "cannot reach" in result.stderr
-
-
-def test_co_located_nodes_split_the_cores_between_them() -> None:
-    from meshnet.up import threads_per_node
-
-    assert [threads_per_node(n, cores=8) for n in (1, 2, 3, 8, 16)] == [8, 4, 2, 1, 1]

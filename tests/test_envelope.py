@@ -9,6 +9,7 @@ import struct
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
 from meshwire import limits
 from meshwire.envelope import (
     EnvelopeError,

@@ -10,6 +10,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
 from meshwire import headers as h
 from meshwire.frames import (
     ITEMSIZE,

@@ -6,6 +6,8 @@ import openai.types as oa
 import openai.types.chat as oa_chat
 import orjson
 import pytest
+from pydantic import ValidationError
+
 from meshwire import limits
 from meshwire.errors import error_body
 from meshwire.openai import (
@@ -29,7 +31,6 @@ from meshwire.openai import (
     validation_error_param,
 )
 from meshwire.sse import DONE, parse_sse_line, sse_event
-from pydantic import ValidationError
 
 BASE = {"model": "tiny", "messages": [{"role": "user", "content": "Hello"}]}
 

@@ -11,6 +11,8 @@ import orjson
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from pydantic import ValidationError
+
 from meshwire import limits
 from meshwire.routes import (
     Route,
@@ -22,7 +24,6 @@ from meshwire.routes import (
     sign_route,
     verify_route,
 )
-from pydantic import ValidationError
 
 SECRET = "test-secret"
 NOW = 1_700_000_000.0

@@ -20,8 +20,9 @@ import importlib
 import sys
 import types
 import typing
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any
 
 from pydantic.fields import FieldInfo
 from pydantic_settings import BaseSettings

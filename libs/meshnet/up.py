@@ -19,9 +19,9 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import httpx
 from pydantic import Field
@@ -73,17 +73,6 @@ def split_layers(num_layers: int, nodes: int) -> list[tuple[int, int]]:
         ranges.append((start, start + size - 1))
         start += size
     return ranges
-
-
-def threads_per_node(nodes: int, cores: int | None = None) -> int:
-    """torch threads for each of ``nodes`` nodes sharing this machine's cores.
-
-    Co-located nodes split the cores rather than each taking all of them:
-    measured on 2 cores, a 2-node SmolLM2 mesh decoded at 34 ms a token with one
-    thread per node against 40 ms with two (threads of one node waiting while
-    the other computes), and concurrent streams would oversubscribe the cores.
-    """
-    return max(1, (cores or os.cpu_count() or 1) // nodes)
 
 
 def _port_free(host: str, port: int) -> bool:
@@ -195,7 +184,7 @@ def run_up(settings: UpSettings, log_level: str = "info") -> int:
         for index, ((first, last), port) in enumerate(zip(split_layers(num_layers, settings.nodes), node_ports)):
             args = ["node", "--model", settings.model, "--layers", f"{first}-{last}", "--tracker", base,
                     "--host", host, "--port", str(port), "--dtype", settings.dtype, "--device", settings.device,
-                    "--node-id", f"node-{index}", "--threads", str(threads_per_node(settings.nodes))]
+                    "--node-id", f"node-{index}"]
             children.append(_spawn(f"node-{index} (layers {first}-{last})", args, env, f"http://{host}:{port}",
                                    log_level))
 

@@ -6,7 +6,10 @@ health checks, other sessions' frames) for the whole forward; running forwards
 on a pool would make torch run two at once and fight over the same cores.
 So every forward of this node goes through :class:`ComputeWorker`, a
 single-thread executor: the loop never blocks, and torch runs one forward at
-a time with all its threads.
+a time with all its threads. Each forward (:meth:`ComputeWorker.compute`)
+first takes a share of the machine's cores from the
+:class:`~services.node.cpu_gate.CpuGate` and runs with that many threads, so
+that nodes sharing a machine never run more threads than it has cores.
 
 :class:`ShardRunner` is the node's one verb on top of it: run one step of one
 session through this shard (embed at the head, layers, and at the tail the
@@ -27,6 +30,7 @@ from typing import Final, ParamSpec, TypeVar
 
 import torch
 
+from services.node.cpu_gate import CpuGate
 from services.node.sampling import Sampler
 from services.node.shard import Shard, ShardCache
 
@@ -51,15 +55,39 @@ class ComputeWorker:
     def __init__(self, threads: int | None = None) -> None:
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="meshnet-torch",
                                             initializer=_init_thread, initargs=(threads,))
+        self._max_threads = threads if threads is not None else torch.get_num_threads()
+        self._gate: CpuGate | None = None
+        self._on_gate_wait: Callable[[float], None] | None = None
+
+    def use_gate(self, gate: CpuGate | None, on_wait: Callable[[float], None] | None = None) -> None:
+        """Make every later :meth:`compute` hold ``gate``; ``on_wait`` hears the seconds each waited for it."""
+        self._gate = gate
+        self._on_gate_wait = on_wait
 
     async def run(self, fn: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> T:
-        """Run ``fn(*args, **kwargs)`` on the torch thread and await its result."""
+        """Run ``fn(*args, **kwargs)`` on the torch thread and await its result (no gate: loading, I/O)."""
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._executor, functools.partial(fn, *args, **kwargs))
 
+    async def compute(self, fn: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> T:
+        """Like :meth:`run`, on the share of the cores the CPU gate gives: for forwards and timings."""
+        return await self.run(self._gated, functools.partial(fn, *args, **kwargs))
+
+    def _gated(self, call: Callable[[], T]) -> T:
+        if self._gate is None:
+            return call()
+        with self._gate.hold(self._max_threads) as share:
+            if self._on_gate_wait is not None:
+                self._on_gate_wait(share.waited_s)
+            if torch.get_num_threads() != share.threads:
+                torch.set_num_threads(share.threads)
+            return call()
+
     def shutdown(self) -> None:
-        """Stop the thread once the work already queued is done."""
+        """Stop the thread once the work already queued is done, and let go of the gate's lock file."""
         self._executor.shutdown(wait=True, cancel_futures=True)
+        if self._gate is not None:
+            self._gate.close()
 
 
 def _init_thread(threads: int | None) -> None:
@@ -105,7 +133,7 @@ class ShardRunner:
         At the tail, ``sampler`` picks the next token; without one (a prefill
         chunk that is not the last) no logits are computed.
         """
-        result = await self._worker.run(self._step_sync, cache, position_offset, from_layer, ids, hidden, sampler)
+        result = await self._worker.compute(self._step_sync, cache, position_offset, from_layer, ids, hidden, sampler)
         tokens = len(ids) if ids is not None else (hidden.shape[1] if hidden is not None else 0)
         if tokens == 1:
             self._record_decode(result.compute_ms / 1000.0)
@@ -142,7 +170,7 @@ class ShardRunner:
         them here keeps them out of the first request and gives the tracker a
         real decode rate at registration.
         """
-        return await self._worker.run(self._warm_up_sync)
+        return await self._worker.compute(self._warm_up_sync)
 
     def _warm_up_sync(self) -> float:
         cache = self.shard.new_cache()

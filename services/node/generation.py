@@ -7,7 +7,8 @@ One request is one session along one route. The head:
    sending each chunk's hidden states to hop 1 (:class:`SessionChain`); the
    last chunk makes the tail sample the first token;
 2. then feeds back one token per step, so every decode frame carries exactly
-   one position;
+   one position; the next step starts before the current token's text is
+   sent, so streaming it costs the route no time;
 3. turns tokens into text incrementally (never splitting a character), holds
    back text that may begin a stop string, and ends on an EOS id, a stop
    string or ``max_tokens`` (``stop`` / ``length``);
@@ -313,6 +314,7 @@ class Generator:
         stops = StopMatcher(request.stop)
         reason: FinishReason = "length"
         stopped = False
+        upcoming: asyncio.Task[int] | None = None
         try:
             token = await self._next_token(run, request, history)
             while True:
@@ -322,14 +324,20 @@ class Generator:
                     reason = "stop"
                     break
                 out = stops.feed(detok.push(token))
+                if not out.stopped and len(history.generated) < request.max_tokens:
+                    # The next step starts before this token's text goes out: sending it (SSE, the
+                    # tracker, the client) overlaps the route's work instead of adding to every token.
+                    upcoming = asyncio.create_task(self._next_token(run, request, history))
+                    await asyncio.sleep(0)  # let it reach the compute thread first
                 if out.text:
                     yield TextDelta(out.text)
                 if out.stopped:
                     reason, stopped = "stop", True
                     break
-                if len(history.generated) >= request.max_tokens:
+                if upcoming is None:
                     break
-                token = await self._next_token(run, request, history)
+                token = await upcoming
+                upcoming = None
             if not stopped:  # the end: release what was held back for a character or a stop string
                 out = stops.feed(detok.flush())
                 rest = out.text if out.stopped else out.text + stops.flush()
@@ -340,7 +348,9 @@ class Generator:
             yield Finished(finish_reason=reason, prompt_tokens=len(request.prompt_ids),
                            completion_tokens=len(history.generated))
         finally:
-            await self._close(run.chain)
+            if upcoming is not None:  # the client went away while a step was in flight
+                upcoming.cancel()
+            await self._close(run, upcoming)
 
     def _chain(self, hop: RoutedHop | None, request: GenerationRequest, history: History) -> SessionChain:
         return SessionChain(runner=self._runner, sessions=self._sessions, hops=self._hops, metrics=self._metrics,
@@ -416,13 +426,24 @@ class Generator:
         task.add_done_callback(self._closing.discard)
         return task
 
-    async def _close(self, chain: SessionChain) -> None:
-        """Close ``chain``, and wait for it if we may."""
-        task = self._spawn_close(chain)
+    async def _close(self, run: _Run, pending: asyncio.Task[int] | None) -> None:
+        """Close the request's session once ``pending`` (a step cancelled in flight) has settled; wait if we may.
+
+        The close is a task of its own, started before any wait: a request being
+        cancelled (its client went away) may not reach a second ``await``.
+        """
+        task = asyncio.create_task(self._settle_then_close(run, pending))
+        self._closing.add(task)
+        task.add_done_callback(self._closing.discard)
         try:
             await asyncio.shield(task)
         except TimeoutError:  # closing is best effort: the sessions expire anyway
-            logger.info("closing session %s timed out after %.0f s", chain.session_id, CLOSE_TIMEOUT_S)
+            logger.info("closing session %s timed out after %.0f s", run.chain.session_id, CLOSE_TIMEOUT_S)
+
+    async def _settle_then_close(self, run: _Run, pending: asyncio.Task[int] | None) -> None:
+        if pending is not None:
+            await asyncio.gather(pending, return_exceptions=True)  # it may have moved the request (failover)
+        await asyncio.wait_for(run.chain.close(), CLOSE_TIMEOUT_S)
 
     async def drain(self) -> None:
         """Wait for the closes still in flight (shutdown)."""

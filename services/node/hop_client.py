@@ -1,7 +1,8 @@
 """Sending a frame to the next hop of a route: directly, or through the relay.
 
-A hop is dialled at its ``endpoint`` over one shared keep-alive HTTP/1.1
-client, so a decode step costs one small request on an open connection. A
+A hop is dialled at its ``endpoint`` over keep-alive HTTP/1.1 connections
+(:mod:`services.node.hop_http`), so a decode step costs one small request on
+an open connection. A
 hop behind NAT also has a ``relay_addr``: when it cannot be dialled directly
 (connection refused, or no answer to the connect at all: a NAT drops the
 packets, which shows as a connect timeout), the frame goes through the relay
@@ -37,6 +38,7 @@ from pydantic import ValidationError
 from meshwire import errors
 from meshwire.auth import bearer_headers
 from meshwire.routes import RouteNode
+from services.node.hop_http import HopConnectFailed, HopHttp, HopHttpError, HopTimedOut
 from services.node.protocol import ForwardAnswer
 
 try:  # written by the relay piece; without it, hops behind NAT are reached directly or not at all
@@ -121,10 +123,11 @@ class DirectPaths:
 
 
 class HopClient:
-    """Posts frames to hops for one node; shares one HTTP client and one relay caller.
+    """Posts frames to hops for one node, over its own keep-alive connections or one relay caller.
 
-    :meth:`aclose` stops the probes and closes the relay caller's connections
-    (the HTTP client belongs to the caller).
+    :meth:`aclose` stops the probes and closes the frame and relay
+    connections (``http``, used for the rare direct-path probes, belongs to
+    the caller).
     """
 
     def __init__(self, http: httpx.AsyncClient, secret: str, timeout_s: float, *,
@@ -134,6 +137,7 @@ class HopClient:
         self._secret = secret
         self._timeout_s = timeout_s
         self._timeout = httpx.Timeout(timeout_s, connect=min(connect_timeout_s, timeout_s))
+        self._frames = HopHttp(connect_timeout_s=min(connect_timeout_s, timeout_s), max_answer_bytes=MAX_ANSWER_BYTES)
         self._relay = RelayCaller(secret) if RelayCaller is not None else None
         self._paths = DirectPaths(relay_only_ttl_s, clock)
         self._probes: dict[str, asyncio.Task[None]] = {}
@@ -151,24 +155,20 @@ class HopClient:
                 self._probe_soon(node.endpoint)
             return await self._via_relay(node, out_headers, body)
         try:
-            response = await self._http.post(f"{node.endpoint}{FORWARD_PATH}", headers=out_headers, content=body,
-                                             timeout=self._timeout)
-        except (httpx.ConnectError, httpx.ConnectTimeout) as exc:  # never reached the hop: safe to try another way
+            answer = await self._frames.request("POST", node.endpoint, FORWARD_PATH, out_headers, body,
+                                                self._timeout_s)
+        except HopConnectFailed as exc:  # never reached the hop: safe to try another way
             if relayable:
                 logger.info("hop %s not reachable directly at %s (%s); using its relay", node.node_id,
-                            node.endpoint, type(exc).__name__)
+                            node.endpoint, exc)
                 self._paths.unreachable(node.endpoint)
                 return await self._via_relay(node, out_headers, body)
-            raise HopUnreachable(node.node_id, f"cannot connect to {node.endpoint}: "
-                                               f"{exc or type(exc).__name__}") from exc
-        except httpx.TimeoutException as exc:
+            raise HopUnreachable(node.node_id, f"cannot connect to {node.endpoint}: {exc}") from exc
+        except HopTimedOut as exc:
             raise HopUnreachable(node.node_id, f"no answer within {self._timeout_s:.0f} s") from exc
-        except httpx.HTTPError as exc:
-            raise HopUnreachable(node.node_id, f"{type(exc).__name__}: {exc}") from exc
-        if len(response.content) > MAX_ANSWER_BYTES:
-            raise HopUnreachable(node.node_id, f"answer of {len(response.content)} bytes is too large")
-        return HopAnswer(status=response.status_code, body=response.content,
-                         headers={k.lower(): v for k, v in response.headers.items()})
+        except HopHttpError as exc:
+            raise HopUnreachable(node.node_id, str(exc)) from exc
+        return HopAnswer(status=answer.status, body=answer.body, headers=answer.headers)
 
     def _probe_soon(self, endpoint: str) -> None:
         """Try ``endpoint`` directly in the background (at most one probe per endpoint at a time)."""
@@ -208,6 +208,7 @@ class HopClient:
         for task in probes:
             task.cancel()
         await asyncio.gather(*probes, return_exceptions=True)
+        await self._frames.aclose()
         if self._relay is not None:
             await self._relay.close()
 

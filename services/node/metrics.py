@@ -37,6 +37,9 @@ class NodeMetrics:
         self.compute_latency = Histogram("meshnet_node_compute_seconds",
                                          "Time this node's layers took for one frame",
                                          buckets=LATENCY_BUCKETS_S, registry=r)
+        self.cpu_gate_wait = Histogram("meshnet_node_cpu_gate_wait_seconds",
+                                       "Time a forward waited for other nodes on this machine's CPU",
+                                       buckets=LATENCY_BUCKETS_S, registry=r)
         self.frame_tokens = Histogram("meshnet_node_frame_tokens", "Tokens carried by each accepted frame",
                                       buckets=TOKEN_BUCKETS, registry=r)
         self.frames_refused = Counter("meshnet_node_frames_refused", "Frames refused, by error code",

@@ -27,6 +27,7 @@ except ImportError:  # pragma: no cover - depends on which pieces are installed
 from meshwire.frames import DTYPE_NAMES, FrameLimits
 from meshwire.registry import NodeRegistration
 from services.node.compute import ComputeWorker, ShardRunner
+from services.node.cpu_gate import cpu_gate_for
 from services.node.device import pick_device, pick_dtype
 from services.node.forward import ForwardService
 from services.node.generation import Generator
@@ -93,7 +94,8 @@ class NodeRuntime:
         resolved = await self.worker.run(resolve_model, s.model, s.model_cache_dir)
         self.model_id = resolved.model_id
         device = pick_device(s.device)
-        dtype = await self.worker.run(pick_dtype, s.dtype, device)
+        self.worker.use_gate(cpu_gate_for(s.cpu_lock, device.type), self.metrics.cpu_gate_wait.observe)
+        dtype = await self.worker.compute(pick_dtype, s.dtype, device)
         config = await asyncio.to_thread(AutoConfig.from_pretrained, resolved.path)
         start, end = s.layer_range() or (0, config.num_hidden_layers - 1)
         self.shard = await self.worker.run(load_shard, resolved.path, start, end, dtype, device)

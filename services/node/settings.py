@@ -18,6 +18,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from meshwire import limits
 from meshwire.auth import DEFAULT_SECRET
+from services.node.cpu_gate import DEFAULT_CPU_LOCK
 
 DEFAULT_MODEL: Final = "HuggingFaceTB/SmolLM2-135M-Instruct"
 DEFAULT_PORT: Final = 8100
@@ -88,6 +89,8 @@ class NodeSettings(BaseSettings):
     """How long a hop waits for the rest of the route to answer one frame."""
     threads: int | None = Field(default=None, ge=1, le=MAX_THREADS)
     """torch intra-op threads; ``None`` keeps torch's default."""
+    cpu_lock: str = Field(default=DEFAULT_CPU_LOCK, max_length=limits.MAX_URL_CHARS)
+    """File CPU nodes on one machine lock so their forwards take turns on its cores; ``off`` disables."""
 
     @field_validator("layers")
     @classmethod

@@ -1,0 +1,163 @@
+"""Sharing one machine's cores between the node processes on it.
+
+A node on a CPU runs each forward with torch intra-op threads, and its
+OpenMP worker threads spin a short while after each parallel region
+(``GOMP_SPINCOUNT``, set in :mod:`services.node`), which is what lets a decode
+step's few hundred small kernels run back to back without a futex wake each.
+Alone on its machine, a node should use every core. Several nodes on one
+machine (a local mesh, ``meshnet up``, the test suite) that each used every
+core at the same time would run twice the threads there are cores: a thread
+spinning for a partner the kernel has descheduled burns the partner's time
+slice, and measured on 2 cores, 4 concurrent streams over a 2-node mesh fell
+from 34 to 5 tokens/s.
+
+So the cores are slots, one per core, held as byte-range locks (``lockf``)
+of a file every co-located node names (``MESHNET_CPU_LOCK``). For each
+forward (one prompt chunk or one decode step) a node takes slots and runs
+with one thread per slot held:
+
+* every free slot (up to its own thread count) when it did not have to
+  wait: a single stream's hops compute one after another, each with every
+  core, as if alone;
+* only the slot it waited for when all were taken: under concurrent load the
+  nodes settle on a share each and compute side by side, never more threads
+  than cores.
+
+The kernel releases the locks of a process that dies, so a crashed node
+never blocks the others. On a machine of its own a node takes its slots
+uncontended, at the cost of a few system calls a forward.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import logging
+import os
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Final
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_CPU_LOCK: Final = "/tmp/meshnet-cpu.lock"
+"""The lock file co-located nodes share unless told otherwise: one fixed path per machine, whoever runs them."""
+DISABLED_VALUES: Final = frozenset({"", "off", "none"})
+"""``MESHNET_CPU_LOCK`` values that turn sharing off (each node computes whenever it likes)."""
+LOCK_FILE_MODE: Final = 0o666
+"""Nodes run by different users on one machine can all open the lock file."""
+
+
+def machine_cores() -> int:
+    """Cores this process may run on (its affinity mask, which a container's CPU set narrows)."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):  # pragma: no cover - platforms without affinity masks
+        return max(1, os.cpu_count() or 1)
+
+
+@dataclass(frozen=True)
+class Share:
+    """What one forward got: ``threads`` to run with, after ``waited_s`` seconds of waiting for them."""
+
+    threads: int
+    waited_s: float
+
+
+class CpuGate:
+    """The core slots of one machine; :meth:`hold` takes a share of them for the duration of a forward.
+
+    ``slots`` must be the same in every node sharing the file (each uses its
+    machine's core count). One gate belongs to one node's compute thread; an
+    in-process lock keeps it correct should two threads ever use it.
+    """
+
+    def __init__(self, path: str, slots: int | None = None) -> None:
+        self.path = path
+        self.slots = slots if slots is not None else machine_cores()
+        self._local = threading.Lock()
+        self._first = os.getpid() % self.slots
+        """Where this process starts looking for a free slot (processes spread over the slots)."""
+        self._fd = _open_lock_file(path)
+
+    @property
+    def enabled(self) -> bool:
+        """False when the lock file could not be opened (the node then computes with all its threads)."""
+        return self._fd is not None
+
+    @contextlib.contextmanager
+    def hold(self, max_threads: int) -> Iterator[Share]:
+        """Hold a share of the slots (at most ``max_threads``) for the block."""
+        began = time.perf_counter()
+        with self._local:
+            if self._fd is None:
+                yield Share(threads=max_threads, waited_s=0.0)
+                return
+            fd = self._fd
+            held: list[int] = []
+            for offset in range(self.slots):
+                if len(held) >= max_threads:
+                    break
+                slot = (self._first + offset) % self.slots
+                if _try_lock(fd, slot):
+                    held.append(slot)
+            waited = 0.0
+            if not held:
+                _lock(fd, self._first)
+                held = [self._first]
+                waited = time.perf_counter() - began
+            try:
+                yield Share(threads=len(held), waited_s=waited)
+            finally:
+                for slot in held:
+                    _unlock(fd, slot)
+
+    def close(self) -> None:
+        """Release the lock file (shutdown)."""
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+
+def cpu_gate_for(setting: str, device_type: str) -> CpuGate | None:
+    """The gate a node on ``device_type`` uses under the ``MESHNET_CPU_LOCK`` value ``setting``, if any.
+
+    GPUs schedule their own work, so only CPU nodes share slots.
+    """
+    if device_type != "cpu" or setting.strip().lower() in DISABLED_VALUES:
+        return None
+    gate = CpuGate(setting)
+    if gate.enabled:
+        logger.info("sharing this machine's %d cores with other nodes on it through %s", gate.slots, setting)
+    return gate
+
+
+def _try_lock(fd: int, slot: int) -> bool:
+    try:
+        fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB, 1, slot)
+    except OSError:
+        return False
+    return True
+
+
+def _lock(fd: int, slot: int) -> None:
+    fcntl.lockf(fd, fcntl.LOCK_EX, 1, slot)
+
+
+def _unlock(fd: int, slot: int) -> None:
+    fcntl.lockf(fd, fcntl.LOCK_UN, 1, slot)
+
+
+def _open_lock_file(path: str) -> int | None:
+    """A read-write descriptor of ``path``, created if missing; ``None`` (and a warning) when impossible."""
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, LOCK_FILE_MODE)
+    except OSError as exc:
+        logger.warning("cannot open the CPU lock %s (%s): this node computes with all its threads without "
+                       "sharing the cores with other nodes on this machine", path, exc.strerror or exc)
+        return None
+    with contextlib.suppress(OSError):  # umask may have narrowed the mode; only the creator can widen it
+        os.fchmod(fd, LOCK_FILE_MODE)
+    return fd
