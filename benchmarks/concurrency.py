@@ -7,11 +7,10 @@ prefills of others is part of what a client sees). Each stream's own decode
 rate is kept beside it.
 
 Two 2-node meshes run side by side, their rounds interleaved: one as a user
-gets it (every node may use every core), one with the cores divided between
-the nodes (``MESHNET_THREADS`` = cores / nodes). With several streams both
-nodes compute at once, and two nodes that each spin up a thread per core
-fight over the same cores (OpenMP threads spin while they wait for each
-other); the second mesh shows what dividing the cores is worth.
+gets it (every node may use every core; co-located nodes share them as
+slots through their CPU lock, ``services/node/cpu_gate.py``), and one with
+the cores divided between the nodes once and for all (``MESHNET_THREADS`` =
+cores / nodes). The second shows what the sharing is worth under load.
 
 A round is cut at :data:`ROUND_DEADLINE_S` (the tokens that arrived by then
 count) and a level stops repeating once it has used :data:`LEVEL_BUDGET_S`

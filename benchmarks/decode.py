@@ -3,8 +3,9 @@
 The same greedy chat (:data:`~benchmarks.prompts.DECODE_MESSAGES`, fixed
 ``max_tokens``) goes to single-process ``generate`` in float32, bfloat16 and
 float16, and to meshes of 1, 2 and 3 nodes run with ``--dtype auto`` (what a
-user gets), a 2-node mesh in float32 (like for like) and a 2-node mesh whose
-nodes divide the cores between them instead of each using every core.
+user gets) and a 2-node mesh in float32 (like for like). Nodes on this one
+machine share its cores through their CPU lock (``services/node/cpu_gate.py``):
+a single stream's hops each compute with every core, one after another.
 Single process runs with every core and with half of them (on shared cores
 fewer threads can be faster). A user's alternative to the mesh is the
 fastest single-process setup (DESIGN.md section 8), so every mesh figure is
@@ -63,9 +64,7 @@ class MeshCase:
 
 ISSUE_4_CASE: Final = MeshCase(2, "auto")
 LIKE_FOR_LIKE_CASE: Final = MeshCase(2, "float32")
-DIVIDED_CORES_CASE: Final = MeshCase(2, "auto", threads=max(1, (os.cpu_count() or 1) // 2))
-"""The cores divided between the two nodes: what it is worth when both share one machine."""
-MESH_CASES: Final = (MeshCase(1, "auto"), ISSUE_4_CASE, MeshCase(3, "auto"), LIKE_FOR_LIKE_CASE, DIVIDED_CORES_CASE)
+MESH_CASES: Final = (MeshCase(1, "auto"), ISSUE_4_CASE, MeshCase(3, "auto"), LIKE_FOR_LIKE_CASE)
 
 
 @dataclass(frozen=True)
