@@ -10,6 +10,7 @@ from pydantic import ValidationError
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, PreTrainedModel
 
 from services.node.sampling import Sampler, SamplingParams
+from tests.transformers_reference import reference_generate
 
 NEW_TOKENS = 40
 
@@ -41,22 +42,6 @@ def sample_with(model: PreTrainedModel, prompt: torch.Tensor, sampler: Sampler, 
     return tokens
 
 
-def generate_sampled(
-    model: PreTrainedModel, prompt: torch.Tensor, params: SamplingParams, limit: int
-) -> list[int]:
-    torch.manual_seed(params.seed)
-    out = model.generate(
-        prompt,
-        attention_mask=torch.ones_like(prompt),
-        do_sample=True,
-        temperature=params.temperature,
-        top_k=params.top_k,
-        top_p=params.top_p,
-        max_new_tokens=limit,
-    )
-    return out[0, prompt.shape[1] :].tolist()
-
-
 @pytest.mark.parametrize(
     "params",
     [
@@ -72,7 +57,7 @@ def generate_sampled(
 def test_sampled_tokens_equal_those_of_generate_with_the_same_seed(
     reference: PreTrainedModel, prompt_ids: torch.Tensor, params: SamplingParams
 ) -> None:
-    expected = generate_sampled(reference, prompt_ids, params, NEW_TOKENS)
+    expected = reference_generate(reference, prompt_ids, params, NEW_TOKENS)
 
     assert sample_with(reference, prompt_ids, Sampler(params), NEW_TOKENS) == expected
 

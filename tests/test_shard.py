@@ -25,6 +25,7 @@ from services.node.device import chunk_compute_dtype
 from services.node.model_source import resolve_model
 from services.node.sampling import Sampler, SamplingParams
 from services.node.shard import Shard, ShardCache, ShardError, load_shard
+from tests.transformers_reference import reference_generate
 
 CPU = torch.device("cpu")
 NEW_TOKENS = 48
@@ -99,23 +100,6 @@ def run_route(
             break
         step_input = torch.tensor([[token]])
     return tokens
-
-
-def reference_generate(
-    model: PreTrainedModel, prompt: torch.Tensor, params: SamplingParams, limit: int
-) -> list[int]:
-    """What single-process transformers generates for the same prompt and sampling parameters."""
-    torch.manual_seed(params.seed)
-    out = model.generate(
-        prompt,
-        attention_mask=torch.ones_like(prompt),
-        do_sample=not params.greedy,
-        temperature=params.temperature if not params.greedy else None,
-        top_k=params.top_k,
-        top_p=params.top_p,
-        max_new_tokens=limit,
-    )
-    return out[0, prompt.shape[1] :].tolist()
 
 
 @pytest.mark.parametrize("sampling", SAMPLINGS, ids=str)
