@@ -13,9 +13,11 @@ allocated. The head (``start == 0``) also holds the token embedding; the tail
 ``LlamaModel.forward`` does for all of them (positions, rotary embedding,
 causal mask sized against the KV cache before the layers append to it, then
 each decoder layer with the cache), so a chain of shards equals the
-single-process model token for token. A decode step feeds one token and costs
-what the same step costs inside transformers: no work grows with the context
-except attention over the cache.
+single-process model token for token. A decode step feeds one token: no
+work grows with the context except attention over the cache. Half-precision
+shards on a CPU run their decode steps through
+:class:`~services.node.lean_decode.LeanDecoder`, the same arithmetic with far
+fewer operations (bit-identical results, about 30% faster).
 
 A half-precision shard on a CPU computes attention in float32 (torch's half
 SDPA there is ten times slower for a decode step's single query), and on a
@@ -45,6 +47,7 @@ from transformers.masking_utils import (
 from services.node.chunk_precision import attention_kernel, compute_chunks_in_float32
 from services.node.device import chunk_compute_dtype
 from services.node.kv_cache import ShardCache
+from services.node.lean_decode import LeanDecoder, lean_decoder_for
 
 logger = logging.getLogger(__name__)
 
@@ -85,6 +88,7 @@ class Shard:
         dtype: torch.dtype,
         device: torch.device,
         chunk_dtype: torch.dtype | None = None,
+        lean: LeanDecoder | None = None,
     ) -> None:
         self.config = config
         self.start = start
@@ -106,6 +110,8 @@ class Shard:
         self._lm_head = lm_head
         self._rotary_emb = rotary_emb
         self._mask_kinds: dict[int, MaskKind] = _mask_kinds(config, start, end)
+        self.lean = lean
+        """The fast path of one-token steps (:mod:`services.node.lean_decode`), where it applies."""
 
     @property
     def role(self) -> ShardRole:
@@ -196,6 +202,9 @@ class Shard:
         masks = self._masks(hidden, cache, position_ids, first)
         position_embeddings = self._rotary_emb(hidden, position_ids=position_ids)
         try:
+            if n == 1 and self.lean is not None and all(mask is None for mask in masks.values()):
+                cos, sin = position_embeddings
+                return self.lean.run(hidden, cos, sin, cache.kv, first, self.end)
             for index in range(first, self.end + 1):
                 out = self._layers[index](
                     hidden,
@@ -295,13 +304,15 @@ def load_shard(path: Path, start: int, end: int, dtype: torch.dtype, device: tor
         rotary_emb = type(decoder.rotary_emb)(config=config)
     rotary_emb.eval()
     modules.eval()
+    layers = {i: modules.model.layers[str(i)] for i in range(start, end + 1)}
+    lean = lean_decoder_for(config, layers, dtype, device, _mask_kinds(config, start, end))
 
     shard = Shard(
         config=config,
         start=start,
         end=end,
         modules=modules,
-        layers={i: modules.model.layers[str(i)] for i in range(start, end + 1)},
+        layers=layers,
         embed_tokens=modules.model.embed_tokens if is_head else None,
         norm=modules.model.norm if is_tail else None,
         lm_head=modules.lm_head if is_tail else None,
@@ -309,6 +320,7 @@ def load_shard(path: Path, start: int, end: int, dtype: torch.dtype, device: tor
         dtype=dtype,
         device=device,
         chunk_dtype=chunk_dtype,
+        lean=lean,
     )
     chunks = (
         ""
