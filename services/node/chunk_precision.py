@@ -19,8 +19,8 @@ Two cases, both on a CPU:
   format to decode in: :func:`compute_chunks_in_float32` swaps a skeleton's
   linear layers.
 
-The KV cache stays in the shard's format: float32 copies of it would double
-its memory for a saving of a few percent of a step.
+Such shards keep their KV cache in float32 (:mod:`services.node.kv_cache`), so
+the cache is not converted again for every layer of every step.
 """
 
 from __future__ import annotations
@@ -86,9 +86,8 @@ def sdpa_in_float32(
     Grouped-query heads are matched inside SDPA (``enable_gqa``, which
     transformers uses whenever no mask is needed, as for a decode step under
     full attention) rather than by copying the keys and values per query head.
-    The cached keys and values are converted for the call: for a decode step at a
-    1,500-token context that costs under a tenth of what float32 attention over them
-    costs, while half-precision SDPA would cost ten times as much as both.
+    The cached keys and values are already float32 (the shard's cache keeps that format),
+    so only the new query is converted; half-precision SDPA would cost ten times as much.
     """
     if query.dtype == torch.float32:
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)

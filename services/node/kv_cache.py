@@ -10,6 +10,14 @@ nothing else that grows with the context.
 
 The cache is indexed by absolute layer number, as the decoder layers expect;
 layers this shard does not run stay empty and cost nothing.
+
+A half-precision shard on a CPU computes attention in float32
+(:mod:`services.node.chunk_precision`), so its cache stores keys and values
+in float32 (``store_dtype``): converting the whole cache for every layer of
+every decode step cost more than attention itself at long contexts (on 2
+nodes of SmolLM2, 1,500-token steps took 1.33 times the 30-token ones). The
+values are exactly the half-precision ones (every half value is a float32
+value), so results do not change; the cache takes twice the memory.
 """
 
 from __future__ import annotations
@@ -32,9 +40,11 @@ class GrowingLayer(DynamicLayer):
     helper that reads them (sequence length, mask sizes) works unchanged.
     """
 
-    def __init__(self, reserve_tokens: int | None = None) -> None:
+    def __init__(self, reserve_tokens: int | None = None, store_dtype: torch.dtype | None = None) -> None:
         super().__init__()
         self._reserve = reserve_tokens
+        self._store_dtype = store_dtype
+        """Format the keys and values are kept in (``None``: the format they arrive in)."""
         self._key_buffer: torch.Tensor | None = None
         self._value_buffer: torch.Tensor | None = None
         self._length = 0
@@ -87,17 +97,17 @@ class GrowingLayer(DynamicLayer):
             capacity = self._reserve
         else:
             capacity = max(needed, 2 * current, MIN_CAPACITY_TOKENS)
-        keys = _empty_like_with_length(key_states, capacity)
-        values = _empty_like_with_length(value_states, capacity)
+        keys = _empty_like_with_length(key_states, capacity, self._store_dtype)
+        values = _empty_like_with_length(value_states, capacity, self._store_dtype)
         if self._key_buffer is not None and self._value_buffer is not None and self._length:
             keys[:, :, : self._length].copy_(self._key_buffer[:, :, : self._length])
             values[:, :, : self._length].copy_(self._value_buffer[:, :, : self._length])
         self._key_buffer, self._value_buffer = keys, values
 
 
-def _empty_like_with_length(states: torch.Tensor, length: int) -> torch.Tensor:
+def _empty_like_with_length(states: torch.Tensor, length: int, dtype: torch.dtype | None) -> torch.Tensor:
     batch, heads, _, dim = states.shape
-    return torch.empty((batch, heads, length, dim), dtype=states.dtype, device=states.device)
+    return torch.empty((batch, heads, length, dim), dtype=dtype or states.dtype, device=states.device)
 
 
 def _bytes(tensor: torch.Tensor) -> int:
@@ -111,13 +121,14 @@ class ShardCache:
     ``start_layer``), whose length is the session's length.
     """
 
-    def __init__(self, config: PretrainedConfig, layers: range, reserve_tokens: int | None = None) -> None:
+    def __init__(self, config: PretrainedConfig, layers: range, reserve_tokens: int | None = None,
+                 store_dtype: torch.dtype | None = None) -> None:
         if reserve_tokens is not None and reserve_tokens < 1:
             raise ValueError(f"a session must reserve at least one token of KV cache, got {reserve_tokens}")
         self.kv = DynamicCache(config=config)
         for index in layers:
             if type(self.kv.layers[index]) is DynamicLayer:  # sliding-window layers keep their own class
-                self.kv.layers[index] = GrowingLayer(reserve_tokens)
+                self.kv.layers[index] = GrowingLayer(reserve_tokens, store_dtype)
         self.entry_layer: int | None = None
         """First layer this session runs on the shard; set by its first step."""
 

@@ -44,7 +44,7 @@ from transformers.masking_utils import (
     create_sliding_window_causal_mask,
 )
 
-from services.node.chunk_precision import attention_kernel, compute_chunks_in_float32
+from services.node.chunk_precision import FLOAT32_ATTENTION, attention_kernel, compute_chunks_in_float32
 from services.node.device import chunk_compute_dtype
 from services.node.kv_cache import ShardCache
 from services.node.lean_decode import LeanDecoder, lean_decoder_for
@@ -111,6 +111,9 @@ class Shard:
         self._rotary_emb = rotary_emb
         self._mask_kinds: dict[int, MaskKind] = _mask_kinds(config, start, end)
         self.lean = lean
+        self.kv_dtype: torch.dtype | None = torch.float32 if attention_kernel(dtype, device) == FLOAT32_ATTENTION \
+            else None
+        """Format the KV cache keeps (``None``: the shard's): float32 where attention runs in float32."""
         """The fast path of one-token steps (:mod:`services.node.lean_decode`), where it applies."""
 
     @property
@@ -142,7 +145,7 @@ class Shard:
         ``reserve_tokens`` (prompt + max_tokens, ``X-Meshnet-Reserve``) sizes the
         buffers once, so a session that stays within it never reallocates.
         """
-        return ShardCache(self.config, self.layer_range, reserve_tokens)
+        return ShardCache(self.config, self.layer_range, reserve_tokens, self.kv_dtype)
 
     @torch.inference_mode()
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
