@@ -27,7 +27,7 @@ from typing import Any, Final
 
 import orjson
 from pydantic import ValidationError
-from starlette.requests import ClientDisconnect, Request
+from starlette.requests import Request
 from starlette.responses import Response
 
 from meshwire import errors
@@ -43,6 +43,7 @@ from meshwire.frames import (
     parse_frame_headers,
     parse_int_header,
 )
+from services.node.bodies import BodyIncomplete, BodyTooLarge, read_bounded
 from services.node.compute import ShardRunner
 from services.node.hop_client import ChainFailure, HopClient, send_along
 from services.node.metrics import NodeMetrics
@@ -221,17 +222,12 @@ class ForwardService:
 
     async def _read_body(self, request: Request, max_bytes: int) -> bytes:
         """The request body, refusing (``too_large``) one longer than ``max_bytes``."""
-        chunks: list[bytes] = []
-        size = 0
         try:
-            async for chunk in request.stream():
-                size += len(chunk)
-                if size > max_bytes:
-                    raise FrameError("too_large", f"body is longer than the {max_bytes} bytes its headers announce")
-                chunks.append(chunk)
-        except ClientDisconnect:
+            return await read_bounded(request, max_bytes)
+        except BodyTooLarge:
+            raise FrameError("too_large", f"body is longer than the {max_bytes} bytes its headers announce") from None
+        except BodyIncomplete:
             raise FrameError("bad_length", "the sender went away before the body was complete") from None
-        return b"".join(chunks)
 
     def _sampling_params(self, info: StepInfo) -> SamplingParams | None:
         """The sampling parameters a sampling frame carries (``None``: the session already has a sampler)."""

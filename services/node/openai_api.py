@@ -27,12 +27,13 @@ from typing import Any, Final
 
 import orjson
 from pydantic import ValidationError
-from starlette.requests import ClientDisconnect, Request
+from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
 from meshwire import errors, sse
 from meshwire import headers as h
 from meshwire import openai as oa
+from services.node.bodies import BodyIncomplete, BodyTooLarge, read_bounded
 from services.node.generation import Finished, GenerationEvent, GenerationFailed, GenerationRequest, pick_seed
 from services.node.routing import NoRoute, RoutedHop, RouteRefused, verify_hop
 from services.node.runtime import NodeRuntime
@@ -219,17 +220,12 @@ async def _read_json_body(request: Request, max_bytes: int) -> bytes:
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > max_bytes:
         raise ApiError(413, f"request body of {declared} bytes is over the {max_bytes}-byte limit", "too_large")
-    chunks: list[bytes] = []
-    size = 0
     try:
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > max_bytes:
-                raise ApiError(413, f"request body is over the {max_bytes}-byte limit", "too_large")
-            chunks.append(chunk)
-    except ClientDisconnect:
+        return await read_bounded(request, max_bytes)
+    except BodyTooLarge:
+        raise ApiError(413, f"request body is over the {max_bytes}-byte limit", "too_large") from None
+    except BodyIncomplete:
         raise ApiError(400, "the client went away before the request body was complete") from None
-    return b"".join(chunks)
 
 
 async def _first_event(events: AsyncIterator[GenerationEvent]) -> GenerationEvent:
