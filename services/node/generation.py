@@ -39,9 +39,9 @@ import asyncio
 import logging
 import secrets
 import uuid
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Coroutine, Sequence
 from dataclasses import dataclass, field
-from typing import Final, Literal
+from typing import Any, Final, Literal
 
 import orjson
 
@@ -421,7 +421,11 @@ class Generator:
 
     def _spawn_close(self, chain: SessionChain, failed_node: str | None = None) -> asyncio.Task[None]:
         """Close ``chain`` in a task a cancelled request cannot interrupt (bounded by :data:`CLOSE_TIMEOUT_S`)."""
-        task = asyncio.create_task(asyncio.wait_for(chain.close(failed_node), CLOSE_TIMEOUT_S))
+        return self._track(asyncio.wait_for(chain.close(failed_node), CLOSE_TIMEOUT_S))
+
+    def _track(self, closing: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
+        """Run ``closing`` as a task that :meth:`drain` waits for."""
+        task = asyncio.create_task(closing)
         self._closing.add(task)
         task.add_done_callback(self._closing.discard)
         return task
@@ -432,9 +436,7 @@ class Generator:
         The close is a task of its own, started before any wait: a request being
         cancelled (its client went away) may not reach a second ``await``.
         """
-        task = asyncio.create_task(self._settle_then_close(run, pending))
-        self._closing.add(task)
-        task.add_done_callback(self._closing.discard)
+        task = self._track(self._settle_then_close(run, pending))
         try:
             await asyncio.shield(task)
         except TimeoutError:  # closing is best effort: the sessions expire anyway
