@@ -16,7 +16,9 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from meshwire import headers as h
+from meshwire.auth import bearer_headers
 from tests.failover_mesh import FailoverMesh, StreamResult, mesh_fixtures, wait_for
+from tests.procs import TEST_SECRET
 
 TAILS: Final = ("tail-a", "tail-b")
 LAYERS: Final = {"head": (0, 1), "tail-a": (2, 3), "tail-b": (2, 3)}
@@ -81,7 +83,7 @@ def test_a_tail_killed_mid_stream_and_restarted_on_its_port_comes_back_and_serve
     assert route.status_code == 200, route.text
     assert [hop["node_id"] for hop in route.json()["nodes"]] == ["head", broken.killed]
     answer = httpx.post(f"{mesh.nodes['head'].url}/v1/chat/completions", timeout=60,
-                        headers={h.ROUTE: route.json()["token"]}, json=mesh.body(40, None, stream=False))
+                        headers={h.ROUTE: route.json()["token"], **bearer_headers(TEST_SECRET)}, json=mesh.body(40, None, stream=False))
     assert answer.status_code == 200, answer.text
     assert answer.json()["choices"][0]["message"]["content"] == expected.json()["choices"][0]["message"]["content"]
     wait_for(mesh.idle, "the request to leave no session behind")

@@ -20,7 +20,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +32,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from meshwire import headers as h
+from meshwire.auth import bearer_headers
 from meshwire.frames import encode_frame
 from meshwire.limits import ROUTE_TTL_S
 from meshwire.routes import Route, RouteNode, plan_start_layers, sign_route
@@ -46,6 +47,8 @@ SETTLE_TIMEOUT_S = 20.0
 SHORT_ROUTE_TTL_S = 1.0
 LAYERS = {"full": (0, 3), "front": (0, 1), "mid": (2, 2), "back": (2, 3)}
 ROUTES = {1: ("full",), 2: ("front", "back"), 3: ("front", "mid", "back")}
+MESH_AUTH = bearer_headers(TEST_SECRET)
+"""What the tracker sends a head: only the mesh (or a client API key) may call a node's /v1."""
 SAMPLING = {"temperature": 0.8, "top_p": 0.9, "top_k": 20, "seed": 1234}
 SHORT_PROMPT = [{"role": "user", "content": "Where does the river run before it reaches the sea?"}]
 LONG_PROMPT = [{"role": "user", "content": "Tell me a long story about the river."}]
@@ -60,21 +63,28 @@ EOS_PROMPT = [{"role": "user", "content": "Hello"}]
 class Mesh:
     nodes: dict[str, Service]
     model: str
+    session_routes: dict[tuple[str, tuple[str, ...]], str] = field(default_factory=dict)
+    """One route token per raw-frame session: a node binds a session to the route that opened it."""
+
+    def session_route(self, session: str, names: tuple[str, ...]) -> str:
+        """The route token every frame of ``session`` along ``names`` carries (signed on first use)."""
+        return self.session_routes.setdefault((session, names), self.route(*names))
 
     def url(self, name: str) -> str:
         return self.nodes[name].url
 
-    def route(self, *names: str, secret: str = TEST_SECRET, ttl_s: float = ROUTE_TTL_S) -> str:
+    def route(self, *names: str, secret: str = TEST_SECRET, ttl_s: float = ROUTE_TTL_S,
+              issued_at: float | None = None) -> str:
         """A signed route token through ``names``, as the tracker would issue it."""
         hops = [RouteNode(node_id=name, endpoint=self.url(name), shard_start=LAYERS[name][0],
                           shard_end=LAYERS[name][1], start_layer=LAYERS[name][0]) for name in names]
         route = Route(model=self.model, nodes=plan_start_layers(hops), num_layers=NUM_LAYERS)
-        return sign_route(route, secret, ttl_s=ttl_s)
+        return sign_route(route, secret, ttl_s=ttl_s, now=issued_at)
 
     def client(self, hops: int) -> openai.OpenAI:
         """An OpenAI client talking to the head of the ``hops``-node route, with the route attached."""
         names = ROUTES[hops]
-        return openai.OpenAI(base_url=f"{self.url(names[0])}/v1", api_key="unused", max_retries=0, timeout=120,
+        return openai.OpenAI(base_url=f"{self.url(names[0])}/v1", api_key=TEST_SECRET, max_retries=0, timeout=120,
                              default_headers={h.ROUTE: self.route(*names)})
 
 
@@ -152,7 +162,8 @@ def frame(mesh: Mesh, session: str, *, step: int, offset: int, tokens: int = 1, 
     """A valid data frame for hop ``hop`` of ``route``: random hidden states, greedy sampling."""
     hidden = torch.randn((1, tokens, HIDDEN), generator=torch.Generator().manual_seed(seed + step))
     extra = {
-        h.ROUTE: mesh.route(*route), h.HOP_INDEX: str(hop), h.START_LAYER: str(LAYERS[route[hop]][0]),
+        h.ROUTE: mesh.session_route(session, route), h.HOP_INDEX: str(hop),
+        h.START_LAYER: str(LAYERS[route[hop]][0]),
         h.STEP: str(step), h.POSITION_OFFSET: str(offset),
         h.SAMPLING: '{"temperature": 0.0, "top_p": 1.0, "top_k": 0, "seed": 0}',
         "Authorization": f"Bearer {TEST_SECRET}",
@@ -166,9 +177,11 @@ def post_frame(url: str, headers: dict[str, str], body: bytes) -> httpx.Response
     return httpx.post(f"{url}/forward", headers=headers, content=body, timeout=30)
 
 
-def close_session(mesh: Mesh, name: str, session: str, route: tuple[str, ...] = ("front", "back"), hop: int = 1) -> None:
+def close_session(mesh: Mesh, name: str, session: str, route: tuple[str, ...] = ("front", "back"), hop: int = 1,
+                  token: str | None = None) -> None:
     response = post_frame(mesh.url(name), {
-        h.WIRE: h.WIRE_VERSION, h.SESSION: session, h.CONTROL: "close", h.ROUTE: mesh.route(*route),
+        h.WIRE: h.WIRE_VERSION, h.SESSION: session, h.CONTROL: "close",
+        h.ROUTE: token or mesh.session_route(session, route),
         h.HOP_INDEX: str(hop), h.START_LAYER: str(LAYERS[route[hop]][0]), "Authorization": f"Bearer {TEST_SECRET}",
     }, b"")
     assert response.status_code == 200, response.text
@@ -306,7 +319,7 @@ def test_a_client_that_goes_away_mid_stream_stops_the_generation_and_leaves_no_s
     generated = metric(mesh, "front", "meshnet_node_tokens_generated_total")
     body = {"model": mesh.model, "messages": LONG_PROMPT, "max_tokens": max_tokens, "temperature": 0, "stream": True}
     with httpx.stream("POST", f"{mesh.url('front')}/v1/chat/completions", json=body, timeout=60,
-                      headers={h.ROUTE: mesh.route("front", "mid", "back")}) as response:
+                      headers={h.ROUTE: mesh.route("front", "mid", "back"), **MESH_AUTH}) as response:
         lines = response.iter_lines()
         assert sum(next(lines).startswith("data:") for _ in range(8)) >= 3
     settled(mesh)
@@ -343,14 +356,14 @@ def test_a_session_the_kv_budget_cannot_hold_is_refused_with_503_and_admitted_on
     assert hog.status_code == 200, hog.text
     body = {"model": mesh.model, "messages": EOS_PROMPT, "max_tokens": 40, "temperature": 0}
     refused = httpx.post(f"{mesh.url('front')}/v1/chat/completions", json=body,
-                         headers={h.ROUTE: mesh.route("front", "back")}, timeout=60)
+                         headers={h.ROUTE: mesh.route("front", "back"), **MESH_AUTH}, timeout=60)
     assert refused.status_code == 503
     assert refused.json()["error"]["code"] == "kv_budget"
     assert int(refused.headers["retry-after"]) > 0
     assert health(mesh, "back")["sessions"] == 1, "the refused session holds nothing"
     close_session(mesh, "back", "s-hog")
     admitted = httpx.post(f"{mesh.url('front')}/v1/chat/completions", json=body,
-                          headers={h.ROUTE: mesh.route("front", "back")}, timeout=60)
+                          headers={h.ROUTE: mesh.route("front", "back"), **MESH_AUTH}, timeout=60)
     assert admitted.status_code == 200, admitted.text
 
 
@@ -439,29 +452,50 @@ def test_every_bad_frame_class_is_refused_while_sessions_on_the_node_go_on(
 
 
 def test_the_head_refuses_a_route_whose_signature_does_not_verify(mesh: Mesh) -> None:
-    client = openai.OpenAI(base_url=f"{mesh.url('front')}/v1", api_key="unused", max_retries=0,
+    client = openai.OpenAI(base_url=f"{mesh.url('front')}/v1", api_key=TEST_SECRET, max_retries=0,
                            default_headers={h.ROUTE: mesh.route("front", "back", secret="forged")})
     with pytest.raises(openai.PermissionDeniedError, match="signature"):
         client.chat.completions.create(model=mesh.model, messages=SHORT_PROMPT, max_tokens=3)
 
 
 def test_a_node_refuses_to_head_a_route_that_does_not_start_with_it(mesh: Mesh) -> None:
-    client = openai.OpenAI(base_url=f"{mesh.url('full')}/v1", api_key="unused", max_retries=0,
+    client = openai.OpenAI(base_url=f"{mesh.url('full')}/v1", api_key=TEST_SECRET, max_retries=0,
                            default_headers={h.ROUTE: mesh.route("front", "back")})
     with pytest.raises(openai.PermissionDeniedError, match="names front"):
         client.chat.completions.create(model=mesh.model, messages=SHORT_PROMPT, max_tokens=3)
 
 
 def test_a_node_without_layer_0_is_not_a_head(mesh: Mesh) -> None:
-    response = httpx.post(f"{mesh.url('back')}/v1/chat/completions",
+    response = httpx.post(f"{mesh.url('back')}/v1/chat/completions", headers=MESH_AUTH,
                           json={"model": mesh.model, "messages": SHORT_PROMPT}, timeout=30)
     assert response.status_code == 409 and response.json()["error"]["code"] == "not_head"
 
 
 def test_a_partial_head_without_a_route_or_a_tracker_says_it_has_no_route(mesh: Mesh) -> None:
-    response = httpx.post(f"{mesh.url('front')}/v1/chat/completions",
+    response = httpx.post(f"{mesh.url('front')}/v1/chat/completions", headers=MESH_AUTH,
                           json={"model": mesh.model, "messages": SHORT_PROMPT}, timeout=30)
     assert response.status_code == 503 and response.json()["error"]["code"] == "no_route"
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions"])
+def test_a_heads_api_refuses_callers_without_the_mesh_credential(mesh: Mesh, path: str) -> None:
+    body = {"model": mesh.model, "messages": SHORT_PROMPT, "prompt": "a", "max_tokens": 2}
+    for name in ("full", "front"):
+        missing = httpx.post(f"{mesh.url(name)}{path}", json=body, timeout=30,
+                             headers={h.ROUTE: mesh.route("front", "back")})
+        assert missing.status_code == 401 and missing.json()["error"]["type"] == "authentication_error"
+        wrong = httpx.post(f"{mesh.url(name)}{path}", json=body, timeout=30, headers=bearer_headers("sk-guess"))
+        assert wrong.status_code == 403 and wrong.json()["error"]["type"] == "permission_error"
+
+
+def test_a_temperature_too_small_to_sample_with_is_a_400_not_a_node_failure(mesh: Mesh) -> None:
+    client = mesh.client(2)
+    with pytest.raises(openai.BadRequestError, match="temperature"):
+        client.chat.completions.create(model=mesh.model, messages=SHORT_PROMPT, max_tokens=3, temperature=1e-45)
+    headers, body = frame(mesh, "s-tiny-temperature", step=0, offset=0)
+    headers[h.SAMPLING] = '{"temperature": 1e-45, "top_p": 1.0, "top_k": 0, "seed": 0}'
+    answer = post_frame(mesh.url("back"), headers, body)
+    assert answer.status_code == 400 and "temperature" in answer.json()["error"]["message"]
 
 
 def test_a_bad_request_is_400_naming_the_field(mesh: Mesh) -> None:
@@ -471,14 +505,14 @@ def test_a_bad_request_is_400_naming_the_field(mesh: Mesh) -> None:
 
 
 def test_an_unknown_model_is_404(mesh: Mesh) -> None:
-    client = openai.OpenAI(base_url=f"{mesh.url('full')}/v1", api_key="unused", max_retries=0)
+    client = openai.OpenAI(base_url=f"{mesh.url('full')}/v1", api_key=TEST_SECRET, max_retries=0)
     with pytest.raises(openai.NotFoundError, match="not served"):
         client.chat.completions.create(model="some-other-model", messages=SHORT_PROMPT)
 
 
 def test_a_node_holding_every_layer_serves_alone_without_a_route(
         mesh: Mesh, reference: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> None:
-    client = openai.OpenAI(base_url=f"{mesh.url('full')}/v1", api_key="unused", max_retries=0)
+    client = openai.OpenAI(base_url=f"{mesh.url('full')}/v1", api_key=TEST_SECRET, max_retries=0)
     answer = client.chat.completions.create(model=mesh.model, messages=SHORT_PROMPT, max_tokens=12, temperature=0)
     assert answer.choices[0].message.content == generate(reference, tokenizer, SHORT_PROMPT, 12).text
 
@@ -501,4 +535,22 @@ def test_a_route_that_expires_mid_session_keeps_serving_it_but_opens_no_new_sess
     refused = post_frame(mesh.url("back"), {**headers, h.ROUTE: short_lived}, body)
     assert refused.status_code == 403
     assert "expired" in refused.json()["error"]["message"]
-    close_session(mesh, "back", "outlives-its-route")
+    close_session(mesh, "back", "outlives-its-route", token=short_lived)
+
+
+def test_a_session_answers_only_the_route_that_opened_it(mesh: Mesh) -> None:
+    headers, body = frame(mesh, "s-bound", step=0, offset=0, tokens=3, reserve=16)
+    assert post_frame(mesh.url("back"), headers, body).status_code == 200
+    expired_elsewhere = mesh.route("front", "back", ttl_s=1.0, issued_at=time.time() - 60)  # validly signed, another request's, expired
+    fresh_elsewhere = mesh.route("front", "back")
+    for other in (expired_elsewhere, fresh_elsewhere):
+        headers, body = frame(mesh, "s-bound", step=1, offset=3)
+        stepped = post_frame(mesh.url("back"), {**headers, h.ROUTE: other}, body)
+        assert stepped.status_code == 403 and stepped.json()["error"]["code"] == "bad_route", stepped.text
+        closed = post_frame(mesh.url("back"), {
+            h.WIRE: h.WIRE_VERSION, h.SESSION: "s-bound", h.CONTROL: "close", h.ROUTE: other, h.HOP_INDEX: "1",
+            h.START_LAYER: str(LAYERS["back"][0]), **MESH_AUTH}, b"")
+        assert closed.status_code == 403 and closed.json()["error"]["code"] == "bad_route", closed.text
+    headers, body = frame(mesh, "s-bound", step=1, offset=3)
+    assert post_frame(mesh.url("back"), headers, body).status_code == 200  # untouched: its own route goes on
+    close_session(mesh, "back", "s-bound")

@@ -9,7 +9,8 @@ import torch
 from pydantic import ValidationError
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, PreTrainedModel
 
-from services.node.sampling import Sampler, SamplingParams
+from meshwire.limits import MIN_TEMPERATURE
+from services.node.sampling import Sampler, SamplingFailed, SamplingParams
 from tests.transformers_reference import reference_generate
 
 NEW_TOKENS = 40
@@ -149,3 +150,16 @@ def test_sampling_parameters_out_of_range_or_of_the_wrong_type_are_refused(field
 def test_sampling_parameters_parse_from_the_wire_json() -> None:
     params = SamplingParams.model_validate_json('{"temperature": 0.7, "top_p": 0.9, "top_k": 0, "seed": 12}')
     assert params == SamplingParams(temperature=0.7, top_p=0.9, top_k=0, seed=12)
+
+
+def test_a_temperature_between_zero_and_the_floor_is_refused() -> None:
+    with pytest.raises(ValidationError, match="temperature"):
+        SamplingParams(temperature=1e-45)
+    assert SamplingParams(temperature=0.0).greedy and SamplingParams(temperature=MIN_TEMPERATURE).temperature
+
+
+def test_logits_that_cannot_be_sampled_fail_as_the_requests_fault() -> None:
+    sampler = Sampler(SamplingParams(temperature=1.0, seed=1))
+    with pytest.raises(SamplingFailed, match="not finite"):
+        sampler.sample(torch.tensor([float("nan"), 1.0, 2.0]))
+    assert sampler.draws == 0  # nothing was drawn: a retry samples what it would have

@@ -8,6 +8,7 @@ comparison is constant time so the secret cannot be guessed byte by byte.
 from __future__ import annotations
 
 import hmac
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Final, Literal
 
@@ -48,6 +49,20 @@ def check_bearer(authorization: str | None, secret: str) -> AuthFailure | None:
     if not hmac.compare_digest(credential.encode("utf-8"), secret.encode("utf-8")):
         return AuthFailure(403, "invalid credential")
     return None
+
+
+def check_bearer_any(authorization: str | None, credentials: Sequence[str]) -> AuthFailure | None:
+    """Like :func:`check_bearer`, accepting any one of ``credentials`` (a mesh secret, client API keys).
+
+    Every candidate is compared (in constant time each), so the answer's timing
+    does not tell which one nearly matched.
+    """
+    failures = [check_bearer(authorization, credential) for credential in credentials if credential]
+    if not failures:
+        return AuthFailure(403, "no credential is accepted here")
+    if any(failure is None for failure in failures):
+        return None
+    return failures[0]
 
 
 def bearer_headers(secret: str) -> dict[str, str]:

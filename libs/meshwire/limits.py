@@ -57,6 +57,10 @@ MAX_STOP_CHARS: Final = 256
 """Longest single stop sequence."""
 MAX_TOP_K: Final = 1 << 20
 """Largest ``top_k`` extension value."""
+MIN_TEMPERATURE: Final = 0.01
+"""Smallest non-zero sampling temperature. Below it the logits divided by the temperature can
+overflow float32 (``1e-45`` does), the softmax turns NaN and no token can be drawn; it would be
+indistinguishable from greedy anyway, which ``temperature: 0`` asks for."""
 MAX_REQUEST_BYTES: Final = 8 * MIB
 """Largest HTTP request body a JSON endpoint reads."""
 

@@ -144,6 +144,13 @@ class SamplingRequest(BaseModel):
     presence_penalty: Penalty | None = None
     frequency_penalty: Penalty | None = None
 
+    @field_validator("temperature")
+    @classmethod
+    def _temperature_floor(cls, value: float | None) -> float | None:
+        if value is not None and 0.0 < value < limits.MIN_TEMPERATURE:
+            raise ValueError(f"temperature must be 0 (greedy) or at least {limits.MIN_TEMPERATURE}, got {value!r}")
+        return value
+
     @field_validator("n")
     @classmethod
     def _only_one_choice(cls, value: int | None) -> int | None:

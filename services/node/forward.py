@@ -45,12 +45,12 @@ from meshwire.frames import (
 )
 from services.node.bodies import BodyIncomplete, BodyTooLarge, read_bounded
 from services.node.compute import ShardRunner
-from services.node.hop_client import ChainFailure, HopClient, send_along
+from services.node.hop_client import INVALID_SAMPLING, ChainFailure, HopClient, send_along
 from services.node.metrics import NodeMetrics
 from services.node.protocol import CLOSE, ForwardAnswer, StepInfo, check_session_id, close_headers
 from services.node.routing import RoutedHop, RouteRefused, verify_hop
-from services.node.sampling import Sampler, SamplingParams
-from services.node.sessions import Session, SessionExists, SessionRefused, SessionTable
+from services.node.sampling import Sampler, SamplingFailed, SamplingParams
+from services.node.sessions import Session, SessionExists, SessionRefused, SessionTable, log_tag, route_key
 
 logger = logging.getLogger(__name__)
 
@@ -150,21 +150,25 @@ class ForwardService:
         if wire is None or wire.strip() != h.WIRE_VERSION:
             raise FrameError("wire_version", f"{h.WIRE} must be {h.WIRE_VERSION!r}")
         session_id = check_session_id(get_header(request.headers, h.SESSION))
-        closed = await self.close_local(session_id)
+        closed = await self.close_local(session_id, hop.token)
         nxt = hop.next
         if nxt is not None:
             try:
                 await send_along(self._hops, nxt, close_headers(session_id, hop.token, hop.hop_index + 1,
                                                                 nxt.start_layer), b"")
             except ChainFailure as exc:  # the session there expires on its own
-                logger.info("could not pass the close of %s on to %s: %s", session_id, nxt.node_id, exc)
+                logger.info("could not pass the close of %s on to %s: %s", log_tag(session_id), nxt.node_id, exc)
         return json_response(200, {"token": None, "closed": closed, "node_timings_ms": {}})
 
-    async def close_local(self, session_id: str) -> bool:
-        """Free ``session_id`` on this node once its step in flight (if any) is done."""
+    async def close_local(self, session_id: str, route_token: str) -> bool:
+        """Free ``session_id`` on this node once its step in flight (if any) is done.
+
+        Only the route that opened the session may close it (403 ``bad_route`` otherwise).
+        """
         session = self._sessions.get(session_id)
         if session is None:
             return False
+        _check_bound(session, route_token)
         async with session.lock:
             return self._sessions.close(session_id)
 
@@ -189,7 +193,9 @@ class ForwardService:
 
         session = self._sessions.get(frame.session)
         if session is None:
-            session = self._open(frame.session, info, tokens)
+            session = self._open(frame.session, info, tokens, hop.token)
+        else:
+            _check_bound(session, hop.token)
         async with session.lock:
             self._check_order(session, info)
             sampler = self._sampler(session, params, info) if samples else None
@@ -200,8 +206,11 @@ class ForwardService:
             try:
                 result = await self._runner.step(session.cache, position_offset=info.position_offset,
                                                  from_layer=info.start_layer, hidden=frame.tensor, sampler=sampler)
+            except SamplingFailed as exc:  # the request's parameters, not this node: no failure to report
+                self._sessions.close(frame.session)
+                raise ForwardRefusal(400, INVALID_SAMPLING, str(exc)) from None
             except Exception:
-                logger.exception("layers failed on session %s; closing it", frame.session)
+                logger.exception("layers failed on session %s; closing it", log_tag(frame.session))
                 self._sessions.close(frame.session)
                 raise ForwardRefusal(500, "compute_failed", "this node failed to run its layers; "
                                                             "the session is closed") from None
@@ -239,29 +248,29 @@ class ForwardService:
             raise FrameError("bad_header", f"{h.SAMPLING} is not valid sampling parameters: "
                                            f"{exc.errors()[0]['msg']}") from None
 
-    def _open(self, session_id: str, info: StepInfo, tokens: int) -> Session:
+    def _open(self, session_id: str, info: StepInfo, tokens: int, route_token: str) -> Session:
         if info.step != 0:
-            raise ForwardRefusal(409, "unknown_session", f"session {session_id} is not open on this node "
+            raise ForwardRefusal(409, "unknown_session", f"session {log_tag(session_id)} is not open on this node "
                                                          f"(closed, expired, or never opened); step {info.step}")
         if info.position_offset != 0:
-            raise ForwardRefusal(409, "bad_position", f"the first frame of session {session_id} must start at "
+            raise ForwardRefusal(409, "bad_position", f"the first frame of session {log_tag(session_id)} must start at "
                                                       f"position 0, not {info.position_offset}")
         reserve = max(info.reserve or 0, info.position_offset + tokens)
         try:
-            return self._sessions.open(session_id, reserve, self._runner.new_cache(reserve))
+            return self._sessions.open(session_id, reserve, self._runner.new_cache(reserve), route_key(route_token))
         except SessionRefused as exc:
             raise ForwardRefusal(503, exc.code, str(exc), exc.retry_after_s) from None
         except SessionExists:  # another frame of the same session opened it meanwhile
-            raise ForwardRefusal(409, "bad_step", f"session {session_id} is already open") from None
+            raise ForwardRefusal(409, "bad_step", f"session {log_tag(session_id)} is already open") from None
 
     def _check_order(self, session: Session, info: StepInfo) -> None:
         if session.closed:
-            raise ForwardRefusal(409, "unknown_session", f"session {session.session_id} was closed")
+            raise ForwardRefusal(409, "unknown_session", f"session {log_tag(session.session_id)} was closed")
         if info.step != session.next_step:
-            raise ForwardRefusal(409, "bad_step", f"session {session.session_id} expects step {session.next_step}, "
+            raise ForwardRefusal(409, "bad_step", f"session {log_tag(session.session_id)} expects step {session.next_step}, "
                                                   f"got {info.step}")
         if info.position_offset != session.position:
-            raise ForwardRefusal(409, "bad_position", f"session {session.session_id} holds {session.position} "
+            raise ForwardRefusal(409, "bad_position", f"session {log_tag(session.session_id)} holds {session.position} "
                                                       f"tokens; a frame at offset {info.position_offset} "
                                                       "does not follow them")
 
@@ -273,3 +282,10 @@ class ForwardService:
             if info.sample_draws:
                 session.sampler.skip(info.sample_draws)
         return session.sampler
+
+
+def _check_bound(session: Session, route_token: str) -> None:
+    """Refuse (403 ``bad_route``) a frame for ``session`` that does not carry the route which opened it."""
+    if session.route_key is not None and session.route_key != route_key(route_token):
+        raise ForwardRefusal(403, "bad_route", f"session {log_tag(session.session_id)} was opened along another "
+                                               "route; only that route may step or close it")

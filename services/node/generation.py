@@ -48,12 +48,12 @@ import orjson
 from meshwire.frames import encode_frame
 from services.node.compute import ShardRunner
 from services.node.failover import Failover, FailoverGaveUp, FailoverPolicy
-from services.node.hop_client import ChainFailure, HopClient, send_along
+from services.node.hop_client import INVALID_SAMPLING, ChainFailure, HopClient, send_along
 from services.node.metrics import NodeMetrics
 from services.node.protocol import StepInfo, close_headers
 from services.node.routing import RoutedHop, TrackerRoutes
-from services.node.sampling import MAX_SEED, Sampler, SamplingParams
-from services.node.sessions import Session, SessionRefused, SessionTable
+from services.node.sampling import MAX_SEED, Sampler, SamplingFailed, SamplingParams
+from services.node.sessions import Session, SessionRefused, SessionTable, log_tag
 from services.node.stops import StopMatcher
 from services.node.tokens import HeadTokenizer
 
@@ -194,8 +194,11 @@ class SessionChain:
             except SessionRefused as exc:
                 raise GenerationFailed(503, exc.code, str(exc), retry_after=str(exc.retry_after_s)) from None
             sampler = self._local_sampler(session) if self.solo and samples else None
-            result = await self._runner.step(session.cache, position_offset=offset, from_layer=0, ids=ids,
-                                             sampler=sampler)
+            try:
+                result = await self._runner.step(session.cache, position_offset=offset, from_layer=0, ids=ids,
+                                                 sampler=sampler)
+            except SamplingFailed as exc:
+                raise GenerationFailed(400, INVALID_SAMPLING, str(exc)) from None
             self._metrics.compute_latency.observe(result.compute_ms / 1000)
             self._sessions.touch(session)
             step = self._step
@@ -266,11 +269,13 @@ class SessionChain:
             await send_along(self._hops, node, close_headers(self.session_id, self.hop.token, index,
                                                              node.start_layer), b"")
         except ChainFailure as exc:
-            logger.info("closing session %s along the route failed at %s: %s", self.session_id,
+            logger.info("closing session %s along the route failed at %s: %s", log_tag(self.session_id),
                         exc.failed_node or exc.busy_node, exc)
 
 
 def _generation_failure(exc: ChainFailure) -> GenerationFailed:
+    if exc.client_fault:
+        return GenerationFailed(exc.status, str(exc.body.get("error", {}).get("code") or INVALID_SAMPLING), str(exc))
     if exc.failed_node is not None:
         return RouteFailed(exc.failed_node, str(exc))
     code = str(exc.body.get("error", {}).get("code") or "kv_budget")
@@ -385,7 +390,7 @@ class Generator:
                     return token
         except FailoverGaveUp as exc:
             self._metrics.failovers.labels(reason="failed", outcome="gave_up").inc()
-            logger.warning("session %s gives up: %s", run.chain.session_id, exc)
+            logger.warning("session %s gives up: %s", log_tag(run.chain.session_id), exc)
             raise GenerationFailed(503, exc.code, str(exc), retry_after=RETRY_AFTER_GIVE_UP,
                                    failed_node=exc.failed_node) from None
 
@@ -399,7 +404,8 @@ class Generator:
         run.chain = self._chain(hop, request, history)
         self._metrics.failovers.labels(reason="failed" if failed else "busy", outcome="moved").inc()
         logger.warning("session %s: node %s %s (%s); moving to session %s along %s, replaying %d tokens",
-                       old.session_id, node_id, "failed" if failed else "is busy", reason, run.chain.session_id,
+                       log_tag(old.session_id), node_id, "failed" if failed else "is busy", reason,
+                       log_tag(run.chain.session_id),
                        " -> ".join(hop.node_ids), len(history.tokens()))
 
     async def _prefill(self, chain: SessionChain, ids: list[int]) -> int:
@@ -440,7 +446,7 @@ class Generator:
         try:
             await asyncio.shield(task)
         except TimeoutError:  # closing is best effort: the sessions expire anyway
-            logger.info("closing session %s timed out after %.0f s", run.chain.session_id, CLOSE_TIMEOUT_S)
+            logger.info("closing session %s timed out after %.0f s", log_tag(run.chain.session_id), CLOSE_TIMEOUT_S)
 
     async def _settle_then_close(self, run: _Run, pending: asyncio.Task[int] | None) -> None:
         if pending is not None:

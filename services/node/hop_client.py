@@ -52,6 +52,8 @@ FORWARD_PATH: Final = "/forward"
 PROBE_PATH: Final = "/health"
 BUSY_CODES: Final = frozenset({"kv_budget", "too_many_sessions", "draining"})
 """503 codes that mean "busy, try later" rather than "this node failed"."""
+INVALID_SAMPLING: Final = "invalid_sampling"
+"""The 400 code of a tail that could not sample with the request's parameters: the client's fault."""
 DEFAULT_RETRY_AFTER_S: Final = "2"
 MAX_ANSWER_BYTES: Final = 1 << 20
 """Largest answer accepted from a hop (answers are small JSON)."""
@@ -219,8 +221,10 @@ class ChainFailure(Exception):
     ``failed_node`` names the node that failed (unreachable, crashed, lost the
     session, misconfigured); it is ``None`` when a node was merely busy
     (503 ``kv_budget``): then ``busy_node`` names it and ``retry_after`` says
-    when to try again. ``status`` and ``body`` are what a hop answers its own
-    caller: a 502 ``hop_failed`` naming the failed node, or the busy 503 as received.
+    when to try again. Both are ``None`` when the request itself was at fault
+    (:attr:`client_fault`: a 400 ``invalid_sampling`` from the tail), which
+    nobody routes around. ``status`` and ``body`` are what a hop answers its own
+    caller: a 502 ``hop_failed`` naming the failed node, the busy 503 or the 400 as received.
     """
 
     def __init__(self, status: int, body: dict[str, Any], *, failed_node: str | None = None,
@@ -231,6 +235,11 @@ class ChainFailure(Exception):
         self.failed_node = failed_node
         self.busy_node = busy_node
         self.retry_after = retry_after
+
+    @property
+    def client_fault(self) -> bool:
+        """True when the request, not a node, made the route fail."""
+        return self.failed_node is None and self.busy_node is None
 
 
 def hop_failed(node_id: str, reason: str) -> ChainFailure:
@@ -261,6 +270,8 @@ async def send_along(client: HopClient, node: RouteNode, headers: Mapping[str, s
         busy = named if isinstance(named, str) else node.node_id
         raise ChainFailure(503, payload, busy_node=busy,
                            retry_after=answer.headers.get("retry-after", DEFAULT_RETRY_AFTER_S))
+    if answer.status == 400 and code == INVALID_SAMPLING:
+        raise ChainFailure(400, payload)
     culprit = named if isinstance(named, str) else node.node_id
     message = str(error.get("message", answer.body[:200]))
     raise hop_failed(culprit, f"answered {answer.status} {code or ''}: {message}".strip())

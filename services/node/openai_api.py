@@ -1,5 +1,11 @@
 """The head's OpenAI-compatible endpoints: ``/v1/chat/completions`` and ``/v1/completions``.
 
+Only the mesh may call them: the tracker (``Authorization: Bearer`` with the
+mesh secret), or a client holding one of the node's ``api_keys`` (the
+tracker's client keys, given to the node too). Anything else is refused
+with 401/403 before the body is read, so nobody who merely reaches a node can
+spend the mesh's sessions and KV budget.
+
 The tracker proxies client requests here with the signed route in
 ``X-Meshnet-Route``; the head checks the route names it first (403
 ``bad_route`` otherwise). Without a route a head that holds every layer
@@ -33,6 +39,7 @@ from starlette.responses import Response, StreamingResponse
 from meshwire import errors, sse
 from meshwire import headers as h
 from meshwire import openai as oa
+from meshwire.auth import check_bearer_any
 from services.node.bodies import BodyIncomplete, BodyTooLarge, read_bounded
 from services.node.generation import Finished, GenerationEvent, GenerationFailed, GenerationRequest, pick_seed
 from services.node.routing import NoRoute, RoutedHop, RouteRefused, verify_hop
@@ -45,7 +52,7 @@ logger = logging.getLogger(__name__)
 DEFAULT_CHAT_MAX_TOKENS: Final = 1024
 """``max_tokens`` of a chat request that gives none (bounded so a session's KV reservation is too)."""
 _STATUS_TYPES: Final = {
-    400: errors.INVALID_REQUEST, 403: errors.PERMISSION, 404: errors.NOT_FOUND, 409: errors.INVALID_REQUEST,
+    400: errors.INVALID_REQUEST, 401: errors.AUTHENTICATION, 403: errors.PERMISSION, 404: errors.NOT_FOUND, 409: errors.INVALID_REQUEST,
     413: errors.INVALID_REQUEST, 502: errors.SERVER_ERROR, 503: errors.UNAVAILABLE,
 }
 
@@ -102,6 +109,11 @@ class OpenAIService:
         return await self._serve(request, oa.CompletionRequest, chat=False)
 
     async def _serve(self, request: Request, schema: type[oa.SamplingRequest], *, chat: bool) -> Response:
+        settings = self._node.settings
+        failure = check_bearer_any(request.headers.get("authorization"), (settings.secret, *settings.api_keys))
+        if failure is not None:  # before anything is read: only the mesh (the tracker) or a client key may ask
+            return ApiError(failure.status, failure.message, "unauthorized" if failure.status == 401
+                            else "forbidden").response()
         try:
             prepared = await self._prepare(request, schema, chat=chat)
             response_id = oa.new_id("chatcmpl" if chat else "cmpl")

@@ -26,7 +26,7 @@ import logging
 from typing import Final
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 from transformers.generation.logits_process import (
     LogitsProcessorList,
     TemperatureLogitsWarper,
@@ -34,7 +34,7 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
-from meshwire.limits import MAX_TOP_K
+from meshwire.limits import MAX_TOP_K, MIN_TEMPERATURE
 
 logger = logging.getLogger(__name__)
 
@@ -60,10 +60,26 @@ class SamplingParams(BaseModel):
     seed: int = Field(default=0, ge=0, le=MAX_SEED)
     """Seed of the session's generator."""
 
+    @field_validator("temperature")
+    @classmethod
+    def _temperature_floor(cls, value: float) -> float:
+        if 0.0 < value < MIN_TEMPERATURE:
+            raise ValueError(f"temperature must be 0 (greedy) or at least {MIN_TEMPERATURE}, got {value!r}")
+        return value
+
     @property
     def greedy(self) -> bool:
         """True when tokens are chosen by argmax and no random draw is made."""
         return self.temperature == 0.0
+
+
+class SamplingFailed(ValueError):
+    """No token can be drawn from these logits with these parameters (NaN or infinite probabilities).
+
+    It is the request's fault (its sampling parameters, or logits it drove out of
+    range), never the node's: the tail answers 400 ``invalid_sampling`` and nobody
+    reports the node as failed.
+    """
 
 
 def build_warpers(params: SamplingParams) -> LogitsProcessorList:
@@ -114,6 +130,9 @@ class Sampler:
         self._apply_pending_skips(scores.shape[-1])
         scores = self._warpers(_NO_INPUT_IDS, scores)
         probs = torch.nn.functional.softmax(scores, dim=-1)
+        if not bool(torch.isfinite(probs).all()) or not float(probs.sum()) > 0.0:
+            raise SamplingFailed(f"the sampling parameters {self.params.model_dump()} turn this step's logits into "
+                                 "probabilities that are not finite: no token can be drawn")
         token = torch.multinomial(probs, num_samples=1, generator=self._generator)
         self._draws += 1
         return int(token.item())

@@ -18,6 +18,7 @@ A session is freed when it is closed, or by the idle sweeper after
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 import time
 from collections.abc import Callable, Iterator
@@ -34,6 +35,22 @@ SWEEP_INTERVAL_MAX_S: Final = 5.0
 """The idle sweeper looks at least this often (more often for short idle timeouts)."""
 
 RefusalCode = Literal["kv_budget", "too_many_sessions", "draining"]
+LOG_TAG_CHARS: Final = 12
+"""Hex characters of a session's log tag (48 bits: unique enough to follow one session through logs)."""
+
+
+def log_tag(session_id: str) -> str:
+    """What logs show of a session: a short hash, never the id.
+
+    A session id is the key that steps or closes a session, so logs (read by
+    more people than the mesh's operators) must not hand it out.
+    """
+    return "s#" + hashlib.sha256(session_id.encode("utf-8")).hexdigest()[:LOG_TAG_CHARS]
+
+
+def route_key(route_token: str) -> str:
+    """The fingerprint of a signed route a session is bound to (see :attr:`Session.route_key`)."""
+    return hashlib.sha256(route_token.encode("utf-8")).hexdigest()
 
 
 class KVCache(Protocol):
@@ -71,6 +88,10 @@ class Session:
     sampler: Sampler | None = None
     """The tail's sampler, created on the first frame that samples."""
     closed: bool = False
+    route_key: str | None = None
+    """Fingerprint of the signed route that opened the session (``None``: a head's own session).
+    Only frames carrying that same route may step or close it, so a route token for another
+    request, even a validly signed or expired one, cannot touch this session."""
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
 
     @property
@@ -135,7 +156,7 @@ class SessionTable:
 
     # --- lifecycle ------------------------------------------------------------------
 
-    def open(self, session_id: str, reserve_tokens: int, cache: KVCache) -> Session:
+    def open(self, session_id: str, reserve_tokens: int, cache: KVCache, route_key: str | None = None) -> Session:
         """Open ``session_id`` reserving ``reserve_tokens`` of KV, or refuse it.
 
         Raises :class:`SessionRefused` when draining, at ``max_sessions``, or
@@ -156,9 +177,10 @@ class SessionTable:
                 f"session needs {reserve} KV tokens, this node has {self.free_tokens} of "
                 f"{self.kv_budget_tokens} free",
             )
-        session = Session(session_id=session_id, cache=cache, reserved_tokens=reserve, last_used=self._clock())
+        session = Session(session_id=session_id, cache=cache, reserved_tokens=reserve, last_used=self._clock(),
+                          route_key=route_key)
         self._sessions[session_id] = session
-        logger.debug("opened session %s reserving %d KV tokens", session_id, reserve)
+        logger.debug("opened session %s reserving %d KV tokens", log_tag(session_id), reserve)
         return session
 
     def get(self, session_id: str) -> Session | None:
@@ -192,7 +214,7 @@ class SessionTable:
             return False
         session.closed = True
         session.sampler = None
-        logger.debug("closed session %s after %d tokens", session_id, session.position)
+        logger.debug("closed session %s after %d tokens", log_tag(session_id), session.position)
         return True
 
     def sweep(self) -> list[str]:
@@ -205,7 +227,7 @@ class SessionTable:
         for session_id in expired:
             self.close(session_id)
         if expired:
-            logger.info("closed %d idle session(s): %s", len(expired), ", ".join(expired))
+            logger.info("closed %d idle session(s): %s", len(expired), ", ".join(map(log_tag, expired)))
         return expired
 
     def sweep_interval_s(self) -> float:
