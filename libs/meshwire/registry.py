@@ -2,38 +2,107 @@
 
 A node ``POST``s the same :class:`NodeRegistration` body to ``/v1/nodes`` to
 register and on every heartbeat. The first registration of an id answers a
-:class:`RegistrationAnswer` whose ``lease`` later heartbeats carry in
-``X-Meshnet-Lease``, so a peer cannot take over another node's id.
+:class:`RegistrationAnswer` whose ``lease`` every later heartbeat, and the
+node's ``DELETE``, carry in ``X-Meshnet-Lease``, so a peer cannot take over
+or remove another node's id while it is live.
 
 The fields the design card names (id, model, endpoint, shard range,
 ``relay_addr``) are required; the load figures have neutral defaults so a
 minimal client can register too.
+
+Addresses are plain. The tracker appends a path to a node's ``endpoint`` and
+POSTs there with the mesh's bearer secret, so an endpoint that carried a
+query (``?``), a fragment (``#``) or user information (``@``) could move that
+path out of the way and aim the request anywhere on the host. An
+``endpoint`` is therefore exactly ``http(s)://host[:port][/prefix]`` and a
+``relay_addr`` ``ws(s)://host[:port][/prefix]``, both at most
+:data:`MAX_ADDRESS_CHARS` long; anything else is refused at registration with
+an error naming the field (:func:`plain_address_problem`).
 """
 
 from __future__ import annotations
 
-from typing import Literal
+import re
+from collections.abc import Collection
+from typing import Annotated, Final, Literal
 
-from pydantic import BaseModel, Field, model_validator
+from pydantic import AfterValidator, BaseModel, Field, model_validator
 
 from meshwire import limits
 from meshwire.fields import (
     STRICT_MODEL,
     DType,
-    HttpEndpoint,
     LayerCount,
     LayerIndex,
     ModelName,
     NodeId,
-    WsAddress,
 )
 
 NodeState = Literal["joining", "online", "suspect", "offline"]
 """A registered node's health as the tracker sees it."""
 
-MAX_DEVICE_CHARS = 64
-MAX_KV_TOKENS = 1 << 40
-MAX_SESSIONS = 1 << 20
+MAX_DEVICE_CHARS: Final = 64
+MAX_KV_TOKENS: Final = 1 << 40
+MAX_SESSIONS: Final = 1 << 20
+MAX_ADDRESS_CHARS: Final = 512
+"""Longest ``endpoint`` or ``relay_addr`` a node may register (a DNS name is at most 253 characters)."""
+MAX_PORT: Final = 65535
+ENDPOINT_SCHEMES: Final = ("http", "https")
+RELAY_SCHEMES: Final = ("ws", "wss")
+
+_PLAIN_ADDRESS: Final = re.compile(
+    r"(?P<scheme>[a-z]+)://"
+    r"(?P<host>\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_](?:[A-Za-z0-9_.-]*[A-Za-z0-9_])?)"
+    r"(?::(?P<port>[0-9]{1,5}))?"
+    r"(?P<prefix>(?:/[A-Za-z0-9._~-]*)*)"
+)
+"""``scheme://host[:port][/prefix]``: a DNS name or IP literal, and a prefix of plain path segments."""
+
+
+def plain_address_problem(address: str, schemes: Collection[str]) -> str | None:
+    """What keeps ``address`` from being a plain ``scheme://host[:port][/prefix]``; ``None`` if nothing.
+
+    The most telling problem is named first (a query, a fragment, user
+    information), so a refusal says what to remove.
+    """
+    if len(address) > MAX_ADDRESS_CHARS:
+        return f"must be at most {MAX_ADDRESS_CHARS} characters"
+    if "?" in address:
+        return "must not carry a query ('?'); give scheme://host:port[/prefix]"
+    if "#" in address:
+        return "must not carry a fragment ('#'); give scheme://host:port[/prefix]"
+    if "@" in address:
+        return "must not carry user information ('@'); give scheme://host:port[/prefix]"
+    match = _PLAIN_ADDRESS.fullmatch(address)
+    if match is None or match.group("scheme") not in schemes:
+        allowed = " or ".join(schemes)
+        return (f"must be a plain scheme://host:port[/prefix] with scheme {allowed} (a host name or IP, "
+                "and path segments of letters, digits and '._~-')")
+    port = match.group("port")
+    if port is not None and not 1 <= int(port) <= MAX_PORT:
+        return f"port must be 1-{MAX_PORT}"
+    if any(segment in (".", "..") for segment in match.group("prefix").split("/")):
+        return "the path prefix must not contain '.' or '..' segments"
+    return None
+
+
+def _plain_endpoint(address: str) -> str:
+    if (problem := plain_address_problem(address, ENDPOINT_SCHEMES)) is not None:
+        raise ValueError(problem)
+    return address
+
+
+def _plain_relay_address(address: str) -> str:
+    if (problem := plain_address_problem(address, RELAY_SCHEMES)) is not None:
+        raise ValueError(problem)
+    return address
+
+
+NodeEndpoint = Annotated[str, AfterValidator(_plain_endpoint)]
+"""A node's base URL, exactly ``http(s)://host[:port][/prefix]`` (e.g. ``http://10.0.0.5:8001``)."""
+RelayAddress = Annotated[str, AfterValidator(_plain_relay_address)]
+"""Where a node behind NAT is reached through a relay, ``ws(s)://host[:port][/prefix]``
+(e.g. ``ws://relay:8003/rpc/node-a``)."""
 
 
 class NodeRegistration(BaseModel):
@@ -43,14 +112,14 @@ class NodeRegistration(BaseModel):
 
     node_id: NodeId
     model: ModelName
-    endpoint: HttpEndpoint
+    endpoint: NodeEndpoint
     shard_start: LayerIndex
     """First layer held (0-based, inclusive)."""
     shard_end: LayerIndex
     """Last layer held (inclusive)."""
     num_layers: LayerCount | None = None
     """How many layers the whole model has; ``None`` when the node does not say."""
-    relay_addr: WsAddress | None = None
+    relay_addr: RelayAddress | None = None
     """Where callers reach this node through the relay when it is behind NAT."""
     dtype: DType | None = None
     device: str | None = Field(default=None, min_length=1, max_length=MAX_DEVICE_CHARS)
@@ -71,7 +140,11 @@ class NodeRegistration(BaseModel):
 
 
 class RegistrationAnswer(BaseModel):
-    """What ``POST /v1/nodes`` answers: the lease and how often to heartbeat."""
+    """What ``POST /v1/nodes`` answers: the lease and how often to heartbeat.
+
+    ``lease`` is the same on every heartbeat of one registration; a new one
+    means the tracker registered the node afresh (it had forgotten it).
+    """
 
     model_config = STRICT_MODEL
 
