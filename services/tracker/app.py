@@ -9,7 +9,9 @@ Routes (the rest live in :mod:`.openai_api` and :mod:`.mesh_api`):
 - the OpenAI front door: ``POST /v1/chat/completions``, ``POST /v1/completions``,
   ``GET /v1/models``;
 - the mesh: ``POST|GET /v1/nodes``, ``DELETE /v1/nodes/{id}``,
-  ``POST /v1/nodes/{id}/failures``, ``GET /v1/route``, ``GET /v1/mesh``.
+  ``POST /v1/nodes/{id}/failures``, ``GET /v1/route``, ``GET /v1/mesh``
+  (the three ``GET`` views need an API key or the mesh secret when
+  ``MESHNET_API_KEYS`` is set).
 
 Every error, including unknown paths and wrong methods, is answered in the
 OpenAI error shape. ``uvicorn services.tracker.app:app`` builds the app from

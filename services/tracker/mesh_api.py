@@ -16,7 +16,10 @@ Routes:
   (:class:`~meshwire.routes.SignedRoute`).
 
 The credential is checked before the body is read, so an unauthenticated
-registration changes nothing.
+registration changes nothing. The three views hand out every endpoint, relay
+address and failure reason: with ``MESHNET_API_KEYS`` set they need a client
+API key or the mesh secret (401 otherwise); without it the mesh's layout is
+public.
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ from meshwire.openai import validation_error_message, validation_error_param
 from meshwire.registry import NodeRegistration, RegistrationAnswer
 
 from .registry import MAX_REASON_CHARS, RegistryError
-from .responses import HTTPError, read_body, require_mesh_secret
+from .responses import HTTPError, read_body, require_mesh_reader, require_mesh_secret
 from .state import parse_exclude, tracker_state
 
 logger = logging.getLogger(__name__)
@@ -131,6 +134,7 @@ async def report_failure(node_id: str, request: Request) -> JSONResponse:
 
 def _mesh_view(request: Request) -> dict[str, Any]:
     state = tracker_state(request)
+    require_mesh_reader(request, state.settings.api_keys, state.settings.secret)
     now = state.now()
     return {
         "nodes": [node.model_dump(mode="json") for node in state.registry.snapshot(now)],
@@ -156,6 +160,7 @@ async def mesh(request: Request) -> JSONResponse:
 async def route(request: Request) -> JSONResponse:
     """A signed route for ``model`` that avoids the ``exclude``d nodes."""
     state = tracker_state(request)
+    require_mesh_reader(request, state.settings.api_keys, state.settings.secret)
     model = request.query_params.get("model")
     if not model:
         raise HTTPError(400, "missing query parameter 'model'", errors.INVALID_REQUEST, "missing_model", "model")

@@ -71,21 +71,35 @@ def require_mesh_secret(request: Request, secret: str) -> None:
                         headers={"WWW-Authenticate": "Bearer"} if failure.status == 401 else None)
 
 
-def require_api_key(request: Request, api_keys: Sequence[str]) -> None:
-    """When API keys are configured, refuse (401, OpenAI's ``invalid_api_key``) a request without one."""
+def require_api_key(request: Request, api_keys: Sequence[str], *, also: Sequence[str] = ()) -> None:
+    """When API keys are configured, refuse (401, OpenAI's ``invalid_api_key``) a request without one.
+
+    ``also`` lists further credentials accepted in their place (the mesh
+    secret, where nodes and tools call); without API keys nothing is checked.
+    """
     if not api_keys:
         return
     scheme, _, key = (request.headers.get("authorization") or "").strip().partition(" ")
     key = key.strip()
     if scheme.lower() == BEARER and key:
         offered = key.encode("utf-8")
-        # Compare against every key (no early exit), so timing says nothing about which one is close.
+        # Compare against every credential (no early exit), so timing says nothing about which one is close.
         matched = False
-        for candidate in api_keys:
-            matched |= hmac.compare_digest(offered, candidate.encode("utf-8"))
+        for candidate in (*api_keys, *also):
+            matched |= bool(candidate) and hmac.compare_digest(offered, candidate.encode("utf-8"))
         if matched:
             return
         raise HTTPError(401, "Incorrect API key provided.", errors.INVALID_REQUEST, "invalid_api_key",
                         headers={"WWW-Authenticate": "Bearer"})
     raise HTTPError(401, "You didn't provide an API key. Send it as 'Authorization: Bearer <key>'.",
                     errors.INVALID_REQUEST, "missing_api_key", headers={"WWW-Authenticate": "Bearer"})
+
+
+def require_mesh_reader(request: Request, api_keys: Sequence[str], secret: str) -> None:
+    """Guard the mesh's layout (``/v1/nodes``, ``/v1/mesh``, ``/v1/route``).
+
+    They name every node's endpoint, relay address and failure reasons, so
+    with API keys configured they need a client API key or the mesh secret
+    (nodes and tools hold the secret); without API keys they stay public.
+    """
+    require_api_key(request, api_keys, also=(secret,))
