@@ -5,9 +5,10 @@ Routes:
 - ``POST /v1/chat/completions`` and ``POST /v1/completions``: validated here
   (400 naming the field), given a route (404 unknown model, 503 naming the
   missing layers), and proxied to the route's head node, whose answer (JSON,
-  or server-sent events) is relayed as it arrives. When the head fails before
-  answering, it is reported and the request goes once more on a route that
-  avoids it.
+  or server-sent events) is relayed as it arrives; a head's error is relayed
+  only as a well-formed OpenAI error, anything else becomes a 502 (see
+  :mod:`.head_answers`). When the head fails before answering, it is
+  reported and the request goes once more on a route that avoids it.
 - ``GET /v1/models``: the models that have a complete route right now.
 - ``GET /v1/models/{model}``: one of them.
 
@@ -36,7 +37,7 @@ from meshwire.openai import (
     validation_error_param,
 )
 
-from .proxy import HeadRefused, ProxiedResponse, first_byte_timer, open_head
+from .proxy import HeadError, HeadRefused, ProxiedResponse, first_byte_timer, open_head
 from .registry import UnknownNode
 from .responses import HTTPError, read_body, require_api_key
 from .state import TrackerState, tracker_state
@@ -104,6 +105,9 @@ async def _proxy(state: TrackerState, model: str, path: str, body: bytes) -> Res
         state.registry.begin_request(node_ids)
         elapsed = first_byte_timer()
         outcome = await open_head(state.http(), route, path, body, state.settings.secret)
+        if isinstance(outcome, HeadError):
+            state.registry.end_request(node_ids)
+            raise outcome.error
         if not isinstance(outcome, HeadRefused):
             state.metrics.first_byte.observe(elapsed())
             head = route.nodes[0].node_id

@@ -8,10 +8,13 @@ reaches a node.
 
 The answer is relayed chunk by chunk as it arrives: server-sent events are
 never buffered, so each token reaches the client when the head emits it.
+Only OpenAI answers are relayed (see :mod:`.head_answers`): a 2xx of JSON or
+events, or an OpenAI error, rebuilt; anything else is a 502.
 
 :func:`open_head` tells a response worth relaying from a head that failed
-before it started answering (:class:`HeadRefused`): the caller then reports
-the culprit and tries another route once.
+before it started answering (:class:`HeadRefused`), and from a head's
+well-formed error that the client should get as it is (:class:`HeadError`):
+after a refusal the caller reports the culprit and tries another route once.
 """
 
 from __future__ import annotations
@@ -34,12 +37,22 @@ from meshwire.routes import SignedRoute
 from meshwire.sse import MEDIA_TYPE as SSE_MEDIA_TYPE
 from meshwire.sse import sse_error
 
+from .head_answers import (
+    ERROR_STATUSES,
+    bad_answer,
+    media_type,
+    parse_openai_error,
+    relayable_success,
+    relayed_error,
+)
 from .responses import HTTPError
 
 logger = logging.getLogger(__name__)
 
 MAX_ERROR_BODY_BYTES: Final = 64 * limits.KIB
-"""Most bytes of a head's error answer read to decide whether to retry."""
+"""Most bytes of a head's error answer read (to judge it, and to decide whether to retry)."""
+RETRIED_STATUSES: Final = frozenset({502, 503, 504})
+"""A head answering these failed (or is full): its route is retried once without it."""
 RELAYED_RESPONSE_HEADERS: Final = frozenset({"content-type", "cache-control", "retry-after", "x-request-id"})
 """Headers of the head's answer passed back to the client (hop-by-hop and length headers are not)."""
 STREAM_HEADERS: Final = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
@@ -61,6 +74,13 @@ class HeadRefused:
     error: HTTPError
 
 
+@dataclass(frozen=True)
+class HeadError:
+    """The head answered a well-formed OpenAI error that is the client's to read (a 400 naming a field...)."""
+
+    error: HTTPError
+
+
 def head_request_headers(route: SignedRoute, secret: str) -> dict[str, str]:
     """The only headers a head receives from the tracker."""
     return {
@@ -72,10 +92,14 @@ def head_request_headers(route: SignedRoute, secret: str) -> dict[str, str]:
 
 
 async def open_head(client: httpx.AsyncClient, route: SignedRoute, path: str, body: bytes,
-                    secret: str) -> httpx.Response | HeadRefused:
+                    secret: str) -> httpx.Response | HeadRefused | HeadError:
     """Send ``body`` to the head's ``path``; return its streaming response, or why not to use it.
 
-    A returned response is open and must be closed by the caller (see :class:`ProxiedResponse`).
+    A returned response is a relayable 2xx, open, and must be closed by the
+    caller (see :class:`ProxiedResponse`). A head's other answers are read
+    (boundedly) and closed here: a well-formed OpenAI error is a
+    :class:`HeadError`, a 502/503/504 or anything that is not an OpenAI
+    answer a :class:`HeadRefused`.
     """
     head = route.nodes[0]
     request = client.build_request("POST", head.endpoint.rstrip("/") + path, content=body,
@@ -87,15 +111,33 @@ async def open_head(client: httpx.AsyncClient, route: SignedRoute, path: str, bo
         return HeadRefused(head.node_id, True, reason, HTTPError(
             502, f"the head node {head.node_id} could not be reached ({reason})", errors.SERVER_ERROR,
             "head_unreachable"))
-    if response.status_code not in (502, 503, 504):
+    if relayable_success(response):
         return response
-    return await _refusal(response, head.node_id)
+    status = response.status_code
+    if response.is_success:  # a 2xx of another content type: not a completion
+        await response.aclose()
+        return _not_openai(head.node_id, response, f"content type {media_type(response)[:64] or 'none'!r}")
+    raw = await _read_bounded(response)
+    error = parse_openai_error(raw) if status in ERROR_STATUSES else None
+    if error is None:
+        return _not_openai(head.node_id, response, "a body that is not an OpenAI error" if raw else "no body")
+    if status in RETRIED_STATUSES:
+        return _refusal(status, error, response.headers.get("retry-after"), head.node_id)
+    return HeadError(relayed_error(status, error, response.headers.get("retry-after")))
 
 
-async def _refusal(response: httpx.Response, head_id: str) -> HeadRefused:
-    """Read (boundedly) a head's 502/503/504 and decide whom it blames."""
+def _not_openai(head_id: str, response: httpx.Response, what: str) -> HeadRefused:
+    """A head answered something other than an OpenAI answer: it failed, and the client may get a 502."""
+    logger.warning("head %s answered HTTP %d with %s (%s); answering 502", head_id, response.status_code, what,
+                   media_type(response)[:64] or "no content type")
+    return HeadRefused(head_id, True, f"answered {response.status_code} with {what}",
+                       bad_answer(head_id, response.status_code, what))
+
+
+async def _read_bounded(response: httpx.Response) -> bytes:
+    """At most :data:`MAX_ERROR_BODY_BYTES` (and one chunk) of a head's answer; the response is closed."""
+    raw = bytearray()
     try:
-        raw = bytearray()
         async for chunk in response.aiter_bytes():
             raw += chunk
             if len(raw) > MAX_ERROR_BODY_BYTES:
@@ -104,32 +146,21 @@ async def _refusal(response: httpx.Response, head_id: str) -> HeadRefused:
         pass
     finally:
         await response.aclose()
-    error = _error_of(bytes(raw))
+    return bytes(raw)
+
+
+def _refusal(status: int, error: dict[str, Any], retry_after: str | None, head_id: str) -> HeadRefused:
+    """A head's well-formed 502/503/504: whom it blames, and the error the client gets if no route works."""
     blamed = error.get("failed_node") or error.get("node_id")
     culprit = blamed if isinstance(blamed, str) and blamed else head_id
-    message = str(error.get("message") or f"the head node {head_id} answered {response.status_code}")
-    retry_after = response.headers.get("retry-after")
-    passthrough = HTTPError(
-        response.status_code, message, str(error.get("type") or errors.SERVER_ERROR),
-        error.get("code") if isinstance(error.get("code"), str) else None,
-        headers={"Retry-After": retry_after} if retry_after and retry_after.isdigit() else None,
-        **({"failed_node": culprit} if response.status_code == 502 else {}),
-    )
+    passthrough = relayed_error(status, {**error, **({"failed_node": culprit} if status == 502 else {})},
+                                retry_after)
     # 503 is a refusal for load (a full KV budget): avoid the node, but it did not fail.
-    return HeadRefused(culprit, response.status_code != 503, message, passthrough)
-
-
-def _error_of(raw: bytes) -> dict[str, Any]:
-    try:
-        body = orjson.loads(raw)
-    except orjson.JSONDecodeError:
-        return {}
-    error = body.get("error") if isinstance(body, dict) else None
-    return error if isinstance(error, dict) else {}
+    return HeadRefused(culprit, status != 503, str(error["message"]), passthrough)
 
 
 def _is_event_stream(response: httpx.Response) -> bool:
-    return response.headers.get("content-type", "").split(";")[0].strip().lower() == SSE_MEDIA_TYPE
+    return media_type(response) == SSE_MEDIA_TYPE
 
 
 async def _relay(upstream: httpx.Response, on_broken: Callable[[str], None]) -> AsyncIterator[bytes]:
