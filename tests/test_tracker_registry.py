@@ -9,8 +9,8 @@ import pytest
 from meshwire.registry import NodeRegistration
 from services.tracker.planner import plan_route
 from services.tracker.registry import (
-    LayerCountMismatch,
     LeaseConflict,
+    LeaseRequired,
     Registry,
     RegistryFull,
     RegistryPolicy,
@@ -58,12 +58,22 @@ def test_a_node_cannot_register_under_a_live_nodes_id(registry: Registry) -> Non
     assert registry.snapshot(1.0)[0].endpoint == "http://127.0.0.1:9001"
 
 
-def test_a_node_restarted_at_its_own_endpoint_gets_a_fresh_lease(registry: Registry) -> None:
+def test_a_live_id_cannot_be_taken_over_at_its_own_public_endpoint_without_the_lease(registry: Registry) -> None:
+    old = registry.register(reg("a"), None, now=0.0)
+    with pytest.raises(LeaseConflict, match="X-Meshnet-Lease"):
+        registry.register(reg("a"), None, now=2.0)
+    assert registry.register(reg("a"), old.lease, now=3.0).lease == old.lease
+
+
+def test_a_node_restarted_without_its_lease_gets_its_id_back_once_the_old_entry_expires(
+        registry: Registry) -> None:
     old = registry.register(reg("a"), None, now=0.0)
     registry.report_failure("a", "connection refused", now=1.0)
-    restarted = registry.register(reg("a"), None, now=2.0)
+    restarted = registry.register(reg("a"), None, now=6.5)
     assert restarted.new_lease and restarted.lease != old.lease
-    assert registry.state("a", 2.0) == "joining"  # a clean slate: no backoff carried over
+    assert registry.state("a", 6.5) == "joining"  # a clean slate: no backoff carried over
+    with pytest.raises(LeaseConflict):
+        registry.register(reg("a"), old.lease, now=7.0)  # the old lease is worth nothing now
 
 
 def test_an_offline_id_can_be_taken_by_a_new_node(registry: Registry) -> None:
@@ -85,11 +95,46 @@ def test_a_heartbeat_with_a_lease_the_tracker_never_issued_registers_afresh(regi
     assert answer.new_lease and answer.lease != "lease-from-a-previous-tracker"
 
 
-def test_nodes_of_one_model_must_agree_on_its_layer_count(registry: Registry) -> None:
+def test_a_node_disagreeing_with_its_models_layer_count_is_listed_but_not_routed(registry: Registry) -> None:
     registry.register(reg("a", 0, 1, num_layers=4), None, now=0.0)
-    with pytest.raises(LayerCountMismatch):
-        registry.register(reg("b", 2, 5, port=9002, num_layers=6), None, now=1.0)
-    assert registry.state("b", 1.0) is None
+    registry.register(reg("c", 2, 3, port=9003, num_layers=4), None, now=0.5)
+    registry.register(reg("b", 2, 5, port=9002, num_layers=6), None, now=1.0)
+    assert registry.models(1.0) == {MODEL: 4}
+    assert routable_ids(registry, 1.0) == {"a", "c"}
+    listed = {n.node_id: n for n in registry.snapshot(1.0)}
+    assert not listed["b"].routable and not listed["b"].num_layers_agreed and listed["b"].state == "joining"
+    assert listed["a"].routable and listed["a"].num_layers_agreed
+
+
+def test_a_lying_first_registration_does_not_fix_the_layer_count_and_is_forgotten_with_its_lease(
+        registry: Registry) -> None:
+    registry.register(reg("liar", 0, 1, port=9009, num_layers=2), None, now=0.0)
+    assert registry.models(0.0) == {MODEL: 2}
+    honest = {"a": registry.register(reg("a", 0, 1, port=9001), None, now=1.0).lease,
+              "b": registry.register(reg("b", 2, 3, port=9002), None, now=1.0).lease}
+    assert registry.models(1.0) == {MODEL: 4}
+    assert routable_ids(registry, 1.0) == {"a", "b"}
+    assert [hop.node_id for hop in plan_route(registry.candidates(MODEL, 1.0), 4)] == ["a", "b"]
+    registry.register(reg("a", 0, 1, port=9001), honest["a"], now=5.0)  # the liar has fallen silent
+    registry.deregister("b", honest["b"], now=5.5)
+    assert registry.models(5.5) == {MODEL: 2}  # one against one, and both ranges fit 2: the older lease wins
+    assert registry.state("liar", 6.5) == "offline"
+    assert registry.models(6.5) == {MODEL: 4}  # its lease expired: its count is forgotten
+    assert routable_ids(registry, 6.5) == {"a"}
+
+
+def test_a_tie_on_the_layer_count_goes_to_the_count_every_nodes_layers_fit_in(registry: Registry) -> None:
+    registry.register(reg("liar", 0, 1, port=9009, num_layers=2), None, now=0.0)
+    registry.register(reg("a", 0, 3, port=9001), None, now=1.0)  # holds layer 3: a count of 2 cannot be
+    assert registry.models(1.0) == {MODEL: 4}
+    assert routable_ids(registry, 1.0) == {"a"}
+
+
+def test_a_tie_the_layer_ranges_cannot_settle_goes_to_the_longest_held_lease(registry: Registry) -> None:
+    registry.register(reg("first", 0, 1, port=9001, num_layers=6), None, now=0.0)
+    registry.register(reg("second", 0, 1, port=9002, num_layers=4), None, now=1.0)
+    assert registry.models(1.0) == {MODEL: 6}
+    assert routable_ids(registry, 1.0) == {"first"}
 
 
 def test_the_registry_refuses_nodes_beyond_its_bound_but_evicts_offline_ones_first() -> None:
@@ -132,12 +177,14 @@ def test_a_deregistered_node_is_offline_at_once(registry: Registry) -> None:
     assert registry.state("a", 1.0) == "offline" and routable_ids(registry, 1.0) == set()
 
 
-def test_deregistering_needs_the_right_lease_when_one_is_given(registry: Registry) -> None:
+def test_deregistering_needs_the_nodes_lease(registry: Registry) -> None:
     registry.register(reg("a"), None, now=0.0)
-    with pytest.raises(LeaseConflict):
+    with pytest.raises(LeaseRequired):
         registry.deregister("a", "not-the-lease", now=1.0)
+    with pytest.raises(LeaseRequired):
+        registry.deregister("a", None, now=1.0)
     with pytest.raises(UnknownNode):
-        registry.deregister("nobody", None, now=1.0)
+        registry.deregister("nobody", "any", now=1.0)
     assert registry.state("a", 1.0) == "joining"
 
 

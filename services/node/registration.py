@@ -4,10 +4,13 @@
 body every time (identity, shard, live load figures: free KV tokens, open
 sessions, measured decode tokens/s). The first answer gives a lease, which
 every heartbeat carries in ``X-Meshnet-Lease`` so nobody else can take this
-node's id; the tracker's ``heartbeat_s`` sets the pace. A tracker that is
-down or restarted is retried with a bounded backoff, and a tracker that
-forgot the node (404, or 409 for a lease it no longer knows) gets a fresh
-registration. On shutdown the node deregisters with ``DELETE /v1/nodes/{id}``.
+node's id; the tracker's ``heartbeat_s`` sets the pace, and a new lease in an
+answer (a restarted tracker registered the node afresh) replaces the old.
+A tracker that is down is retried with a bounded backoff; one that no longer
+honours the lease (404, or 409: the id went to another node meanwhile) gets
+a fresh registration, and one that refuses the id because it is still live
+under an earlier run's lease is retried until that entry expires. On
+shutdown the node leaves with ``DELETE /v1/nodes/{id}``, carrying its lease.
 """
 
 from __future__ import annotations
@@ -75,6 +78,11 @@ class Registrar:
             logger.warning("tracker forgot this node (HTTP %d); registering again", response.status_code)
             self._lease = None
             return False
+        if response.status_code == 409:
+            logger.warning("tracker holds node id %s under another lease (an earlier run of this node, or "
+                           "another node): retrying until that entry expires: %s", body.node_id,
+                           response.text[:300])
+            return False
         if response.status_code >= 300:
             logger.warning("tracker refused registration of %s: HTTP %d %s", body.node_id, response.status_code,
                            response.text[:300])
@@ -94,12 +102,18 @@ class Registrar:
         self._lease = answer.lease
         self._heartbeat_s = max(MIN_HEARTBEAT_S, min(self._heartbeat_s, answer.heartbeat_s))
 
+    @property
+    def lease(self) -> str | None:
+        """The lease the tracker last answered; ``None`` before the first accepted registration."""
+        return self._lease
+
     async def deregister(self) -> None:
-        """``DELETE /v1/nodes/{id}``: leave the mesh now rather than when the lease runs out."""
+        """``DELETE /v1/nodes/{id}`` with the lease: leave the mesh now rather than when the lease runs out."""
         node_id = self._registration().node_id
-        headers = bearer_headers(self._secret)
-        if self._lease is not None:
-            headers[h.LEASE] = self._lease
+        if self._lease is None:
+            logger.info("%s never registered with %s: nothing to leave", node_id, self._tracker)
+            return
+        headers = {**bearer_headers(self._secret), h.LEASE: self._lease}
         try:
             response = await self._http.delete(f"{self._tracker}{NODES_PATH}/{node_id}", headers=headers,
                                                 timeout=TRACKER_TIMEOUT_S)

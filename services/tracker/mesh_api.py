@@ -4,9 +4,12 @@ Routes:
 
 - ``POST /v1/nodes`` (mesh secret): register or heartbeat with a
   :class:`~meshwire.registry.NodeRegistration`; heartbeats carry the lease in
-  ``X-Meshnet-Lease``. Answers :class:`~meshwire.registry.RegistrationAnswer`;
-  409 when the id belongs to another live node.
-- ``DELETE /v1/nodes/{node_id}`` (mesh secret): leave now.
+  ``X-Meshnet-Lease``. Answers :class:`~meshwire.registry.RegistrationAnswer`
+  (the first time with a fresh lease); 409 ``lease_conflict`` when the id is
+  live and the request does not carry its lease; 400 naming the field for an
+  endpoint or relay address that is not a plain ``scheme://host:port[/prefix]``.
+- ``DELETE /v1/nodes/{node_id}`` (mesh secret and the node's lease): leave
+  now; 403 ``lease_required`` without the lease.
 - ``POST /v1/nodes/{node_id}/failures`` (mesh secret): a caller could not use
   the node; it backs off (see :mod:`.registry`).
 - ``GET /v1/nodes``: every listed node (state, load, last heartbeat) and each
@@ -65,8 +68,8 @@ def _invalid(exc: ValidationError) -> HTTPError:
 
 
 def _refused(exc: RegistryError) -> HTTPError:
-    error_type = errors.NOT_FOUND if exc.status == 404 else (
-        errors.UNAVAILABLE if exc.status == 503 else errors.INVALID_REQUEST)
+    error_type = {404: errors.NOT_FOUND, 403: errors.PERMISSION, 503: errors.UNAVAILABLE}.get(
+        exc.status, errors.INVALID_REQUEST)
     return HTTPError(exc.status, str(exc), error_type, exc.code)
 
 
@@ -102,12 +105,13 @@ async def register(request: Request) -> JSONResponse:
 
 @router.delete("/v1/nodes/{node_id}")
 async def deregister(node_id: str, request: Request) -> JSONResponse:
-    """A node leaves: it is listed ``offline`` at once and leaves every new route."""
+    """A node leaves (with its lease): it is listed ``offline`` at once and leaves every new route."""
     state = tracker_state(request)
     require_mesh_secret(request, state.settings.secret)
     try:
         state.registry.deregister(node_id, _lease(request), state.now())
     except RegistryError as exc:
+        logger.warning("refused the departure of %s: %s", node_id[:limits.MAX_ID_CHARS], exc)
         raise _refused(exc) from None
     return JSONResponse({"node_id": node_id, "state": "offline"})
 

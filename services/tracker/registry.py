@@ -6,16 +6,26 @@ below are exact.
 
 Leases. A node's first registration gets a random lease; its heartbeats (the
 same body, re-posted) carry it back. Registering an id that is live under
-another lease is refused (:class:`LeaseConflict`), so a node cannot take over
-another node's id, with one exception: a node re-registering at the same
-endpoint without its lease is that node restarted (nothing else can listen on
-its address), and gets a fresh lease. An id whose node has gone offline may be
-registered again by anyone.
+another lease, or without one, is refused (:class:`LeaseConflict`), whatever
+endpoint it names: endpoints are public, so knowing one proves nothing. A
+node that restarted without its lease waits until its old entry expires
+(``ttl_s``) or leaves it with its lease on the way down. Leaving
+(:meth:`Registry.deregister`) needs the lease too (:class:`LeaseRequired`).
+An id whose node has gone offline may be registered again by anyone.
+
+Layer counts. Nodes of one model may report different ``num_layers``; the
+model's count is the one the most live nodes report (a tie goes to the count
+more live nodes' layer ranges fit in, then to the count whose reporter has
+held its lease longest, so the answer does not flap), and a node reporting
+another count is listed but kept out of routes. So no single
+registration fixes a model's shape for everyone, and a count nobody live
+reports any more is forgotten with its last reporter's lease.
 
 States. ``joining`` (registered, no heartbeat yet), ``online``, ``suspect``
 (silent for longer than ``suspect_s``, or serving a failure backoff) and
 ``offline`` (silent for longer than ``ttl_s``, or deregistered). Every state
-but ``offline`` is routable. Offline nodes stay listed for ``offline_keep_s``
+but ``offline`` is routable (for a node that agrees on its model's layer
+count). Offline nodes stay listed for ``offline_keep_s``
 so an operator sees what died, then are forgotten.
 
 Failures. A head that cannot reach a hop reports it; the node then serves a
@@ -32,7 +42,7 @@ from __future__ import annotations
 import hmac
 import logging
 import secrets
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Final
 
@@ -66,11 +76,11 @@ class LeaseConflict(RegistryError):
     code = "lease_conflict"
 
 
-class LayerCountMismatch(RegistryError):
-    """The node says its model has a different number of layers than the live nodes of that model."""
+class LeaseRequired(RegistryError):
+    """Leaving needs the node's lease (missing or wrong): nobody else may remove a live node."""
 
-    status = 409
-    code = "num_layers_mismatch"
+    status = 403
+    code = "lease_required"
 
 
 class RegistryFull(RegistryError):
@@ -124,6 +134,9 @@ class NodeInfo(BaseModel):
     device: str | None
     state: NodeState
     routable: bool
+    """Whether routes may use it: not offline, and its ``num_layers`` agrees with its model's."""
+    num_layers_agreed: bool
+    """Whether its ``num_layers`` is its model's (or it reports none that contradicts it)."""
     active_sessions: int
     inflight_requests: int
     """Front-door requests the tracker is proxying through this node right now."""
@@ -177,6 +190,27 @@ class _Entry:
 def _same(lease: str, expected: str) -> bool:
     """Constant-time lease comparison."""
     return hmac.compare_digest(lease.encode("utf-8"), expected.encode("utf-8"))
+
+
+def _vote(voters: Sequence[_Entry], present: Sequence[_Entry]) -> int:
+    """The ``num_layers`` most ``voters`` report.
+
+    A tie goes to the count that more of the ``present`` nodes' ranges fit in
+    (a node holding layer 5 contradicts a count of 4), then to the count whose
+    reporter registered first (so the answer does not flap), then to the smaller.
+    """
+    tally: dict[int, tuple[int, float]] = {}
+    for entry in voters:
+        count = entry.registration.num_layers
+        assert count is not None
+        reporters, earliest = tally.get(count, (0, float("inf")))
+        tally[count] = (reporters + 1, min(earliest, entry.registered_at))
+
+    def rank(count: int) -> tuple[int, int, float, int]:
+        fitting = sum(e.registration.shard_end < count for e in present)
+        return (tally[count][0], fitting, -tally[count][1], -count)
+
+    return max(tally, key=rank)
 
 
 def model_basename(model: str) -> str:
@@ -243,22 +277,22 @@ class Registry:
     def register(self, registration: NodeRegistration, lease: str | None, now: float) -> Registered:
         """Register a node or take its heartbeat; answers the lease it must present next time.
 
-        Raises :class:`LeaseConflict`, :class:`LayerCountMismatch` or :class:`RegistryFull`,
-        in which case nothing changes.
+        Raises :class:`LeaseConflict` (the id is live and ``lease`` is not
+        its) or :class:`RegistryFull`, in which case nothing changes.
         """
         self.prune(now)
         node_id = registration.node_id
         entry = self._entries.get(node_id)
         holds_lease = entry is not None and lease is not None and _same(lease, entry.lease)
         if entry is not None and not holds_lease and not self._is_offline(entry, now):
-            if registration.endpoint != entry.registration.endpoint:
-                raise LeaseConflict(
-                    f"node id {node_id!r} is registered by the node at {entry.registration.endpoint}; "
-                    f"choose another id or send that node's lease in {LEASE_HEADER}"
-                )
-            logger.info("node %s re-registered at %s without its lease: treating it as restarted",
-                        node_id, registration.endpoint)
-        self._check_layer_count(registration, now)
+            expires_in = max(self.policy.ttl_s - (now - entry.last_seen), 0.0)
+            what = "the lease sent is not its" if lease is not None else "send its lease"
+            raise LeaseConflict(
+                f"node id {node_id!r} is held by a live node (at {entry.registration.endpoint}) under a "
+                f"lease; {what} in {LEASE_HEADER}, choose another id, or register after the entry expires "
+                f"(in {expires_in:.1f} s without a heartbeat)"
+            )
+        self._warn_on_layer_count(registration, now)
         if entry is not None and holds_lease:
             # A heartbeat, or the same process back after a silence: it keeps its lease and failures.
             if self._is_offline(entry, now):
@@ -268,7 +302,7 @@ class Registry:
             return Registered(entry.lease, new_lease=False)
         if entry is None:
             self._make_room(now)
-        # A new node, a node restarted at its own endpoint, or a new owner of an offline id.
+        # A new node, or a new owner of an id whose node went offline (a tracker restart looks the same).
         fresh = _Entry(registration=registration, lease=self._new_lease(), registered_at=now, last_seen=now,
                        inflight=entry.inflight if entry is not None else 0)
         self._entries[node_id] = fresh
@@ -276,18 +310,15 @@ class Registry:
                     registration.shard_start, registration.shard_end, registration.model)
         return Registered(fresh.lease, new_lease=True)
 
-    def _check_layer_count(self, registration: NodeRegistration, now: float) -> None:
+    def _warn_on_layer_count(self, registration: NodeRegistration, now: float) -> None:
+        """Say so when a node's ``num_layers`` differs from its model's count (it will not be routed)."""
         if registration.num_layers is None:
             return
-        for other in self._entries.values():
-            reg = other.registration
-            if (reg.node_id != registration.node_id and reg.model == registration.model
-                    and reg.num_layers is not None and reg.num_layers != registration.num_layers
-                    and not self._is_offline(other, now)):
-                raise LayerCountMismatch(
-                    f"node {registration.node_id} says {registration.model} has {registration.num_layers} "
-                    f"layers, but node {reg.node_id} says {reg.num_layers}"
-                )
+        counted = self._layer_counts(now).get(registration.model)
+        if counted is not None and counted != registration.num_layers:
+            logger.warning("node %s says %s has %d layers, but its other nodes say %d: it stays out of routes "
+                           "unless more nodes agree with it", registration.node_id, registration.model,
+                           registration.num_layers, counted)
 
     def _make_room(self, now: float) -> None:
         if len(self._entries) < self.policy.max_nodes:
@@ -301,14 +332,16 @@ class Registry:
     def deregister(self, node_id: str, lease: str | None, now: float) -> None:
         """Mark ``node_id`` offline now (it stays listed for ``offline_keep_s``).
 
-        A lease, when given, must be the node's; raises :class:`UnknownNode` or :class:`LeaseConflict`.
+        Needs the node's lease: raises :class:`UnknownNode` or :class:`LeaseRequired`.
         """
         self.prune(now)
         entry = self._entries.get(node_id)
         if entry is None:
             raise UnknownNode(f"no node {node_id!r} is registered")
-        if lease is not None and not _same(lease, entry.lease):
-            raise LeaseConflict(f"the lease does not match node {node_id!r}'s")
+        if lease is None:
+            raise LeaseRequired(f"leaving needs node {node_id!r}'s lease in {LEASE_HEADER}")
+        if not _same(lease, entry.lease):
+            raise LeaseRequired(f"the lease in {LEASE_HEADER} is not node {node_id!r}'s")
         if entry.left_at is None:
             entry.left_at = now
             logger.info("node %s left", node_id)
@@ -350,30 +383,48 @@ class Registry:
     # --- views --------------------------------------------------------------------------------------
 
     def models(self, now: float) -> dict[str, int]:
-        """Every listed model and its number of layers.
-
-        The layer count is what the model's nodes report (live ones first); a
-        model none of whose nodes reports it counts up to its highest held layer.
-        """
+        """Every listed model and its number of layers (see the module doc for how nodes settle it)."""
         self.prune(now)
-        reported: dict[str, tuple[bool, int]] = {}
-        highest: dict[str, int] = {}
+        return self._layer_counts(now)
+
+    def _layer_counts(self, now: float) -> dict[str, int]:
+        """Each listed model's layer count, by vote of its live nodes.
+
+        Live nodes that report ``num_layers`` vote (ties: see :func:`_vote`).
+        Without a live report the listed (offline) reports vote, for the
+        record; without any, the count reaches up to the highest layer a live
+        (else listed) node holds.
+        """
+        by_model: dict[str, list[_Entry]] = {}
         for entry in self._entries.values():
-            reg = entry.registration
-            highest[reg.model] = max(highest.get(reg.model, 0), reg.shard_end + 1)
-            if reg.num_layers is not None:
-                live = not self._is_offline(entry, now)
-                if reg.model not in reported or (live and not reported[reg.model][0]):
-                    reported[reg.model] = (live, reg.num_layers)
-        return {model: reported[model][1] if model in reported else count for model, count in highest.items()}
+            by_model.setdefault(entry.registration.model, []).append(entry)
+        counts: dict[str, int] = {}
+        for model, entries in by_model.items():
+            live = [e for e in entries if not self._is_offline(e, now)]
+            present = live or entries
+            voters = [e for e in live if e.registration.num_layers is not None] or \
+                     [e for e in entries if e.registration.num_layers is not None]
+            if voters:
+                counts[model] = _vote(voters, present)
+            else:
+                counts[model] = max(e.registration.shard_end + 1 for e in (live or entries))
+        return counts
+
+    def _agrees(self, entry: _Entry, counts: dict[str, int]) -> bool:
+        reg = entry.registration
+        count = counts.get(reg.model)
+        if count is None:
+            return True
+        return reg.shard_end < count and (reg.num_layers is None or reg.num_layers == count)
 
     def candidates(self, model: str, now: float) -> tuple[Candidate, ...]:
-        """The routable nodes of ``model``, with their load as the planner weighs it."""
+        """The routable nodes of ``model`` (live, agreeing on its layer count), with their load."""
         self.prune(now)
+        counts = self._layer_counts(now)
         out: list[Candidate] = []
         for entry in self._entries.values():
             reg = entry.registration
-            if reg.model != model or self._is_offline(entry, now):
+            if reg.model != model or self._is_offline(entry, now) or not self._agrees(entry, counts):
                 continue
             out.append(Candidate(
                 node_id=reg.node_id, endpoint=reg.endpoint, shard_start=reg.shard_start, shard_end=reg.shard_end,
@@ -400,16 +451,18 @@ class Registry:
     def snapshot(self, now: float) -> tuple[NodeInfo, ...]:
         """Every listed node, by model then first layer then id."""
         self.prune(now)
-        infos = [self._info(entry, now) for entry in self._entries.values()]
+        counts = self._layer_counts(now)
+        infos = [self._info(entry, now, self._agrees(entry, counts)) for entry in self._entries.values()]
         return tuple(sorted(infos, key=lambda n: (n.model, n.shard_start, n.node_id)))
 
-    def _info(self, entry: _Entry, now: float) -> NodeInfo:
+    def _info(self, entry: _Entry, now: float, agreed: bool) -> NodeInfo:
         reg = entry.registration
         state = self._state(entry, now)
         return NodeInfo(
             node_id=reg.node_id, model=reg.model, endpoint=reg.endpoint, shard_start=reg.shard_start,
             shard_end=reg.shard_end, num_layers=reg.num_layers, relay_addr=reg.relay_addr, dtype=reg.dtype,
-            device=reg.device, state=state, routable=state != "offline", active_sessions=reg.active_sessions,
+            device=reg.device, state=state, routable=state != "offline" and agreed, num_layers_agreed=agreed,
+            active_sessions=reg.active_sessions,
             inflight_requests=entry.inflight, kv_free_tokens=reg.kv_free_tokens,
             kv_capacity_tokens=reg.kv_capacity_tokens, decode_tokens_per_s=reg.decode_tokens_per_s,
             last_heartbeat_age_s=round(max(now - entry.last_seen, 0.0), 3),
