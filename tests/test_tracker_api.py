@@ -355,3 +355,11 @@ def test_with_api_keys_each_configured_key_is_accepted(keyed_tracker: Service) -
 
 def test_with_api_keys_nodes_still_register_with_the_mesh_secret(keyed_tracker: Service, model: str) -> None:
     assert register(keyed_tracker, registration(uid("n"), model)).status_code == 200
+
+
+def test_without_api_keys_the_mesh_layout_is_public(tracker: Service, model: str) -> None:
+    node_id = uid("n")
+    register(tracker, registration(node_id, model))
+    assert node_id in {n["node_id"] for n in httpx.get(f"{tracker.url}/v1/nodes").json()["nodes"]}
+    assert httpx.get(f"{tracker.url}/v1/mesh").status_code == 200
+    assert route(tracker, model).status_code == 200
