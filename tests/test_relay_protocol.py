@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from meshwire.envelope import EnvelopeError, encode_mux
+from meshwire import limits
+from meshwire.envelope import EnvelopeError, RelayRequest, RelayResponse, encode_mux
 from meshwire.relay_client import (
     BACKOFF_JITTER,
     MuxError,
@@ -94,3 +95,18 @@ def test_backoff_grows_to_its_ceiling_and_is_jittered_below_it() -> None:
     assert all(0 < delay <= 4.0 for delay in delays)
     assert delays[0] <= 0.25
     assert delays[-1] >= 4.0 * (1 - BACKOFF_JITTER)
+
+
+def test_a_mux_answer_with_a_header_over_the_bound_is_refused_naming_the_header() -> None:
+    header = {"kind": "response", "id": 3, "status": 200, "headers": {"x-big": "a" * (limits.MAX_HEADER_VALUE_CHARS + 1)}}
+    with pytest.raises(EnvelopeError, match="x-big") as refused:
+        read_mux(encode_mux(header, b""))
+    assert refused.value.code == "bad_header"
+
+
+def test_an_envelope_answer_that_breaks_a_bound_is_an_envelope_error_naming_it() -> None:
+    with pytest.raises(EnvelopeError, match="x-big") as refused:
+        RelayResponse.of(200, {"x-big": "a" * (limits.MAX_HEADER_VALUE_CHARS + 1)}, b"")
+    assert refused.value.code == "bad_envelope"
+    with pytest.raises(EnvelopeError, match="headers"):
+        RelayRequest.of("r1", "POST", "/forward", {f"h{i}": "v" for i in range(limits.RELAY_MAX_HEADERS + 1)}, b"")

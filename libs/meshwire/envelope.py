@@ -11,8 +11,11 @@ Binary mux (``ws://relay/mux/{peer_id}``): one binary WebSocket message is
 travels without base64's third more bytes and many requests can share one
 socket (the header carries their ids).
 
-Every size is bounded; a message that does not parse raises
-:class:`EnvelopeError`, never a crash.
+Every size is bounded; a message that does not parse, and an envelope that
+cannot be built (an answer whose header is over
+:data:`meshwire.limits.MAX_HEADER_VALUE_CHARS`, say), raises
+:class:`EnvelopeError`, never anything else: the relay turns it into an error
+answer for that one request and goes on serving.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ import struct
 from typing import Annotated, Any, Final, Literal
 
 import orjson
-from pydantic import BaseModel, Field, ValidationError, field_validator
+from pydantic import AfterValidator, BaseModel, Field, ValidationError
 
 from meshwire import limits
 from meshwire.fields import STRICT_MODEL
@@ -37,7 +40,6 @@ MAX_BODY_BASE64_CHARS: Final = 4 * ((limits.RELAY_MAX_BODY_BYTES + 2) // 3)
 MAX_HEADER_NAME_CHARS: Final = 256
 MAX_REQUEST_ID_CHARS: Final = 128
 
-HeaderMap = Annotated[dict[str, str], Field(max_length=limits.RELAY_MAX_HEADERS)]
 
 
 class EnvelopeError(ValueError):
@@ -49,10 +51,26 @@ class EnvelopeError(ValueError):
 
 
 def _check_headers(headers: dict[str, str]) -> dict[str, str]:
+    """Every header name and value within its bound; the error names the header and the bound."""
     for name, value in headers.items():
-        if not name or len(name) > MAX_HEADER_NAME_CHARS or len(value) > limits.MAX_HEADER_VALUE_CHARS:
-            raise ValueError(f"header {name[:40]!r} is empty or too long")
+        if not name or len(name) > MAX_HEADER_NAME_CHARS:
+            raise ValueError(f"header name {name[:40]!r} is empty or over {MAX_HEADER_NAME_CHARS} characters")
+        if len(value) > limits.MAX_HEADER_VALUE_CHARS:
+            raise ValueError(f"header {name[:40]!r} has a value of {len(value)} characters, over "
+                             f"{limits.MAX_HEADER_VALUE_CHARS}")
     return headers
+
+
+HeaderMap = Annotated[dict[str, str], Field(max_length=limits.RELAY_MAX_HEADERS), AfterValidator(_check_headers)]
+"""HTTP headers carried through the relay, in either form: at most
+:data:`meshwire.limits.RELAY_MAX_HEADERS` of them, each name and value bounded."""
+
+
+def validation_problem(exc: ValidationError, what: str) -> str:
+    """The first problem of ``exc`` in words, with where it is (``invalid relay envelope at headers: ...``)."""
+    first = exc.errors(include_url=False)[0]
+    where = ".".join(str(part) for part in first["loc"]) or "top level"
+    return f"invalid {what} at {where}: {first['msg']}"
 
 
 def _b64decode(text: str) -> bytes:
@@ -73,13 +91,14 @@ class RelayRequest(BaseModel):
     headers: HeaderMap = Field(default_factory=dict)
     body_base64: str = Field(default="", max_length=MAX_BODY_BASE64_CHARS)
 
-    _headers_bounded = field_validator("headers")(_check_headers)
-
     @classmethod
     def of(cls, request_id: str, method: HttpMethod, path: str, headers: dict[str, str], body: bytes) -> RelayRequest:
-        """Build a request envelope around raw ``body`` bytes."""
-        return cls(request_id=request_id, method=method, path=path, headers=dict(headers),
-                   body_base64=base64.b64encode(body).decode("ascii"))
+        """Build a request envelope around raw ``body`` bytes; :class:`EnvelopeError` when it breaks a bound."""
+        try:
+            return cls(request_id=request_id, method=method, path=path, headers=dict(headers),
+                       body_base64=base64.b64encode(body).decode("ascii"))
+        except ValidationError as exc:
+            raise EnvelopeError("bad_envelope", validation_problem(exc, "relay request")) from None
 
     def body(self) -> bytes:
         """The decoded body (raises :class:`EnvelopeError` on bad base64)."""
@@ -100,13 +119,20 @@ class RelayResponse(BaseModel):
     body_base64: str = Field(default="", max_length=MAX_BODY_BASE64_CHARS)
     body: str | None = Field(default=None, max_length=limits.RELAY_MAX_BODY_BYTES)
 
-    _headers_bounded = field_validator("headers")(_check_headers)
-
     @classmethod
     def of(cls, status: int, headers: dict[str, str], body: bytes, request_id: str | None = None) -> RelayResponse:
-        """Build a response envelope around raw ``body`` bytes."""
-        return cls(request_id=request_id, status=status, headers=dict(headers),
-                   body_base64=base64.b64encode(body).decode("ascii"))
+        """Build a response envelope around raw ``body`` bytes.
+
+        Raises :class:`EnvelopeError` (``bad_envelope``, naming the field) when the
+        answer breaks a bound, e.g. a header value over
+        :data:`meshwire.limits.MAX_HEADER_VALUE_CHARS`: the relay answers that
+        request with an error instead of leaving it unanswered.
+        """
+        try:
+            return cls(request_id=request_id, status=status, headers=dict(headers),
+                       body_base64=base64.b64encode(body).decode("ascii"))
+        except ValidationError as exc:
+            raise EnvelopeError("bad_envelope", validation_problem(exc, "relay response")) from None
 
     def body_bytes(self) -> bytes:
         """The decoded body: ``body_base64``, else the text ``body``, else empty."""
@@ -121,9 +147,7 @@ def _decode_json_envelope(model: type[BaseModel], raw: str | bytes, max_bytes: i
     try:
         return model.model_validate_json(raw)
     except ValidationError as exc:
-        first = exc.errors(include_url=False)[0]
-        where = ".".join(str(part) for part in first["loc"]) or "envelope"
-        raise EnvelopeError("bad_envelope", f"invalid relay envelope at {where}: {first['msg']}") from None
+        raise EnvelopeError("bad_envelope", validation_problem(exc, "relay envelope")) from None
 
 
 def decode_request(raw: str | bytes, max_bytes: int = limits.RELAY_MAX_MESSAGE_BYTES) -> RelayRequest:

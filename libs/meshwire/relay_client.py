@@ -9,9 +9,18 @@ Addresses: a relay at ``ws://relay:8001`` serves
 
 - ``/peer/{peer_id}``: a peer's connection (``Authorization: Bearer <secret>``);
 - ``/rpc/{peer_id}``: the reference's JSON envelope, one text message each way
-  (:mod:`meshwire.envelope`). This URL is the peer's ``relay_addr``;
+  (:mod:`meshwire.envelope`). This URL is the peer's ``relay_addr``. With the
+  mesh credential at the handshake it reaches everything the peer serves;
+  without one, only the peer's public ``GET /health`` (anything else is
+  answered 401 ``unauthorized``);
 - ``/mux/{peer_id}``: the binary multiplexed form (bearer auth), derived from the
   ``relay_addr`` by :func:`mux_url`.
+
+The relay closes a caller connection that has had nothing in flight and sent
+nothing for its idle timeout, with close code :data:`CLOSE_IDLE`. Nothing sent
+on such a connection after the relay decided to close it was served, so
+:class:`RelayCaller` sends a request that met that close once more, on a new
+connection.
 
 The peer link and the mux speak the same binary messages,
 ``u32 be header_len | header JSON | body`` (:func:`meshwire.envelope.encode_mux`),
@@ -51,7 +60,15 @@ from websockets.exceptions import ConnectionClosed, InvalidHandshake, InvalidSta
 
 from meshwire import limits
 from meshwire.auth import bearer_headers
-from meshwire.envelope import MUX_PREFIX, EnvelopeError, HeaderMap, HttpMethod, decode_mux, encode_mux
+from meshwire.envelope import (
+    MUX_PREFIX,
+    EnvelopeError,
+    HeaderMap,
+    HttpMethod,
+    decode_mux,
+    encode_mux,
+    validation_problem,
+)
 from meshwire.fields import STRICT_MODEL
 
 log = logging.getLogger(__name__)
@@ -66,10 +83,11 @@ RelayErrorCode = Literal[
     "unauthorized",       # the relay refused our credential
     "unreachable",        # the relay could not be reached
     "disconnected",       # our connection to the relay dropped with the request in flight
+    "bad_answer",         # the peer's answer could not be relayed (e.g. a header over its bound)
 ]
 ERROR_STATUS: Final[Mapping[RelayErrorCode, int]] = {
     "unknown_peer": 502, "peer_disconnected": 502, "timeout": 504, "busy": 503, "too_large": 413,
-    "bad_request": 400, "unauthorized": 401, "unreachable": 502, "disconnected": 502,
+    "bad_request": 400, "unauthorized": 401, "unreachable": 502, "disconnected": 502, "bad_answer": 502,
 }
 """The HTTP status a relay failure is reported with where an HTTP answer is needed (``/rpc``)."""
 
@@ -78,8 +96,11 @@ Handler = Callable[[str, str, dict[str, str], bytes], Awaitable[tuple[int, Mappi
 
 DEFAULT_TIMEOUT_S: Final = 120.0
 DEFAULT_OPEN_TIMEOUT_S: Final = 10.0
-DEFAULT_PEER_CONCURRENCY: Final = 64
-"""Requests a peer serves at once; the relay bounds what it sends by its own in-flight limit too."""
+DEFAULT_PEER_CONCURRENCY: Final = 80
+"""Requests a peer serves at once; the relay bounds what it sends by its own in-flight limits too
+(by default 64 for authenticated callers and 4 public health checks: both fit under this)."""
+CLOSE_IDLE: Final = 4408
+"""Close code of a caller connection the relay closed for idleness (nothing in flight, nothing sent)."""
 BACKOFF_INITIAL_S: Final = 0.25
 BACKOFF_MAX_S: Final = 10.0
 BACKOFF_JITTER: Final = 0.5
@@ -152,9 +173,7 @@ def read_mux(data: bytes, max_bytes: int = limits.RELAY_MAX_MESSAGE_BYTES) -> tu
     try:
         message = _MUX_MESSAGE.validate_python(header)
     except ValidationError as exc:
-        first = exc.errors(include_url=False)[0]
-        where = ".".join(str(part) for part in first["loc"]) or "header"
-        raise EnvelopeError("bad_header", f"invalid mux header at {where}: {first['msg']}") from None
+        raise EnvelopeError("bad_header", validation_problem(exc, "mux header")) from None
     if body and not isinstance(message, MuxRequest | MuxResponse):
         raise EnvelopeError("bad_header", f"a {message.kind!r} message carries no body")
     return message, body
@@ -344,7 +363,14 @@ class RelayPeer:
     async def _answer(self, ws: ClientConnection, request: MuxRequest, body: bytes) -> None:
         try:
             status, headers, answer = await self._handler(request.method, request.path, dict(request.headers), body)
-            reply = write_mux(MuxResponse(id=request.id, status=status, headers=dict(headers)), answer)
+            try:
+                reply = write_mux(MuxResponse(id=request.id, status=status, headers=dict(headers)), answer)
+            except (ValidationError, EnvelopeError) as exc:
+                problem = validation_problem(exc, "answer") if isinstance(exc, ValidationError) else str(exc)
+                log.warning("relay peer %s: cannot relay the answer to %s %s: %s", self.peer_id, request.method,
+                            request.path, problem)
+                reply = write_mux(MuxResponse(id=request.id, status=502, headers=_JSON),
+                                  _error_json("bad_answer", problem[:MAX_ERROR_MESSAGE_CHARS]))
             if len(reply) > self._max_message_bytes:
                 reply = write_mux(MuxResponse(id=request.id, status=500, headers=_JSON),
                                   _error_json("too_large", f"answer of {len(answer)} bytes is over the relay bound"))
@@ -382,6 +408,12 @@ class _MuxLink:
     @property
     def closed(self) -> bool:
         return self._reader.done()
+
+    @property
+    def closed_idle(self) -> bool:
+        """Whether the relay closed this link for idleness: nothing sent on it since was served."""
+        received = self._ws.protocol.close_rcvd  # set as the close frame arrives, before the state is CLOSED
+        return received is not None and received.code == CLOSE_IDLE
 
     async def request(self, method: HttpMethod, path: str, headers: Mapping[str, str], body: bytes,
                       timeout_s: float) -> tuple[int, dict[str, str], bytes]:
@@ -477,8 +509,21 @@ class RelayCaller:
         Response header names are lower-cased. Raises :class:`RelayError` when
         the relay cannot deliver it (unknown peer, timeout, disconnect, size).
         """
-        link = await self._link(mux_url(relay_addr), timeout)
-        return await link.request(method, path, headers, body, timeout)
+        url = mux_url(relay_addr)
+        deadline = asyncio.get_running_loop().time() + timeout
+        link = await self._link(url, timeout)
+        try:
+            return await link.request(method, path, headers, body, timeout)
+        except RelayError as exc:
+            if exc.code != "disconnected" or not link.closed_idle:
+                raise
+        # The relay closed the link for idleness as this request went out: it was never served.
+        log.debug("relay caller: %s was closed idle; sending %s %s on a new connection", url, method, path[:200])
+        left = deadline - asyncio.get_running_loop().time()
+        if left <= 0:
+            raise RelayError("timeout", f"no answer from {url} within {timeout:g}s")
+        link = await self._link(url, left)
+        return await link.request(method, path, headers, body, left)
 
     async def close(self) -> None:
         """Close every connection; waiters fail with ``disconnected``."""
@@ -512,7 +557,7 @@ class RelayCaller:
 
 
 __all__: list[str] = [
-    "ERROR_STATUS", "Handler", "MuxError", "MuxMessage", "MuxRequest", "MuxResponse", "MuxSignal",
+    "CLOSE_IDLE", "ERROR_STATUS", "Handler", "MuxError", "MuxMessage", "MuxRequest", "MuxResponse", "MuxSignal",
     "RelayCaller", "RelayError", "RelayErrorCode", "RelayPeer", "backoff_delay", "mux_url",
     "peek_mux_id", "read_mux", "rpc_address", "write_mux", "ws_base",
 ]
