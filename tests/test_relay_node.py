@@ -15,6 +15,8 @@ Needs root (``ip netns``, as in CI); skipped with the reason otherwise.
 from __future__ import annotations
 
 import asyncio
+import base64
+import json
 import os
 import random
 import shutil
@@ -30,8 +32,10 @@ import httpx
 import openai
 import pytest
 import torch
+import websockets.sync.client as sync_ws
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from meshwire.auth import bearer_headers
 from meshwire.relay_client import RelayCaller, RelayError, rpc_address
 from meshwire.routes import Route, RouteNode, sign_route
 from tests.procs import TEST_SECRET, Service, free_port, start_service
@@ -207,7 +211,7 @@ def expected_answer(tiny_model_dir: Path) -> str:
 def chat(mesh: HiddenMesh) -> tuple[str, int]:
     """The head's answer to :data:`MESSAGES` along the signed route, and how many tokens it generated."""
     response = httpx.post(f"{mesh.head.url}/v1/chat/completions", timeout=READY_S,
-                          headers={"X-Meshnet-Route": mesh.route_token()},
+                          headers={"X-Meshnet-Route": mesh.route_token(), **bearer_headers(TEST_SECRET)},
                           json={"model": mesh.model_id, "messages": MESSAGES, "max_tokens": MAX_TOKENS,
                                 "temperature": 0})
     assert response.status_code == 200, response.text
@@ -270,3 +274,27 @@ def test_after_the_relay_restarts_the_node_reconnects_and_serves_again(mesh: Hid
     mesh.restart_relay()
     wait_ready_through_relay(mesh)
     assert chat(mesh)[0] == expected_answer
+
+
+def anonymous_rpc(mesh: HiddenMesh, requests: list[tuple[str, str, bytes]]) -> list[dict[str, object]]:
+    """Send ``(method, path, body)`` requests in the reference's envelope, with no credential; their answers."""
+    answers = []
+    with sync_ws.connect(mesh.relay_addr, open_timeout=READY_S) as ws:
+        for n, (method, path, body) in enumerate(requests):
+            ws.send(json.dumps({"request_id": f"r{n}", "method": method, "path": path,
+                                "headers": {"content-type": "application/json"},
+                                "body_base64": base64.b64encode(body).decode()}))
+            answers.append(json.loads(ws.recv(timeout=READY_S)))
+    return answers
+
+
+def test_without_a_credential_the_relay_reaches_only_the_hidden_nodes_health(mesh: HiddenMesh) -> None:
+    chat_body = json.dumps({"model": mesh.model_id, "messages": MESSAGES, "max_tokens": 1}).encode()
+    health, chat_answer, forward, metrics = anonymous_rpc(mesh, [
+        ("GET", "/health", b""), ("POST", "/v1/chat/completions", chat_body), ("POST", "/forward", b"\x00" * 16),
+        ("GET", "/metrics", b"")])
+    assert health["status"] == 200
+    assert json.loads(base64.b64decode(str(health["body_base64"])))["node_id"] == mesh.hidden_id
+    for refused in (chat_answer, forward, metrics):
+        assert refused["status"] == 401
+        assert json.loads(base64.b64decode(str(refused["body_base64"])))["error"]["code"] == "unauthorized"

@@ -129,9 +129,17 @@ async def caller() -> AsyncIterator[RelayCaller]:
         await relay_caller.close()
 
 
+MESH_CREDENTIAL = {"Authorization": f"Bearer {TEST_SECRET}"}
+"""What an ``/rpc`` caller presents at the handshake to reach more than a peer's ``GET /health``."""
+
+
 def reference_relay_hop(relay_addr: str, path: str, body: bytes, headers: dict[str, str],
-                        timeout: float = 120.0) -> tuple[int, dict[str, str], bytes]:
-    """The reference node server's `_relay_hop`, verbatim in substance: the caller the relay must keep serving."""
+                        timeout: float = 120.0,
+                        handshake: Mapping[str, str] = MESH_CREDENTIAL) -> tuple[int, dict[str, str], bytes]:
+    """The reference node server's `_relay_hop`, verbatim in substance: the caller the relay must keep serving.
+
+    The one addition is ``handshake``: the mesh credential, presented when the WebSocket opens.
+    """
     request_id = f"{time.time_ns():x}"
     payload = json.dumps({
         "request_id": request_id,
@@ -140,7 +148,7 @@ def reference_relay_hop(relay_addr: str, path: str, body: bytes, headers: dict[s
         "headers": headers,
         "body_base64": base64.b64encode(body).decode(),
     })
-    with sync_ws.connect(relay_addr, open_timeout=timeout) as ws:
+    with sync_ws.connect(relay_addr, open_timeout=timeout, additional_headers=dict(handshake)) as ws:
         ws.send(payload)
         raw = ws.recv(timeout=timeout)
     resp = json.loads(raw)
@@ -185,7 +193,7 @@ async def test_the_reference_caller_reaches_a_peer_through_the_json_envelope(rel
 async def test_an_envelope_answer_has_the_reference_fields_and_echoes_the_request_id(relay: Service) -> None:
     async with serving(relay, EchoService()) as peer:
         def two_in_sequence() -> list[dict[str, object]]:
-            with sync_ws.connect(peer.relay_addr) as ws:
+            with sync_ws.connect(peer.relay_addr, additional_headers=MESH_CREDENTIAL) as ws:
                 answers = []
                 for n in range(2):
                     ws.send(json.dumps({"request_id": f"r{n}", "method": "POST", "path": "/echo", "headers": {},
@@ -289,10 +297,11 @@ async def test_a_mux_caller_must_present_the_secret(relay: Service) -> None:
     assert refused.value.code == "unauthorized"
 
 
-async def test_an_rpc_caller_needs_no_credential_but_a_wrong_one_is_refused_403(relay: Service) -> None:
+async def test_an_rpc_caller_with_a_wrong_credential_is_refused_403(relay: Service) -> None:
     async with serving(relay, EchoService()) as peer:
         status, _ = await asyncio.to_thread(handshake_status, peer.relay_addr, {"Authorization": "Bearer wrong"})
-    assert status == 403
+        malformed, _ = await asyncio.to_thread(handshake_status, peer.relay_addr, {"Authorization": "Basic eA=="})
+    assert (status, malformed) == (403, 401)
 
 
 def test_a_peer_id_of_the_wrong_form_is_refused_400(relay: Service) -> None:

@@ -2,10 +2,11 @@
 
 Routes::
 
-    GET  /health             200 {"status": "ok", "peers": n, "callers": m}
-    GET  /metrics            Prometheus text: peers, callers, requests, bytes, latency
+    GET  /health             200 {"status": "ok", "peers": n, "callers": m, "anonymous_callers": a}
+    GET  /metrics            Prometheus text: peers, callers, requests, bytes, latency, refusals
     WS   /peer/{peer_id}     a peer's outbound link (Bearer auth; one live connection per id)
     WS   /rpc/{peer_id}      callers, the reference's JSON envelope, one text message each way
+                             (with Bearer auth: everything; without: the peer's GET /health only)
     WS   /mux/{peer_id}      callers, binary and multiplexed (Bearer auth)
 
 The message formats are documented in :mod:`meshwire.relay_client` (binary)
@@ -40,7 +41,8 @@ def create_app(settings: RelaySettings | None = None) -> FastAPI:
 
     @app.get("/health")
     async def health() -> dict[str, Any]:
-        return {"status": "ok", "peers": len(state.peers), "callers": state.callers}
+        return {"status": "ok", "peers": len(state.peers), "callers": state.callers.total,
+                "anonymous_callers": state.callers.anonymous}
 
     @app.get("/metrics")
     async def metrics() -> Response:

@@ -1,18 +1,34 @@
 """Serving callers: ``ws://relay/rpc/{peer_id}`` (JSON envelope) and ``ws://relay/mux/{peer_id}`` (binary).
 
-Both check the handshake before accepting it: the peer id's form (400), the
-credential (``/mux`` always, ``/rpc`` when ``rpc_requires_auth`` or when one is
-presented: 401 missing, 403 wrong), the caller bound (503), and that the peer
-is connected now (404, so a caller for an unknown peer learns it at once).
+Both check the handshake before accepting it, in this order: the peer id's
+form (400); the credential (:mod:`services.relay.access`: ``/mux`` always,
+``/rpc`` whenever one is presented or ``rpc_requires_auth`` is on; 401
+missing, 403 wrong); that the peer is connected now (404, so a caller for an
+unknown peer learns it at once); and a place in the caller budget of its kind
+(:class:`~services.relay.budgets.CallerSlots`: 503 full, 429 when one address
+holds its limit of anonymous connections).
+
+An ``/rpc`` caller without a credential is *anonymous*: it reaches only the
+peer's ``GET /health``; anything else is answered 401 without reaching the
+peer. Its messages are bounded smaller (``max_anonymous_message_bytes``), its
+requests count against the peer's anonymous in-flight budget, never the
+authenticated one, and it is closed sooner when idle.
 
 After that each message is one request, served concurrently with the others
-on the connection (at most ``max_inflight_per_peer`` at once) and looked up
-against the peer table when it arrives, so a peer that reconnects is reached
-again without the caller reconnecting. Every request gets exactly one answer:
-the peer's, or the relay's error (unknown peer, peer disconnected, timeout,
-busy, too large, malformed). ``/rpc`` answers in the reference's JSON envelope
-(``request_id, status, headers, body_base64``) with an OpenAI error body for
-relay errors; ``/mux`` answers with a ``response`` or an ``error`` message.
+on the connection and looked up against the peer table when it arrives, so a
+peer that reconnects is reached again without the caller reconnecting. Every
+request gets exactly one answer: the peer's, or the relay's error (unknown
+peer, peer disconnected, timeout, busy, too large, malformed, unauthorized,
+an answer that cannot be relayed). ``/rpc`` answers in the reference's JSON
+envelope (``request_id, status, headers, body_base64``) with an OpenAI error
+body for relay errors; ``/mux`` answers with a ``response`` or an ``error``
+message.
+
+A caller with nothing in flight that sends nothing for its idle timeout
+(``caller_idle_timeout_s``, ``anonymous_idle_timeout_s``) is closed with
+:data:`~meshwire.relay_client.CLOSE_IDLE`; a message that arrives after that
+decision is not served, which is what lets a :class:`~meshwire.relay_client.RelayCaller`
+send it again on a new link.
 """
 
 from __future__ import annotations
@@ -24,16 +40,20 @@ import logging
 import re
 import time
 from collections.abc import Awaitable, Callable, Mapping
-from typing import Final
+from typing import Any, Final
 
 import orjson
 from fastapi import WebSocket
+from pydantic import ValidationError
+from starlette.websockets import WebSocketDisconnect
 
 from meshwire import errors
-from meshwire.auth import check_bearer
-from meshwire.envelope import EnvelopeError, HttpMethod, RelayResponse, decode_request
+from meshwire.auth import AuthFailure
+from meshwire.envelope import EnvelopeError, HttpMethod, RelayResponse, decode_request, validation_problem
 from meshwire.relay_client import (
+    CLOSE_IDLE,
     ERROR_STATUS,
+    MAX_ERROR_MESSAGE_CHARS,
     MuxError,
     MuxRequest,
     MuxResponse,
@@ -43,6 +63,8 @@ from meshwire.relay_client import (
     read_mux,
     write_mux,
 )
+from services.relay.access import caller_kind, is_public, refusal_message
+from services.relay.budgets import CallerKind, CallerSlot, Refusal
 from services.relay.metrics import Transport
 from services.relay.peers import RelayFailure, TransportClosed
 from services.relay.state import RelayState
@@ -59,8 +81,8 @@ _JSON_HEADERS: Final = {"content-type": "application/json"}
 
 
 async def forward(state: RelayState, peer_id: str, transport: Transport, method: HttpMethod, path: str,
-                  headers: Mapping[str, str], body: bytes,
-                  timeout_s: float | None) -> tuple[int, dict[str, str], bytes]:
+                  headers: Mapping[str, str], body: bytes, timeout_s: float | None,
+                  kind: CallerKind = "authenticated") -> tuple[int, dict[str, str], bytes]:
     """Relay one request to the peer holding ``peer_id`` now; its answer, or :class:`RelayFailure`."""
     started = time.perf_counter()
     outcome: str = "ok"
@@ -72,7 +94,7 @@ async def forward(state: RelayState, peer_id: str, transport: Transport, method:
         state.metrics.inflight.inc()
         try:
             response, answer = await link.request(method, path, headers, body,
-                                                  min(limit, timeout_s) if timeout_s else limit)
+                                                  min(limit, timeout_s) if timeout_s else limit, kind)
         finally:
             state.metrics.inflight.dec()
         state.metrics.count_bytes("to_peer", len(body))
@@ -87,27 +109,37 @@ async def forward(state: RelayState, peer_id: str, transport: Transport, method:
         state.metrics.count_request(transport, outcome, time.perf_counter() - started)
 
 
-async def admit_caller(websocket: WebSocket, peer_id: str, state: RelayState, *, auth_required: bool) -> bool:
-    """Check a caller's handshake; accept it (``True``) or refuse it with a status naming the problem."""
+async def admit_caller(websocket: WebSocket, peer_id: str, state: RelayState,
+                       transport: Transport) -> CallerSlot | None:
+    """Check a caller's handshake; accept it (its budget place) or refuse it with a status naming the problem."""
+    settings, metrics = state.settings, state.metrics
     if not PEER_ID.match(peer_id):
+        metrics.caller_refusals.labels("bad_peer_id").inc()
         await refuse(websocket, 400, "bad_peer_id", "peer id must be 1-128 characters of [A-Za-z0-9._:-]")
-        return False
-    authorization = websocket.headers.get("authorization")
-    if auth_required or authorization is not None:
-        failure = check_bearer(authorization, state.settings.secret)
-        if failure is not None:
-            await refuse(websocket, failure.status, "unauthorized" if failure.status == 401 else "forbidden",
-                         failure.message)
-            return False
-    if state.callers >= state.settings.max_callers:
-        await refuse(websocket, 503, "relay_full",
-                     f"the relay already serves its limit of {state.settings.max_callers} caller connections")
-        return False
+        return None
+    kind = caller_kind(websocket.headers.get("authorization"), settings.secret, transport,
+                       rpc_requires_auth=settings.rpc_requires_auth)
+    if isinstance(kind, AuthFailure):
+        code = "unauthorized" if kind.status == 401 else "forbidden"
+        metrics.caller_refusals.labels(code).inc()
+        await refuse(websocket, kind.status, code, kind.message)
+        return None
     if state.peers.get(peer_id) is None:
+        metrics.caller_refusals.labels("unknown_peer").inc()
         await refuse(websocket, 404, "unknown_peer", f"peer {peer_id!r} is not connected to this relay")
-        return False
-    await websocket.accept()
-    return True
+        return None
+    slot = state.callers.take(kind, websocket.client.host if websocket.client else None)
+    if isinstance(slot, Refusal):
+        metrics.caller_refusals.labels(slot.code).inc()
+        log.debug("refused a %s %s caller of %s: %s", kind, transport, peer_id, slot.message)
+        await refuse(websocket, slot.status, slot.code, slot.message)
+        return None
+    try:
+        await websocket.accept()
+    except BaseException:
+        slot.release()
+        raise
+    return slot
 
 
 class _Requests:
@@ -115,7 +147,13 @@ class _Requests:
 
     def __init__(self, limit: int) -> None:
         self.limit = limit
+        self.last_finished = asyncio.get_running_loop().time()
+        """When the latest request finished (the loop's clock): idleness counts from it too."""
         self._tasks: dict[int, asyncio.Task[None]] = {}
+
+    @property
+    def active(self) -> bool:
+        return bool(self._tasks)
 
     def full(self) -> bool:
         return len(self._tasks) >= self.limit
@@ -126,7 +164,11 @@ class _Requests:
     def start(self, key: int, work: Awaitable[None]) -> None:
         task = asyncio.ensure_future(work)
         self._tasks[key] = task
-        task.add_done_callback(lambda _t: self._tasks.pop(key, None))
+        task.add_done_callback(lambda _t: self._finished(key))
+
+    def _finished(self, key: int) -> None:
+        self._tasks.pop(key, None)
+        self.last_finished = asyncio.get_running_loop().time()
 
     def cancel(self, key: int) -> None:
         if (task := self._tasks.get(key)) is not None:
@@ -139,14 +181,38 @@ class _Requests:
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
-async def _caller_loop(websocket: WebSocket, state: RelayState, transport: Transport,
-                       on_message: Callable[[bytes | str], Awaitable[bool]]) -> None:
-    """Feed each message to ``on_message`` until the caller leaves (or ``on_message`` says stop)."""
-    state.callers += 1
+async def _caller_loop(websocket: WebSocket, state: RelayState, transport: Transport, slot: CallerSlot,
+                       requests: _Requests, on_message: Callable[[bytes | str], Awaitable[bool]]) -> None:
+    """Feed each message to ``on_message`` until the caller leaves, idles out, or ``on_message`` says stop.
+
+    The receive runs as a task that is waited on, never cancelled mid-message,
+    while the loop watches the idle clock: nothing in flight and nothing
+    received for the caller's idle timeout closes the connection.
+    """
+    settings = state.settings
+    idle_s = settings.caller_idle_timeout_s if slot.kind == "authenticated" else settings.anonymous_idle_timeout_s
+    loop = asyncio.get_running_loop()
     state.metrics.callers.labels(transport).inc()
+    receiving: asyncio.Future[Any] | None = None
     try:
+        last_heard = loop.time()
         while True:
-            event = await websocket.receive()
+            receiving = asyncio.ensure_future(websocket.receive())
+            wait_s = idle_s
+            while not (await asyncio.wait({receiving}, timeout=wait_s))[0]:
+                if requests.active:
+                    wait_s = idle_s
+                    continue
+                wait_s = max(last_heard, requests.last_finished) + idle_s - loop.time()
+                if wait_s <= 0:
+                    state.metrics.caller_refusals.labels("idle").inc()
+                    log.debug("closing an idle %s %s caller from %s", slot.kind, transport, slot.address)
+                    with contextlib.suppress(OSError, RuntimeError, WebSocketDisconnect):
+                        await websocket.close(CLOSE_IDLE, f"idle: nothing in flight or sent for {idle_s:g}s")
+                    return
+            event = receiving.result()
+            receiving = None
+            last_heard = loop.time()
             if event["type"] == "websocket.disconnect":
                 return
             data = event.get("bytes")
@@ -155,13 +221,18 @@ async def _caller_loop(websocket: WebSocket, state: RelayState, transport: Trans
             if not await on_message(data):
                 return
     finally:
-        state.callers -= 1
+        if receiving is not None and not receiving.done():
+            receiving.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await receiving
+        slot.release()
         state.metrics.callers.labels(transport).dec()
 
 
 async def serve_mux(websocket: WebSocket, peer_id: str, state: RelayState) -> None:
-    """Serve one binary multiplexed caller of ``peer_id``."""
-    if not await admit_caller(websocket, peer_id, state, auth_required=True):
+    """Serve one binary multiplexed caller of ``peer_id`` (always authenticated)."""
+    slot = await admit_caller(websocket, peer_id, state, "mux")
+    if slot is None:
         return
     out = WebSocketTransport(websocket)
     requests = _Requests(state.settings.max_inflight_per_peer)
@@ -169,7 +240,7 @@ async def serve_mux(websocket: WebSocket, peer_id: str, state: RelayState) -> No
 
     async def answer_error(request_id: int, code: RelayErrorCode, message: str) -> None:
         with contextlib.suppress(TransportClosed):
-            await out.send(write_mux(MuxError(id=request_id, code=code, message=message[:1024])))
+            await out.send(write_mux(MuxError(id=request_id, code=code, message=message[:MAX_ERROR_MESSAGE_CHARS])))
 
     async def serve(request: MuxRequest, body: bytes) -> None:
         try:
@@ -178,7 +249,14 @@ async def serve_mux(websocket: WebSocket, peer_id: str, state: RelayState) -> No
         except RelayFailure as exc:
             await answer_error(request.id, exc.code, str(exc))
             return
-        reply = write_mux(MuxResponse(id=request.id, status=status, headers=headers), answer)
+        try:
+            reply = write_mux(MuxResponse(id=request.id, status=status, headers=headers), answer)
+        except (EnvelopeError, ValidationError) as exc:
+            problem = validation_problem(exc, "answer") if isinstance(exc, ValidationError) else str(exc)
+            log.warning("peer %s answered %s %s with what cannot be relayed: %s", peer_id, request.method,
+                        request.path[:200], problem)
+            await answer_error(request.id, "bad_answer", f"the peer's answer cannot be relayed: {problem}")
+            return
         with contextlib.suppress(TransportClosed):
             await out.send(reply)
 
@@ -210,27 +288,30 @@ async def serve_mux(websocket: WebSocket, peer_id: str, state: RelayState) -> No
         return True
 
     try:
-        await _caller_loop(websocket, state, "mux", on_message)
+        await _caller_loop(websocket, state, "mux", slot, requests, on_message)
     finally:
         await requests.cancel_all()
 
 
 async def serve_rpc(websocket: WebSocket, peer_id: str, state: RelayState) -> None:
-    """Serve one JSON-envelope caller of ``peer_id`` (the reference's form)."""
-    if not await admit_caller(websocket, peer_id, state, auth_required=state.settings.rpc_requires_auth):
+    """Serve one JSON-envelope caller of ``peer_id`` (the reference's form); anonymous ones reach health only."""
+    slot = await admit_caller(websocket, peer_id, state, "rpc")
+    if slot is None:
         return
+    settings = state.settings
+    anonymous = slot.kind == "anonymous"
     out = WebSocketTransport(websocket)
-    requests = _Requests(state.settings.max_inflight_per_peer)
+    requests = _Requests(settings.max_anonymous_inflight_per_peer if anonymous else settings.max_inflight_per_peer)
     counter = itertools.count()
-    max_bytes = state.settings.max_message_bytes
+    max_bytes = (min(settings.max_anonymous_message_bytes, settings.max_message_bytes) if anonymous
+                 else settings.max_message_bytes)
 
     async def answer(response: RelayResponse) -> None:
         with contextlib.suppress(TransportClosed):
             await out.send_text(response.model_dump_json(exclude_none=True))
 
     def error(code: RelayErrorCode, message: str, request_id: str | None) -> RelayResponse:
-        body = orjson.dumps(errors.error_body(message, errors.SERVER_ERROR if ERROR_STATUS[code] >= 500
-                                              else errors.INVALID_REQUEST, code))
+        body = orjson.dumps(errors.error_body(message[:MAX_ERROR_MESSAGE_CHARS], _error_type(code), code))
         return RelayResponse.of(ERROR_STATUS[code], _JSON_HEADERS, body, request_id)
 
     async def serve(raw: bytes | str) -> None:
@@ -241,13 +322,25 @@ async def serve_rpc(websocket: WebSocket, peer_id: str, state: RelayState) -> No
             code: RelayErrorCode = "too_large" if exc.code == "too_large" else "bad_request"
             await answer(error(code, str(exc), _peek_request_id(raw)))
             return
+        method, path, headers = request.method, request.path, request.headers
+        if anonymous:
+            if not is_public(method, path):
+                state.metrics.count_request("rpc", "unauthorized", 0.0)
+                await answer(error("unauthorized", refusal_message(method, path), request.request_id))
+                return
+            headers, body = {}, b""  # the public check, and nothing the caller added to it
         try:
-            status, headers, reply = await forward(state, peer_id, "rpc", request.method, request.path,
-                                                   request.headers, body, None)
+            status, reply_headers, reply = await forward(state, peer_id, "rpc", method, path, headers, body, None,
+                                                         slot.kind)
         except RelayFailure as exc:
             await answer(error(exc.code, str(exc), request.request_id))
             return
-        await answer(RelayResponse.of(status, headers, reply, request.request_id))
+        try:
+            response = RelayResponse.of(status, reply_headers, reply, request.request_id)
+        except EnvelopeError as exc:
+            log.warning("peer %s answered %s %s with what cannot be relayed: %s", peer_id, method, path[:200], exc)
+            response = error("bad_answer", f"the peer's answer cannot be relayed: {exc}", request.request_id)
+        await answer(response)
 
     async def on_message(data: bytes | str) -> bool:
         if requests.full():
@@ -258,9 +351,16 @@ async def serve_rpc(websocket: WebSocket, peer_id: str, state: RelayState) -> No
         return True
 
     try:
-        await _caller_loop(websocket, state, "rpc", on_message)
+        await _caller_loop(websocket, state, "rpc", slot, requests, on_message)
     finally:
         await requests.cancel_all()
+
+
+def _error_type(code: RelayErrorCode) -> str:
+    """The OpenAI error ``type`` of a relay error answered on ``/rpc``."""
+    if code == "unauthorized":
+        return errors.AUTHENTICATION
+    return errors.SERVER_ERROR if ERROR_STATUS[code] >= 500 else errors.INVALID_REQUEST
 
 
 def _peek_request_id(raw: bytes | str) -> str | None:

@@ -36,6 +36,9 @@ class RelayMetrics:
         self.peer_connections = Counter("meshnet_relay_peer_connections",
                                         "Peer connection attempts, by result.", ["result"],
                                         registry=self.registry)
+        self.caller_refusals = Counter("meshnet_relay_caller_refusals",
+                                       "Caller handshakes refused and connections closed, by reason.", ["reason"],
+                                       registry=self.registry)
         self.latency = Histogram("meshnet_relay_request_seconds", "Time from a request's arrival to its answer.",
                                  ["transport"], buckets=LATENCY_BUCKETS, registry=self.registry)
 

@@ -4,7 +4,9 @@ The handshake is checked before it is accepted, in this order: the peer id's
 form (400), the bearer credential (401 missing, 403 wrong), the claim on the
 id (409 held by a live connection, 503 relay full). Then every binary message
 from the peer is an answer (or a ``pong``) handed to the request waiting for
-it. When the connection ends, for whatever reason, every request still in
+it. An answer that cannot be read (a header over its bound, bad JSON) fails
+only the request it answers, with ``bad_answer`` (502); the link serves on.
+When the connection ends, for whatever reason, every request still in
 flight to this peer fails at once with ``peer_disconnected``.
 """
 
@@ -18,6 +20,7 @@ from fastapi import WebSocket
 from meshwire.auth import check_bearer
 from meshwire.envelope import EnvelopeError
 from meshwire.relay_client import peek_mux_id, read_mux
+from services.relay.budgets import CallerKind, InflightBudget
 from services.relay.peers import ClaimRefused, PeerLink
 from services.relay.state import RelayState
 from services.relay.transport import PEER_ID, WebSocketTransport, refuse
@@ -53,7 +56,14 @@ async def serve_peer(websocket: WebSocket, peer_id: str, state: RelayState) -> N
     except BaseException:
         state.peers.abandon(peer_id)
         raise
-    link = PeerLink(peer_id, WebSocketTransport(websocket), max_inflight=settings.max_inflight_per_peer,
+    budgets: dict[CallerKind, InflightBudget] = {
+        "authenticated": InflightBudget("authenticated", max_requests=settings.max_inflight_per_peer,
+                                        max_bytes=settings.max_inflight_bytes_per_peer),
+        "anonymous": InflightBudget("anonymous", max_requests=settings.max_anonymous_inflight_per_peer,
+                                    max_bytes=settings.max_anonymous_inflight_per_peer
+                                    * settings.max_anonymous_message_bytes),
+    }
+    link = PeerLink(peer_id, WebSocketTransport(websocket), budgets=budgets,
                     max_message_bytes=settings.max_message_bytes)
     state.peers.activate(link)
     metrics.peer_connections.labels("accepted").inc()
@@ -89,7 +99,7 @@ async def _relay_answers(websocket: WebSocket, link: PeerLink, state: RelayState
         except EnvelopeError as exc:
             log.warning("peer %s sent a malformed message: %s", link.peer_id, exc)
             if (request_id := peek_mux_id(data)) is not None:
-                link.fail(request_id, "bad_request", f"the peer's answer was malformed: {exc}")
+                link.fail(request_id, "bad_answer", f"the peer's answer cannot be relayed: {exc}")
             continue
         state.metrics.count_bytes("from_peer", len(body))
         link.deliver(message, body)

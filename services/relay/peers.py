@@ -5,10 +5,12 @@ refused while the holder still answers a ping (a peer cannot take over
 another's id); a holder that does not answer within the probe time is a dead
 link the relay had not noticed yet, and the newcomer replaces it.
 
-A :class:`PeerLink` numbers the requests it sends its peer, bounds how many
-are in flight, and matches answers to waiters. When the peer goes away every
-waiter fails at once with ``peer_disconnected``: callers get an error, never
-a hang.
+A :class:`PeerLink` numbers the requests it sends its peer, bounds what is in
+flight, and matches answers to waiters. The bound is an
+:class:`~services.relay.budgets.InflightBudget` per kind of caller (count and
+bytes), so anonymous health checks never take room from the mesh's own
+requests. When the peer goes away every waiter fails at once with
+``peer_disconnected``: callers get an error, never a hang.
 """
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ import logging
 from collections.abc import Mapping
 from typing import Final, Literal, Protocol
 
+from pydantic import ValidationError
+
 from meshwire.envelope import EnvelopeError, HttpMethod
 from meshwire.relay_client import (
     MuxError,
@@ -30,6 +34,7 @@ from meshwire.relay_client import (
     RelayErrorCode,
     write_mux,
 )
+from services.relay.budgets import CallerKind, InflightBudget
 
 log = logging.getLogger(__name__)
 
@@ -71,10 +76,11 @@ class ClaimRefused(Exception):
 class PeerLink:
     """One connected peer: sends it requests and matches its answers to the waiters."""
 
-    def __init__(self, peer_id: str, transport: PeerTransport, *, max_inflight: int,
+    def __init__(self, peer_id: str, transport: PeerTransport, *, budgets: Mapping[CallerKind, InflightBudget],
                  max_message_bytes: int) -> None:
         self.peer_id = peer_id
-        self.max_inflight = max_inflight
+        self.budgets = budgets
+        """What each kind of caller may have in flight to this peer."""
         self._transport = transport
         self._max_message_bytes = max_message_bytes
         self._ids = itertools.count(1)
@@ -92,22 +98,34 @@ class PeerLink:
         return self._closed is not None
 
     async def request(self, method: HttpMethod, path: str, headers: Mapping[str, str], body: bytes,
-                      timeout_s: float) -> tuple[MuxResponse, bytes]:
-        """Send one request to the peer and wait for its answer, at most ``timeout_s``."""
+                      timeout_s: float, kind: CallerKind = "authenticated") -> tuple[MuxResponse, bytes]:
+        """Send one request to the peer and wait for its answer, at most ``timeout_s``.
+
+        The request counts against the :attr:`budgets` of ``kind`` (its whole
+        message's bytes) until it is answered or given up; over the budget it
+        is refused ``busy`` at once, never queued.
+        """
         if self._closed is not None:
             raise RelayFailure(*self._closed)
-        if len(self._pending) >= self.max_inflight:
-            raise RelayFailure("busy", f"peer {self.peer_id!r} already has {self.max_inflight} requests in flight "
-                                       "(the relay's limit); retry later")
         request_id = next(self._ids)
         try:
             message = write_mux(MuxRequest(id=request_id, method=method, path=path, headers=dict(headers),
                                            timeout_s=timeout_s), body)
-        except EnvelopeError as exc:
+        except (EnvelopeError, ValidationError) as exc:
             raise RelayFailure("bad_request", str(exc)) from None
         if len(message) > self._max_message_bytes:
             raise RelayFailure("too_large", f"request of {len(message)} bytes is over the relay's bound "
                                             f"of {self._max_message_bytes}")
+        budget = self.budgets[kind]
+        if (full := budget.take(len(message))) is not None:
+            raise RelayFailure("busy", f"peer {self.peer_id!r} {full} (the relay's limit); retry later")
+        try:
+            return await self._exchange(request_id, message, timeout_s)
+        finally:
+            budget.give_back(len(message))
+
+    async def _exchange(self, request_id: int, message: bytes, timeout_s: float) -> tuple[MuxResponse, bytes]:
+        """Send ``message`` and wait for the answer to ``request_id``."""
         waiter: asyncio.Future[tuple[MuxResponse, bytes]] = asyncio.get_running_loop().create_future()
         self._pending[request_id] = waiter
         try:

@@ -1,9 +1,10 @@
-"""What one relay app holds: its settings, its peer table, its metrics, its caller count."""
+"""What one relay app holds: its settings, its peer table, its metrics, its caller slots."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from services.relay.budgets import CallerSlots
 from services.relay.metrics import RelayMetrics
 from services.relay.peers import PeerTable
 from services.relay.settings import RelaySettings
@@ -15,11 +16,14 @@ class RelayState:
 
     settings: RelaySettings
     peers: PeerTable
+    callers: CallerSlots
+    """Caller connections (``/rpc`` and ``/mux``) open now, by kind and address."""
     metrics: RelayMetrics = field(default_factory=RelayMetrics)
-    callers: int = 0
-    """Caller connections (``/rpc`` and ``/mux``) open now."""
 
     @classmethod
     def build(cls, settings: RelaySettings) -> RelayState:
         return cls(settings=settings,
-                   peers=PeerTable(max_peers=settings.max_peers, probe_timeout_s=settings.takeover_probe_s))
+                   peers=PeerTable(max_peers=settings.max_peers, probe_timeout_s=settings.takeover_probe_s),
+                   callers=CallerSlots(max_authenticated=settings.max_callers,
+                                       max_anonymous=settings.max_anonymous_callers,
+                                       max_anonymous_per_address=settings.max_anonymous_callers_per_address))

@@ -2,7 +2,7 @@
 
 A refused handshake is answered with a real HTTP status and an OpenAI-shaped
 JSON error (401 no credential, 403 wrong credential, 404 unknown peer, 409 id
-taken, 503 full) where the server supports the ASGI ``websocket.http.response``
+taken, 429 too many connections from one address, 503 full) where the server supports the ASGI ``websocket.http.response``
 extension (uvicorn does); elsewhere the socket is closed before it opens with
 close code ``4000 + status`` and the message as the reason.
 """
@@ -30,7 +30,8 @@ PEER_ID: Final = re.compile(r"^[A-Za-z0-9._:\-]{1,128}$")
 """What a peer id may be: a node id (:data:`meshwire.fields.NodeId`)."""
 
 _ERROR_TYPES: Final = {400: errors.INVALID_REQUEST, 401: errors.AUTHENTICATION, 403: errors.PERMISSION,
-                       404: errors.NOT_FOUND, 409: errors.INVALID_REQUEST, 503: errors.UNAVAILABLE}
+                       404: errors.NOT_FOUND, 409: errors.INVALID_REQUEST, 429: errors.RATE_LIMIT,
+                       503: errors.UNAVAILABLE}
 
 
 class WebSocketTransport:
