@@ -3,13 +3,16 @@
 A tracker and two tiny-model nodes (``node-a`` holds layers 0-1, ``node-b``
 layers 2-3) run as processes; headless Chromium, driven over the DevTools
 protocol (:mod:`tests.browser_cdp`), opens ``GET /`` on the tracker, which
-asks chat clients for an API key. The tests follow one story in file order,
-sharing the mesh and the browser tab: the page shows both nodes and full
-coverage; a prompt sent without the API key is refused with a hint; with the
-key typed into the page, a prompt streams its reply token by token; the page
-fits a phone; and, last because they break the mesh, a node killed with
-SIGKILL turns ``offline`` on the page with its layers shown as a gap, and a
-prompt sent then shows the tracker's error naming those layers.
+sets ``MESHNET_API_KEYS``: then the mesh views (``/v1/mesh``, ``/v1/nodes``)
+and the chat answer only to an API key. The tests follow one story in file
+order, sharing the mesh and the browser tab (a fresh profile, so no key is
+saved): the page first says it needs a key, opening its key box, and shows no
+node; a prompt sent without the key is refused with a hint to set it; with the
+key typed into the page's key box, the page shows both nodes and full
+coverage, and a prompt streams its reply token by token; the page fits a
+phone; and, last because they break the mesh, a node killed with SIGKILL
+turns ``offline`` on the page with its layers shown as a gap, and a prompt
+sent then shows the tracker's error naming those layers.
 
 Screenshots (desktop 1280x900 and phone 390x844) are saved under
 ``tests/artifacts/``, which git ignores. The tests skip, saying why, where no
@@ -104,7 +107,52 @@ def page(mesh: Mesh) -> Iterator[Page]:
         yield tab
 
 
-def test_the_page_shows_both_nodes_online_and_the_model_fully_covered(page: Page, mesh: Mesh) -> None:
+def test_without_the_api_key_the_page_opens_its_key_box_and_shows_no_node(page: Page, mesh: Mesh) -> None:
+    assert httpx.get(f"{mesh.tracker.url}/v1/mesh", timeout=10.0).status_code == 401, "the mesh view is public"
+
+    page.wait_for("document.getElementById('key-box').open", PAGE_WAIT_S, what="the key box to open by itself")
+    conn = page.wait_for("document.getElementById('conn').dataset.state === 'down'"
+                         " && document.getElementById('conn-state').textContent", PAGE_WAIT_S,
+                         what="the connection shown refused")
+
+    assert "API key" in conn, f"the page does not say it needs an API key: {conn!r}"
+    assert page.evaluate("document.querySelectorAll('#node-rows tr').length") == 0, "nodes shown without a key"
+    assert page.evaluate("document.querySelectorAll('#model-list .model').length") == 0, "coverage shown without a key"
+    assert page.evaluate("document.getElementById('chat-model').options.length") == 0, "models offered without a key"
+    assert page.evaluate("document.getElementById('key-flag').textContent") == ""
+    nodes_hint = page.evaluate("!document.getElementById('nodes-empty').hidden && document.getElementById('nodes-empty').textContent")
+    assert nodes_hint and "API key" in nodes_hint, f"the nodes panel does not say it needs the key: {nodes_hint!r}"
+    _screenshot(page, "page-desktop-locked.png")
+    assert page.evaluate("document.documentElement.scrollWidth") <= DESKTOP[0], "the open key box widens the page"
+    for width, height in (PHONE, NARROWEST):
+        page.set_viewport(width, height, mobile=True)
+        try:
+            page.wait_for(f"window.innerWidth === {width}", PAGE_WAIT_S, what="the small-screen layout")
+            box = page.evaluate("(() => { const r = document.getElementById('key-form').getBoundingClientRect();"
+                                " return [r.left, r.right, document.documentElement.scrollWidth]; })()")
+            assert 0 <= box[0] and box[1] <= width and box[2] <= width, \
+                f"the open key box does not fit a {width} px screen: left, right, page width = {box}"
+            _screenshot(page, f"page-{width}px-locked.png")
+        finally:
+            page.set_viewport(*DESKTOP)
+    assert page.errors == []
+
+
+def test_a_prompt_sent_without_the_api_key_is_refused_with_a_hint_to_set_it(page: Page) -> None:
+    state, reply = _send_prompt(page, PROMPT)
+
+    assert state == "error"
+    assert "API key" in reply
+    assert "top right" in reply, f"the refusal does not say where to set the key: {reply!r}"
+    assert page.evaluate("document.querySelector('#chat-log .msg.assistant:last-child .bubble').getAttribute('role')") == "alert"
+
+
+def test_with_the_api_key_typed_the_page_shows_both_nodes_online_and_the_model_fully_covered(page: Page, mesh: Mesh) -> None:
+    page.wait_for("document.getElementById('key-box').open", PAGE_WAIT_S, what="the key box open, asking for the key")
+    page.evaluate("document.getElementById('key-input').focus()")
+    page.insert_text(API_KEY)
+    page.evaluate("document.getElementById('key-form').requestSubmit()")
+
     for node_id in NODES:
         page.wait_for(f"{_row(node_id)}?.dataset.state === 'online'", PAGE_WAIT_S, what=f"{node_id} online")
     model = page.wait_for(f"({_model_card(mesh.model)})?.dataset.complete === 'true' && {_model_card(mesh.model)}.innerText",
@@ -118,23 +166,16 @@ def test_the_page_shows_both_nodes_online_and_the_model_fully_covered(page: Page
         assert f"127.0.0.1:{service.port}" in row, f"{node_id}'s endpoint is not shown: {row!r}"
         assert "online" in row, "a state must be written out, not shown by colour alone"
         assert NODES[node_id] in row, f"{node_id}'s layers are not shown: {row!r}"
+    assert page.evaluate("document.getElementById('key-box').open") is False, "the key box stays open once the key is saved"
+    assert "set" in page.evaluate("document.getElementById('key-flag').textContent")
+    assert page.evaluate("document.getElementById('conn').dataset.state") == "live"
     _screenshot(page, "page-desktop-healthy.png")
     assert _foreign_resources(page, mesh) == [], "the page fetched something from outside the tracker"
     assert page.errors == []
 
 
-def test_a_prompt_sent_without_the_api_key_is_refused_with_a_hint_to_set_it(page: Page) -> None:
-    state, reply = _send_prompt(page, PROMPT)
-
-    assert state == "error"
-    assert "API key" in reply
-    assert page.evaluate("document.querySelector('#chat-log .msg.assistant:last-child .bubble').getAttribute('role')") == "alert"
-
-
 def test_a_prompt_typed_in_the_chat_box_streams_a_reply_token_by_token(page: Page, mesh: Mesh) -> None:
-    page.evaluate("document.getElementById('key-box').open = true; document.getElementById('key-input').focus()")
-    page.insert_text(API_KEY)
-    page.evaluate("document.getElementById('key-form').requestSubmit(); document.getElementById('chat-clear').click()")
+    page.evaluate("document.getElementById('chat-clear').click()")
     page.evaluate(f"""(() => {{
         document.getElementById('chat-temperature').value = '0';
         document.getElementById('chat-max-tokens').value = '{MAX_TOKENS}';
@@ -238,7 +279,8 @@ def _foreign_resources(page: Page, mesh: Mesh) -> list[str]:
 
 
 def _mesh_view(tracker: Service) -> dict[str, Any]:
-    answer = httpx.get(f"{tracker.url}/v1/nodes", timeout=10.0)
+    """The tracker's mesh view, read as a client holding the API key."""
+    answer = httpx.get(f"{tracker.url}/v1/mesh", headers={"Authorization": f"Bearer {API_KEY}"}, timeout=10.0)
     answer.raise_for_status()
     view: dict[str, Any] = answer.json()
     return view
