@@ -230,6 +230,30 @@ def test_the_mesh_answers_exactly_what_transformers_generate_answers(
     assert answer.choices[0].finish_reason == "length"
 
 
+CONCURRENT_STREAMS = 8
+CONCURRENT_PROMPTS = [[{"role": "user", "content": f"Tell me about {topic}."}] for topic in (
+    "the sea", "a cat", "the moon and the stars", "bread", "rain", "an old house on a hill", "music", "trees")]
+
+
+@pytest.mark.parametrize("hops", [1, 2, 3])
+@pytest.mark.parametrize("sampling", [None, SAMPLING], ids=["greedy", "seeded"])
+def test_concurrent_requests_each_answer_exactly_what_they_answer_alone(
+        mesh: Mesh, reference: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, hops: int,
+        sampling: dict[str, Any] | None) -> None:
+    """Eight streams at once share batched steps on every node; each still equals transformers alone."""
+    expected = [generate(reference, tokenizer, prompt, 24, sampling) for prompt in CONCURRENT_PROMPTS]
+    client = mesh.client(hops)
+
+    def ask(prompt: list[dict[str, str]]) -> str:
+        answer = client.chat.completions.create(model=mesh.model, messages=prompt, max_tokens=24,
+                                                **sampling_args(sampling))
+        return answer.choices[0].message.content or ""
+
+    with ThreadPoolExecutor(CONCURRENT_STREAMS) as pool:
+        answers = list(pool.map(ask, CONCURRENT_PROMPTS))
+    assert answers == [e.text for e in expected]
+
+
 @pytest.mark.parametrize("hops", [1, 3])
 def test_an_end_of_sequence_token_ends_the_answer_with_finish_reason_stop(
         mesh: Mesh, reference: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, hops: int) -> None:

@@ -14,7 +14,9 @@ that nodes sharing a machine never run more threads than it has cores.
 :class:`ShardRunner` is the node's one verb on top of it: run one step of one
 session through this shard (embed at the head, layers, and at the tail the
 LM head and the sampler), and it measures the shard's decode speed, which the
-node reports to the tracker.
+node reports to the tracker. Steps reach the worker through the runner's
+:class:`~services.node.step_engine.StepEngine`, which runs the decode steps
+of all ready sessions as one batch.
 """
 
 from __future__ import annotations
@@ -25,7 +27,6 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from typing import Final, ParamSpec, TypeVar
 
 import torch
@@ -33,6 +34,15 @@ import torch
 from services.node.cpu_gate import CpuGate
 from services.node.sampling import Sampler
 from services.node.shard import Shard, ShardCache
+from services.node.step_engine import (
+    DEFAULT_MAX_BATCH,
+    DEFAULT_MAX_STEP_TOKENS,
+    StepEngine,
+    StepJob,
+    StepResult,
+)
+
+__all__ = ["ComputeWorker", "ShardRunner", "StepResult"]
 
 logger = logging.getLogger(__name__)
 
@@ -95,24 +105,18 @@ def _init_thread(threads: int | None) -> None:
         torch.set_num_threads(threads)
 
 
-@dataclass(frozen=True)
-class StepResult:
-    """What one step of one session through this shard produced."""
-
-    hidden: torch.Tensor | None
-    """Output hidden states ``[1, n, hidden]`` on the CPU, to pass on; ``None`` at the tail."""
-    token: int | None
-    """The sampled token, at the tail on a frame that samples; else ``None``."""
-    compute_ms: float
-
-
 class ShardRunner:
-    """Runs sessions' steps through one shard on the compute worker."""
+    """Runs sessions' steps through one shard on the compute worker, batched by its :class:`StepEngine`."""
 
-    def __init__(self, shard: Shard, worker: ComputeWorker) -> None:
+    def __init__(self, shard: Shard, worker: ComputeWorker, *, max_batch: int = DEFAULT_MAX_BATCH,
+                 max_step_tokens: int = DEFAULT_MAX_STEP_TOKENS,
+                 on_batch: Callable[[int], None] | None = None) -> None:
         self.shard = shard
         self._worker = worker
         self._decode_s: float | None = None
+        self._on_batch = on_batch
+        self.engine = StepEngine(shard, worker.compute, self._job_sync, max_batch=max_batch,
+                                 max_step_tokens=max_step_tokens, on_turn=self._rows_ran)
 
     @property
     def decode_tokens_per_s(self) -> float:
@@ -131,13 +135,24 @@ class ShardRunner:
         """Run one step: ``ids`` (head) or ``hidden`` (other hops) at ``position_offset``.
 
         At the tail, ``sampler`` picks the next token; without one (a prefill
-        chunk that is not the last) no logits are computed.
+        chunk that is not the last) no logits are computed. The step waits for
+        the engine's next turn and may run batched with other sessions' steps.
         """
-        result = await self._worker.compute(self._step_sync, cache, position_offset, from_layer, ids, hidden, sampler)
-        tokens = len(ids) if ids is not None else (hidden.shape[1] if hidden is not None else 0)
-        if tokens == 1:
-            self._record_decode(result.compute_ms / 1000.0)
+        return await self.engine.submit(cache, position_offset=position_offset, from_layer=from_layer, ids=ids,
+                                        hidden=hidden, sampler=sampler)
+
+    def _job_sync(self, job: StepJob) -> StepResult:
+        """One step alone (a lone decode row, or a prompt chunk): the shard's exact single-session path."""
+        result = self._step_sync(job.cache, job.position_offset, job.from_layer, job.ids, job.hidden, job.sampler)
+        if job.is_row:
+            self._rows_ran(1, result.compute_ms / 1000.0)
         return result
+
+    def _rows_ran(self, rows: int, seconds: float) -> None:
+        """A decode step of ``rows`` sessions took ``seconds`` (called on the compute thread)."""
+        self._record_decode(seconds)
+        if self._on_batch is not None:
+            self._on_batch(rows)
 
     def _step_sync(self, cache: ShardCache, position_offset: int, from_layer: int,
                    ids: Sequence[int] | None, hidden: torch.Tensor | None, sampler: Sampler | None) -> StepResult:

@@ -33,6 +33,7 @@ runs through transformers as before.
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Final
 
@@ -73,8 +74,11 @@ class _LeanLayer:
 class LeanDecoder:
     """Runs one-token decode steps through a shard's layers (see the module docstring)."""
 
-    def __init__(self, config: PretrainedConfig, layers: dict[int, _LeanLayer]) -> None:
+    def __init__(self, config: PretrainedConfig, layers: dict[int, _LeanLayer], *, solo: bool = True) -> None:
         self._layers = layers
+        self.solo = solo
+        """Whether one-token steps of a lone session take this path too (half precision on a CPU), or only
+        batched rows (a float32 shard's lone steps keep transformers' exact path)."""
         self._heads: int = config.num_attention_heads
         self._kv_heads: int = config.num_key_value_heads
         self._head_dim: int = getattr(config, "head_dim", None) or config.hidden_size // self._heads
@@ -91,6 +95,45 @@ class LeanDecoder:
             hidden = self._layer(index, hidden, cos, sin, cache)
         return hidden
 
+    def run_rows(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, caches: Sequence[Cache],
+                 first: int, last: int) -> torch.Tensor:
+        """Layers ``first..last`` on one token of each of B sessions: ``hidden`` is ``[B, 1, hidden]``.
+
+        Row ``i`` is the next token of the session whose cache is ``caches[i]``;
+        ``cos``/``sin`` (``[B, 1, head_dim]``) are each row's own position. The
+        products run once over all B rows; attention runs per row against its
+        own cache, whatever its length. Row ``i`` of the result is what
+        :meth:`run` gives for that row alone, up to the rounding of a B-row
+        matrix product (see ``docs/architecture.md``, batched steps).
+        """
+        if hidden.shape[0] != len(caches) or hidden.shape[1] != 1:
+            raise ValueError(f"rows must be [B, 1, hidden] with one cache each, got {list(hidden.shape)} "
+                             f"and {len(caches)} caches")
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+        for index in range(first, last + 1):
+            hidden = self._rows_layer(index, hidden, cos, sin, caches)
+        return hidden
+
+    def _rows_layer(self, index: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                    caches: Sequence[Cache]) -> torch.Tensor:
+        w = self._layers[index]
+        rows = x.shape[0]
+        heads, kv_heads, dim = self._heads, self._kv_heads, self._head_dim
+        qkv = F.linear(_rms_norm(x, w.input_norm, w.input_eps), w.qkv, w.qkv_bias)
+        q, k, v = qkv.view(rows, 1, heads + 2 * kv_heads, dim).transpose(1, 2).split([heads, kv_heads, kv_heads], 1)
+        q = q * cos + _rotate_half(q) * sin
+        k = k * cos + _rotate_half(k) * sin
+        wide = _attention_dtype(x)
+        attended = torch.empty((rows, heads, 1, dim), dtype=x.dtype, device=x.device)
+        for row, cache in enumerate(caches):
+            keys, values = cache.layers[index].update(k[row:row + 1], v[row:row + 1])
+            attended[row] = F.scaled_dot_product_attention(
+                q[row:row + 1].to(wide), keys.to(wide), values.to(wide), scale=w.scaling, enable_gqa=True)[0]
+        x = x + F.linear(attended.transpose(1, 2).reshape(rows, 1, heads * dim), w.out, w.out_bias)
+        gate, up = F.linear(_rms_norm(x, w.post_norm, w.post_eps), w.gate_up, w.gate_up_bias).split(
+            [self._intermediate, self._intermediate], -1)
+        return x + F.linear(F.silu(gate) * up, w.down, w.down_bias)
+
     def _layer(self, index: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: Cache) -> torch.Tensor:
         w = self._layers[index]
         heads, kv_heads, dim = self._heads, self._kv_heads, self._head_dim
@@ -105,6 +148,12 @@ class LeanDecoder:
         gate, up = F.linear(_rms_norm(x, w.post_norm, w.post_eps), w.gate_up, w.gate_up_bias).split(
             [self._intermediate, self._intermediate], -1)
         return x + F.linear(F.silu(gate) * up, w.down, w.down_bias)
+
+
+def _attention_dtype(x: torch.Tensor) -> torch.dtype:
+    """Format attention is computed in: float32 on a CPU (as :mod:`~services.node.chunk_precision` does), else
+    the rows' own (a GPU's half-precision attention kernels are fast)."""
+    return torch.float32 if x.device.type == "cpu" else x.dtype
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -123,15 +172,17 @@ def lean_decoder_for(config: PretrainedConfig, layers: dict[int, nn.Module], dty
                      device: torch.device, mask_kinds: dict[int, str]) -> LeanDecoder | None:
     """A :class:`LeanDecoder` over ``layers`` (weights loaded), or ``None`` where it does not apply.
 
-    Builds the fused tensors and rebinds the layers' projection weights as views of them.
+    Builds the fused tensors and rebinds the layers' projection weights as views of them
+    (the same values: transformers' modules compute exactly what they did). Every
+    shard of a known structure gets one for batched decode rows; lone decode steps
+    take it only in half precision on a CPU (:attr:`LeanDecoder.solo`).
     """
-    if device.type != "cpu" or dtype not in HALF_DTYPES:
-        return None
     why_not = _unsupported(config, layers, mask_kinds)
     if why_not is not None:
-        logger.info("decode steps run through transformers' modules: %s", why_not)
+        logger.info("decode steps run through transformers' modules, one session at a time: %s", why_not)
         return None
-    return LeanDecoder(config, {index: _fuse(layer) for index, layer in layers.items()})
+    solo = device.type == "cpu" and dtype in HALF_DTYPES
+    return LeanDecoder(config, {index: _fuse(layer) for index, layer in layers.items()}, solo=solo)
 
 
 def _unsupported(config: PretrainedConfig, layers: dict[int, nn.Module], mask_kinds: dict[int, str]) -> str | None:

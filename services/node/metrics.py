@@ -21,6 +21,7 @@ __all__ = ["CONTENT_TYPE", "NodeMetrics"]
 
 LATENCY_BUCKETS_S: Final = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 TOKEN_BUCKETS: Final = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
+BATCH_BUCKETS: Final = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 64, 128, 256)
 
 
 class NodeMetrics:
@@ -42,6 +43,8 @@ class NodeMetrics:
                                        buckets=LATENCY_BUCKETS_S, registry=r)
         self.frame_tokens = Histogram("meshnet_node_frame_tokens", "Tokens carried by each accepted frame",
                                       buckets=TOKEN_BUCKETS, registry=r)
+        self.batch_rows = Histogram("meshnet_node_batch_rows", "Decode rows (sessions) in each decode step run",
+                                    buckets=BATCH_BUCKETS, registry=r)
         self.frames_refused = Counter("meshnet_node_frames_refused", "Frames refused, by error code",
                                       ["code"], registry=r)
         self.tokens_generated = Counter("meshnet_node_tokens_generated",

@@ -99,7 +99,8 @@ class NodeRuntime:
         config = await asyncio.to_thread(AutoConfig.from_pretrained, resolved.path)
         start, end = s.layer_range() or (0, config.num_hidden_layers - 1)
         self.shard = await self.worker.run(load_shard, resolved.path, start, end, dtype, device)
-        self.runner = ShardRunner(self.shard, self.worker)
+        self.runner = ShardRunner(self.shard, self.worker, max_batch=s.max_batch, max_step_tokens=s.max_step_tokens,
+                                  on_batch=self.metrics.batch_rows.observe)
         self.forward = ForwardService(node_id=self.node_id, model_id=self.model_id, secret=s.secret,
                                       runner=self.runner, sessions=self.sessions, hops=self.hops,
                                       metrics=self.metrics, frame_limits=FrameLimits(max_bytes=s.max_frame_bytes))
@@ -164,5 +165,7 @@ class NodeRuntime:
             await self.generator.drain()
         await self.hops.aclose()
         await self.http.aclose()
+        if self.runner is not None:
+            await self.runner.engine.stop()
         await asyncio.to_thread(self.worker.shutdown)
         self.state = "stopped"

@@ -19,6 +19,7 @@ from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 from meshwire import limits
 from meshwire.auth import DEFAULT_SECRET
 from services.node.cpu_gate import DEFAULT_CPU_LOCK
+from services.node.step_engine import DEFAULT_MAX_BATCH, DEFAULT_MAX_STEP_TOKENS
 
 DEFAULT_MODEL: Final = "HuggingFaceTB/SmolLM2-135M-Instruct"
 DEFAULT_PORT: Final = 8100
@@ -31,6 +32,8 @@ DEFAULT_MAX_PROMPT_TOKENS: Final = 8192
 DEFAULT_PREFILL_CHUNK_TOKENS: Final = 512
 DEFAULT_HOP_TIMEOUT_S: Final = 120.0
 MAX_THREADS: Final = 1024
+MAX_BATCH_LIMIT: Final = 256
+"""Largest ``max_batch`` accepted (rows of one batched decode step)."""
 MAX_API_KEYS: Final = 1024
 """Most client API keys a node accepts (as on the tracker)."""
 NodeDType = Literal["auto", "float32", "bfloat16", "float16"]
@@ -90,6 +93,10 @@ class NodeSettings(BaseSettings):
     """Largest JSON request body (chat/completions) read."""
     prefill_chunk_tokens: int = Field(default=DEFAULT_PREFILL_CHUNK_TOKENS, ge=1, le=1 << 16)
     """A prompt is sent along the route in frames of at most this many tokens."""
+    max_batch: int = Field(default=DEFAULT_MAX_BATCH, ge=1, le=MAX_BATCH_LIMIT)
+    """Decode steps of different sessions run as one batch, at most this many rows."""
+    max_step_tokens: int = Field(default=DEFAULT_MAX_STEP_TOKENS, ge=1, le=1 << 16)
+    """Tokens one compute turn takes, decode rows and prompt chunks together (the oldest chunk always runs)."""
     hop_timeout_s: float = Field(default=DEFAULT_HOP_TIMEOUT_S, gt=0, le=3600)
     """How long a hop waits for the rest of the route to answer one frame."""
     threads: int | None = Field(default=None, ge=1, le=MAX_THREADS)

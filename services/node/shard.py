@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Final, Literal
 
@@ -205,7 +205,7 @@ class Shard:
         masks = self._masks(hidden, cache, position_ids, first)
         position_embeddings = self._rotary_emb(hidden, position_ids=position_ids)
         try:
-            if n == 1 and self.lean is not None and all(mask is None for mask in masks.values()):
+            if n == 1 and self.lean is not None and self.lean.solo and all(mask is None for mask in masks.values()):
                 cos, sin = position_embeddings
                 return self.lean.run(hidden, cos, sin, cache.kv, first, self.end)
             for index in range(first, self.end + 1):
@@ -222,6 +222,53 @@ class Shard:
             cache.truncate(held)  # leave the session as it was before this step (e.g. out of memory)
             raise
         return hidden
+
+    @property
+    def batches_rows(self) -> bool:
+        """Whether decode rows of several sessions run as one batch here (a known layer structure)."""
+        return self.lean is not None
+
+    @torch.inference_mode()
+    def run_rows(self, hidden: torch.Tensor, caches: Sequence[ShardCache], from_layer: int) -> torch.Tensor:
+        """One decode step of B sessions at once: ``hidden`` is ``[B, 1, hidden]``, row ``i`` the next
+        token of the session of ``caches[i]`` (at the position its cache has reached); returns ``[B, 1, hidden]``.
+
+        The products run once over all rows, attention per row against its own
+        cache (:meth:`LeanDecoder.run_rows`). Where the layers' structure is not
+        known, rows run one after another through :meth:`run_layers`. If the
+        step fails, every cache is left as it was.
+        """
+        rows = len(caches)
+        if hidden.ndim != 3 or hidden.shape[0] != rows or hidden.shape[1] != 1 or hidden.shape[2] != self.hidden_size:
+            raise ShardError(f"decode rows must have shape [{rows}, 1, {self.hidden_size}], got {list(hidden.shape)}")
+        if from_layer not in self.layer_range:
+            raise ShardError(f"from_layer {from_layer} is outside this shard's layers {self.start}-{self.end}")
+        for cache in caches:
+            if cache.entry_layer not in (None, from_layer):
+                raise ShardError(f"a session entered this shard at layer {cache.entry_layer}, not {from_layer}")
+        if self.lean is None:
+            return torch.cat([self.run_layers(hidden[i:i + 1], cache, cache.seq_len, from_layer)
+                              for i, cache in enumerate(caches)])
+        held = [cache.seq_len for cache in caches]
+        for cache in caches:
+            cache.entry_layer = from_layer
+        hidden = hidden.to(device=self.device, dtype=self.dtype)
+        position_ids = torch.tensor(held, device=self.device).unsqueeze(1)
+        cos, sin = self._rotary_emb(hidden, position_ids=position_ids)
+        try:
+            return self.lean.run_rows(hidden, cos, sin, [cache.kv for cache in caches], from_layer, self.end)
+        except BaseException:
+            for cache, length in zip(caches, held, strict=True):
+                cache.truncate(length)
+            raise
+
+    @torch.inference_mode()
+    def logits_rows(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Final norm and LM head of the last position of every row: float32 ``[B, vocab]``; tail only."""
+        if self._norm is None or self._lm_head is None:
+            raise ShardError(f"layers {self.start}-{self.end} are not the tail: no LM head here")
+        last = hidden[:, -1, :].to(device=self.device, dtype=self.dtype)
+        return self._lm_head(self._norm(last)).to(dtype=torch.float32)
 
     @torch.inference_mode()
     def logits_last(self, hidden: torch.Tensor) -> torch.Tensor:

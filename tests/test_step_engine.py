@@ -1,0 +1,136 @@
+"""The step engine: ready steps of many sessions run as batched turns, each with its own outcome."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Final
+
+import pytest
+import torch
+
+from services.node.compute import ComputeWorker, ShardRunner
+from services.node.sampling import Sampler, SamplingFailed, SamplingParams
+from services.node.shard import ShardCache, load_shard
+
+CPU: Final = torch.device("cpu")
+SESSIONS: Final = 5
+GREEDY: Final = SamplingParams(temperature=0.0)
+
+
+@pytest.fixture(scope="module")
+def runner(tiny_model_dir: Path) -> Iterator[ShardRunner]:
+    worker = ComputeWorker(threads=1)
+    yield ShardRunner(load_shard(tiny_model_dir, 0, 3, torch.float32, CPU), worker, max_batch=4, max_step_tokens=8)
+    worker.shutdown()
+
+
+def prompt(session: int, vocab: int) -> list[int]:
+    return [(13 * session + 3 * i + 2) % vocab for i in range(2 + 3 * session)]
+
+
+async def prefill(runner: ShardRunner, session: int, sampler: Sampler) -> tuple[ShardCache, int]:
+    ids = prompt(session, runner.shard.vocab_size)
+    cache = runner.new_cache()
+    result = await runner.step(cache, position_offset=0, from_layer=0, ids=ids, sampler=sampler)
+    assert result.token is not None
+    return cache, result.token
+
+
+async def decode_alone(runner: ShardRunner, session: int, steps: int) -> list[int]:
+    sampler = Sampler(GREEDY)
+    cache, token = await prefill(runner, session, sampler)
+    tokens = [token]
+    for _ in range(steps):
+        result = await runner.step(cache, position_offset=cache.seq_len, from_layer=0, ids=[tokens[-1]],
+                                   sampler=sampler)
+        assert result.rows == 1 and result.token is not None
+        tokens.append(result.token)
+    return tokens
+
+
+def test_concurrent_decode_steps_run_as_batches_and_each_equals_its_session_alone(runner: ShardRunner) -> None:
+    steps = 6
+
+    async def together() -> tuple[list[list[int]], list[int]]:
+        samplers = [Sampler(GREEDY) for _ in range(SESSIONS)]
+        opened = [await prefill(runner, s, samplers[s]) for s in range(SESSIONS)]
+        tokens = [[token] for _, token in opened]
+        rows: list[int] = []
+        for _ in range(steps):
+            results = await asyncio.gather(*(
+                runner.step(cache, position_offset=cache.seq_len, from_layer=0, ids=[tokens[s][-1]],
+                            sampler=samplers[s]) for s, (cache, _) in enumerate(opened)))
+            rows.extend(r.rows for r in results)
+            for s, result in enumerate(results):
+                assert result.token is not None
+                tokens[s].append(result.token)
+        return tokens, rows
+
+    tokens, rows = asyncio.run(together())
+    alone = [asyncio.run(decode_alone(runner, s, steps)) for s in range(SESSIONS)]
+    assert tokens == alone
+    assert max(rows) == runner.engine.max_batch, "steps queued together share a batch, up to max_batch"
+
+
+def test_one_rows_failure_leaves_the_others_in_its_batch_untouched(runner: ShardRunner) -> None:
+    class Broken(Sampler):
+        def sample(self, logits: torch.Tensor) -> int:
+            raise SamplingFailed("this session's parameters cannot be sampled")
+
+    async def scenario() -> tuple[list[object], list[int], list[int]]:
+        samplers: list[Sampler] = [Sampler(GREEDY), Broken(GREEDY), Sampler(GREEDY)]
+        opened = [await prefill(runner, s, Sampler(GREEDY)) for s in range(3)]
+        before = [cache.seq_len for cache, _ in opened]
+        outcomes = await asyncio.gather(*(
+            runner.step(cache, position_offset=cache.seq_len, from_layer=0, ids=[token], sampler=samplers[s])
+            for s, (cache, token) in enumerate(opened)), return_exceptions=True)
+        return outcomes, before, [cache.seq_len for cache, _ in opened]
+
+    outcomes, before, after = asyncio.run(scenario())
+    assert isinstance(outcomes[1], SamplingFailed)
+    assert all(getattr(outcomes[i], "rows", 0) == 3 and getattr(outcomes[i], "token", None) is not None
+               for i in (0, 2))
+    assert after == [n + 1 for n in before]
+
+
+def test_a_cancelled_step_does_not_fail_its_batch(runner: ShardRunner) -> None:
+    async def scenario() -> list[object]:
+        opened = [await prefill(runner, s, Sampler(GREEDY)) for s in range(3)]
+        tasks = [asyncio.create_task(runner.step(cache, position_offset=cache.seq_len, from_layer=0, ids=[token],
+                                                 sampler=Sampler(GREEDY)))
+                 for cache, token in opened]
+        await asyncio.sleep(0)  # every step is queued
+        tasks[0].cancel()
+        return await asyncio.gather(*tasks, return_exceptions=True)
+
+    outcomes = asyncio.run(scenario())
+    assert isinstance(outcomes[0], asyncio.CancelledError)
+    assert all(getattr(o, "token", None) is not None for o in outcomes[1:])
+
+
+def test_a_prompt_chunk_rides_along_with_decode_rows_within_the_token_budget(runner: ShardRunner) -> None:
+    engine = runner.engine
+
+    async def scenario() -> tuple[list[int], list[int]]:
+        opened = [await prefill(runner, s, Sampler(GREEDY)) for s in range(3)]
+        loop = asyncio.get_running_loop()
+
+        def job(tokens: int, cache: ShardCache) -> object:
+            from services.node.step_engine import StepJob
+            return StepJob(cache=cache, position_offset=cache.seq_len, from_layer=0, ids=list(range(1, tokens + 1)),
+                           hidden=None, sampler=None, future=loop.create_future())
+
+        fresh = [runner.new_cache() for _ in range(3)]
+        queued = [job(6, fresh[0]), job(1, opened[0][0]), job(5, fresh[1]), job(1, opened[1][0]),
+                  job(1, opened[2][0]), job(1, fresh[2])]
+        engine._queue.extend(queued)  # type: ignore[arg-type]
+        first = engine.take()
+        second = engine.take()
+        return [j.tokens for j in first], [j.tokens for j in second]
+
+    first, second = asyncio.run(scenario())
+    # rows first (up to max_batch=4), then the oldest chunk even past the 8-token budget; the next chunk waits
+    assert first == [1, 1, 1, 1, 6]
+    assert second == [5]
