@@ -419,8 +419,13 @@ def shards_f16(tiny_model_dir: Path) -> dict[tuple[int, int], Shard]:
 
 @pytest.mark.usefixtures("one_torch_thread")
 def test_float16_shards_generate_what_transformers_float16_generates(
-    shards_f16: dict[tuple[int, int], Shard], reference_f16: PreTrainedModel, prompt_ids: torch.Tensor
+    shards_f16: dict[tuple[int, int], Shard], reference_f16_float32_attention: PreTrainedModel,
+    prompt_ids: torch.Tensor
 ) -> None:
+    """Against transformers float16 with attention in float32, as a half-precision shard on a CPU computes it:
+    with float16 attention the greedy answers part after a few dozen tokens on a CPU with native float16
+    kernels (measured on an AMX Xeon), because attention rounds differently, not because a hop is wrong."""
+    reference_f16 = reference_f16_float32_attention
     expected = reference_generate(reference_f16, prompt_ids, GREEDY, NEW_TOKENS)
     eos = reference_f16.config.eos_token_id
 
