@@ -60,10 +60,14 @@ class MeshSpec:
     dtype: NodeDType = "auto"
     relayed: frozenset[int] = frozenset()
     node_env: Mapping[str, str] = field(default_factory=dict)
+    node_cpus: tuple[int, ...] = ()
+    """When given, node ``i`` (every thread of it) is pinned to core ``node_cpus[i]``: machines simulated."""
 
     def __post_init__(self) -> None:
         if not 1 <= self.nodes <= min(MAX_NODES, self.num_layers):
             raise ValueError(f"{self.nodes} nodes for {self.num_layers} layers: need 1..{MAX_NODES} and one layer each")
+        if self.node_cpus and len(self.node_cpus) != self.nodes:
+            raise ValueError(f"node_cpus names {len(self.node_cpus)} cores for {self.nodes} nodes")
         if any(not 0 <= index < self.nodes for index in self.relayed):
             raise ValueError(f"relayed nodes {sorted(self.relayed)} are not among the {self.nodes} nodes")
 
@@ -150,6 +154,8 @@ def running_mesh(spec: MeshSpec) -> Iterator[Mesh]:
             env = {**common, **_node_env(spec, index, tracker, relay)}
             started.append(start_service("node", env, ready_timeout_s=READY_TIMEOUT_S))
         model = _wait_servable(tracker, started)
+        for node, cpu in zip(started[-spec.nodes:], spec.node_cpus, strict=False):
+            pin_process(node.proc.pid, cpu)
         mesh = Mesh(spec=spec, secret=secret, tracker=tracker, nodes=tuple(started[-spec.nodes:]), relay=relay,
                     model=model)
         logger.info("mesh of %s up in %.1f s, serving %s", spec.describe(), time.perf_counter() - began, model)
@@ -159,6 +165,13 @@ def running_mesh(spec: MeshSpec) -> Iterator[Mesh]:
             service.stop()
             with contextlib.suppress(OSError):
                 service.log_path.unlink()
+
+
+def pin_process(pid: int, cpu: int) -> None:
+    """Pin every thread of process ``pid`` (and the threads it starts later) to core ``cpu``."""
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        with contextlib.suppress(ProcessLookupError, FileNotFoundError):
+            os.sched_setaffinity(int(task.name), {cpu})
 
 
 def _node_env(spec: MeshSpec, index: int, tracker: Service, relay: Service | None) -> dict[str, str]:

@@ -102,6 +102,22 @@ class SingleProcess:
         return StreamTiming(tokens=len(clock.times), first_s=clock.times[0], last_s=clock.times[-1],
                             prompt_tokens=len(prompt_ids))
 
+    def generate_batch(self, prompt_ids: Sequence[int], batch: int, max_new_tokens: int,
+                       threads: int | None = None) -> float:
+        """Aggregate tokens/s of greedy ``generate`` over a batch of ``batch`` copies of the prompt.
+
+        What a single-process server batching its users would reach: every
+        sequence makes ``max_new_tokens`` tokens (no EOS stop), timed over the
+        whole call, prefill included.
+        """
+        ids = torch.tensor([list(prompt_ids)] * batch, dtype=torch.long)
+        with _torch_threads(threads), torch.inference_mode():
+            began = time.perf_counter()
+            out = self.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                                      min_new_tokens=max_new_tokens, do_sample=False, pad_token_id=self._pad_id)
+            wall = time.perf_counter() - began
+        return batch * (out.shape[1] - ids.shape[1]) / wall
+
     def recompute(self, prompt_ids: Sequence[int], new_tokens: int) -> list[float]:
         """Milliseconds of each of ``new_tokens`` greedy tokens made by re-running the whole sequence."""
         sequence = torch.tensor([list(prompt_ids)], dtype=torch.long)
