@@ -125,8 +125,12 @@ class FailoverMesh:
                           timeout=STREAM_TIMEOUT_S)
 
     def stream(self, max_tokens: int, sampling: Mapping[str, Any] | None = None, *,
-               kill_one_of: tuple[str, ...] = (), kill_after_chunks: int = 0) -> StreamResult:
-        """A streamed chat through the tracker; with ``kill_one_of``, SIGKILL the one serving it mid-stream."""
+               kill_one_of: tuple[str, ...] = (), kill_after_chunks: int = 0,
+               on_chunk: Callable[[int], None] | None = None) -> StreamResult:
+        """A streamed chat through the tracker; with ``kill_one_of``, SIGKILL the one serving it mid-stream.
+
+        ``on_chunk`` hears the count of content chunks received so far, after each event.
+        """
         result = StreamResult()
         killed_at: float | None = None
         with httpx.stream("POST", f"{self.tracker.url}/v1/chat/completions",
@@ -143,6 +147,8 @@ class FailoverMesh:
                     result.done = True
                     continue
                 _take_event(result, orjson.loads(data))
+                if on_chunk is not None:
+                    on_chunk(result.content_chunks)
                 if kill_one_of and result.killed is None and result.content_chunks >= kill_after_chunks:
                     result.killed = self.serving(kill_one_of)
                     result.chunks_before_kill = result.content_chunks

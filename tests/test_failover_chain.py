@@ -13,9 +13,10 @@ layer 0, ``mid-a`` and ``mid-b`` both hold 1-2, ``tail`` alone holds 3.
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
 from typing import Final
 
-from tests.failover_mesh import FailoverMesh, mesh_fixtures, wait_for
+from tests.failover_mesh import FailoverMesh, StreamResult, mesh_fixtures, wait_for
 
 MIDDLES: Final = ("mid-a", "mid-b")
 LAYERS: Final = {"head": (0, 0), "mid-a": (1, 2), "mid-b": (1, 2), "tail": (3, 3)}
@@ -40,6 +41,34 @@ def test_a_greedy_stream_outlives_its_middle_node_and_equals_the_uninterrupted_r
     assert broken.text == whole_run.text
     assert (broken.finish_reason, broken.completion_tokens, broken.done) == ("length", MAX_TOKENS, True)
     wait_for(lambda: mesh.idle(), "the tail to free the broken session's cache as well as the new one's")
+
+
+BATCHED_STREAMS: Final = 4
+
+
+def test_streams_batched_together_outlive_a_middle_node_and_each_equals_the_uninterrupted_run(
+        mesh: FailoverMesh) -> None:
+    """Four streams share batched steps (and batched frames) on every node; a middle node dies under them."""
+    whole_run = mesh.stream(MAX_TOKENS)
+    progress = [0] * BATCHED_STREAMS
+
+    def follow(index: int) -> StreamResult:
+        return mesh.stream(MAX_TOKENS, on_chunk=lambda chunks: progress.__setitem__(index, chunks))
+
+    with ThreadPoolExecutor(BATCHED_STREAMS) as pool:
+        running = [pool.submit(follow, index) for index in range(BATCHED_STREAMS)]
+        wait_for(lambda: min(progress) >= KILL_AFTER_CHUNKS, "every stream to be under way")
+        view = mesh.node_view()
+        victim = next(name for name in MIDDLES if view[name]["inflight_requests"] > 0)
+        mesh.kill(victim)
+        results = [future.result() for future in running]
+
+    assert mesh.node_view()[victim]["failures"] == 1, "the heads met the dead middle node and reported it"
+    for result in results:
+        assert result.errors == []
+        assert result.text == whole_run.text
+        assert (result.finish_reason, result.completion_tokens, result.done) == ("length", MAX_TOKENS, True)
+    wait_for(lambda: mesh.idle(), "every session of the four streams to be closed on the survivors")
 
 
 def test_when_the_only_tail_dies_streams_end_with_an_error_event_and_requests_get_503_until_it_restarts(

@@ -36,6 +36,7 @@ from meshwire.auth import bearer_headers
 from meshwire.frames import encode_frame
 from meshwire.limits import ROUTE_TTL_S
 from meshwire.routes import Route, RouteNode, plan_start_layers, sign_route
+from meshwire.row_batch import encode_rows
 from tests.procs import TEST_SECRET, Service, start_service, wait_healthy
 
 NUM_LAYERS = 4
@@ -560,6 +561,31 @@ def test_a_route_that_expires_mid_session_keeps_serving_it_but_opens_no_new_sess
     assert refused.status_code == 403
     assert "expired" in refused.json()["error"]["message"]
     close_session(mesh, "back", "outlives-its-route", token=short_lived)
+
+
+def test_a_batch_of_frames_is_answered_row_by_row_and_one_bad_row_fails_alone(mesh: Mesh) -> None:
+    opened = [frame(mesh, f"s-rows-{i}", step=0, offset=0, tokens=3, reserve=16) for i in range(3)]
+    assert all(post_frame(mesh.url("back"), *f).status_code == 200 for f in opened)
+    rows = [frame(mesh, f"s-rows-{i}", step=1, offset=3) for i in range(3)]
+    rows[1] = ({**rows[1][0], h.STEP: "7"}, rows[1][1])  # out of order: this row alone is refused
+    answer = httpx.post(f"{mesh.url('back')}/forward/rows", content=encode_rows(rows), timeout=30,
+                        headers={**MESH_AUTH, "Content-Type": "application/x-meshnet-rows"})
+    assert answer.status_code == 200, answer.text
+    statuses = [row["status"] for row in answer.json()["rows"]]
+    assert statuses == [200, 409, 200]
+    assert all(isinstance(answer.json()["rows"][i]["body"]["token"], int) for i in (0, 2))
+    for i in range(3):
+        close_session(mesh, "back", f"s-rows-{i}")
+
+
+def test_a_batch_of_frames_needs_the_mesh_credential_and_a_well_formed_body(mesh: Mesh) -> None:
+    body = encode_rows([frame(mesh, "s-rows-anon", step=0, offset=0)])
+    anonymous = httpx.post(f"{mesh.url('back')}/forward/rows", content=body, timeout=30)
+    assert anonymous.status_code == 401
+    garbled = httpx.post(f"{mesh.url('back')}/forward/rows", content=b"\x00\x00\x00\x09not json!", timeout=30,
+                         headers=MESH_AUTH)
+    assert garbled.status_code == 400 and garbled.json()["error"]["code"] == "bad_header"
+    assert "s-rows-anon" not in str(health(mesh, "back"))
 
 
 def test_a_session_answers_only_the_route_that_opened_it(mesh: Mesh) -> None:

@@ -33,6 +33,7 @@ from starlette.routing import Route
 from meshwire import errors
 from meshwire.frames import DTYPE_NAMES
 from meshwire.logs import configure_logging
+from meshwire.row_batch import ROWS_PATH
 from services.node.metrics import CONTENT_TYPE
 from services.node.openai_api import ApiError, OpenAIService
 from services.node.runtime import NodeRuntime
@@ -95,6 +96,11 @@ def create_app(settings: NodeSettings | None = None) -> Starlette:
             return ApiError(503, "this node is still loading its layers", "not_ready", retry_after="2").response()
         return await node.forward.handle(request)
 
+    async def forward_rows(request: Request) -> Response:
+        if node.forward is None or node.state == "starting":
+            return ApiError(503, "this node is still loading its layers", "not_ready", retry_after="2").response()
+        return await node.forward.handle_rows(request)
+
     async def http_error(_: Request, exc: Exception) -> Response:
         assert isinstance(exc, StarletteHTTPException)
         kind = errors.NOT_FOUND if exc.status_code == 404 else errors.INVALID_REQUEST
@@ -109,6 +115,7 @@ def create_app(settings: NodeSettings | None = None) -> Starlette:
             Route("/health", health, methods=["GET"]),
             Route("/metrics", metrics, methods=["GET"]),
             Route("/forward", counted("forward", forward), methods=["POST"]),
+            Route(ROWS_PATH, counted("forward_rows", forward_rows), methods=["POST"]),
             Route("/v1/chat/completions", counted("chat", api.chat), methods=["POST"]),
             Route("/v1/completions", counted("completions", api.completions), methods=["POST"]),
         ],

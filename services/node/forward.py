@@ -21,8 +21,10 @@ session here and is passed on.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any, Final
 
 import orjson
@@ -43,18 +45,22 @@ from meshwire.frames import (
     parse_frame_headers,
     parse_int_header,
 )
+from meshwire.row_batch import MAX_INDEX_BYTES, RowAnswer, decode_rows, encode_answers
 from services.node.bodies import BodyIncomplete, BodyTooLarge, read_bounded
 from services.node.compute import ShardRunner
 from services.node.hop_client import INVALID_SAMPLING, ChainFailure, HopClient, send_along
 from services.node.metrics import NodeMetrics
 from services.node.protocol import CLOSE, ForwardAnswer, StepInfo, check_session_id, close_headers
 from services.node.routing import RoutedHop, RouteRefused, verify_hop
+from services.node.row_sender import RowSender
 from services.node.sampling import Sampler, SamplingFailed, SamplingParams
 from services.node.sessions import Session, SessionExists, SessionRefused, SessionTable, log_tag, route_key
 
 logger = logging.getLogger(__name__)
 
 JSON: Final = "application/json"
+BodyReader = Callable[[int], Awaitable[bytes]]
+"""Reads a frame's body, refusing (``too_large``) one longer than the bytes given."""
 _ERROR_TYPES: Final = {
     400: errors.INVALID_REQUEST, 401: errors.AUTHENTICATION, 403: errors.PERMISSION,
     409: errors.INVALID_REQUEST, 500: errors.SERVER_ERROR, 502: errors.SERVER_ERROR, 503: errors.UNAVAILABLE,
@@ -80,13 +86,15 @@ class ForwardService:
     """The ``/forward`` endpoint of one node."""
 
     def __init__(self, *, node_id: str, model_id: str, secret: str, runner: ShardRunner, sessions: SessionTable,
-                 hops: HopClient, metrics: NodeMetrics, frame_limits: FrameLimits) -> None:
+                 hops: HopClient, metrics: NodeMetrics, frame_limits: FrameLimits,
+                 sender: RowSender | None = None) -> None:
         self.node_id = node_id
         self.model_id = model_id
         self._secret = secret
         self._runner = runner
         self._sessions = sessions
         self._hops = hops
+        self._sender = sender or RowSender(hops)
         self._metrics = metrics
         self._limits = frame_limits
 
@@ -95,18 +103,51 @@ class ForwardService:
     async def handle(self, request: Request) -> Response:
         """Answer one ``POST /forward``."""
         began = time.perf_counter()
-        failure = check_bearer(request.headers.get("authorization"), self._secret)
-        if failure is not None:
-            return self._refuse(ForwardRefusal(failure.status, "unauthorized" if failure.status == 401 else "forbidden",
-                                               failure.message))
+        refused = self._check_credential(request)
+        if refused is not None:
+            return refused
+        response = await self._frame(request.headers, lambda max_bytes: self._read_body(request, max_bytes))
+        if response.status_code == 200:
+            self._metrics.forward_latency.observe(time.perf_counter() - began)
+        return response
+
+    async def handle_rows(self, request: Request) -> Response:
+        """Answer one ``POST /forward/rows``: every frame of the batch as ``/forward`` would, side by side.
+
+        The rows run concurrently, so their steps reach the step engine together
+        and run as one batch; each row's answer is its own.
+        """
+        began = time.perf_counter()
+        refused = self._check_credential(request)
+        if refused is not None:
+            return refused
         try:
-            hop = self._verify_route(request.headers)
-            control = get_header(request.headers, h.CONTROL)
+            frames = decode_rows(await self._read_body(request, self._limits.max_bytes + MAX_INDEX_BYTES))
+        except FrameError as exc:
+            return self._refuse(ForwardRefusal(400, exc.code, str(exc)))
+        responses = await asyncio.gather(*(self._frame(frame.headers, _given(frame.body)) for frame in frames))
+        answers = [RowAnswer(status=r.status_code, body=orjson.loads(r.body), retry_after=r.headers.get("retry-after"))
+                   for r in responses]
+        self._metrics.forward_latency.observe(time.perf_counter() - began)
+        return Response(encode_answers(answers), media_type=JSON)
+
+    def _check_credential(self, request: Request) -> Response | None:
+        failure = check_bearer(request.headers.get("authorization"), self._secret)
+        if failure is None:
+            return None
+        return self._refuse(ForwardRefusal(failure.status, "unauthorized" if failure.status == 401 else "forbidden",
+                                           failure.message))
+
+    async def _frame(self, headers: Mapping[str, str], read_body: BodyReader) -> Response:
+        """One frame, after the credential: its route, then a close or a data frame; every refusal answered."""
+        try:
+            hop = self._verify_route(headers)
+            control = get_header(headers, h.CONTROL)
             if control is not None:
                 if control.strip().lower() != CLOSE:
                     raise FrameError("bad_header", f"unknown {h.CONTROL} {control[:40]!r}; the only one is 'close'")
-                return await self._close(request, hop)
-            response = await self._data_frame(request, hop)
+                return await self._close(headers, hop)
+            return await self._data_frame(headers, read_body, hop)
         except FrameError as exc:
             return self._refuse(ForwardRefusal(400, exc.code, str(exc)))
         except ForwardRefusal as exc:
@@ -115,8 +156,6 @@ class ForwardService:
             self._metrics.frames_refused.labels(code=str(exc.body.get("error", {}).get("code"))).inc()
             extra = {"Retry-After": exc.retry_after} if exc.retry_after else None
             return json_response(exc.status, exc.body, extra)
-        self._metrics.forward_latency.observe(time.perf_counter() - began)
-        return response
 
     def _refuse(self, refusal: ForwardRefusal) -> Response:
         self._metrics.frames_refused.labels(code=refusal.code).inc()
@@ -128,7 +167,7 @@ class ForwardService:
 
     # --- route ------------------------------------------------------------------------
 
-    def _verify_route(self, headers: Any) -> RoutedHop:
+    def _verify_route(self, headers: Mapping[str, str]) -> RoutedHop:
         """The verified route naming this node at the frame's hop index, or a 403 ``bad_route``."""
         hop_index = parse_int_header(h.HOP_INDEX, get_header(headers, h.HOP_INDEX), minimum=0)
         session_id = get_header(headers, h.SESSION)
@@ -145,11 +184,11 @@ class ForwardService:
 
     # --- close ------------------------------------------------------------------------
 
-    async def _close(self, request: Request, hop: RoutedHop) -> Response:
-        wire = get_header(request.headers, h.WIRE)
+    async def _close(self, headers: Mapping[str, str], hop: RoutedHop) -> Response:
+        wire = get_header(headers, h.WIRE)
         if wire is None or wire.strip() != h.WIRE_VERSION:
             raise FrameError("wire_version", f"{h.WIRE} must be {h.WIRE_VERSION!r}")
-        session_id = check_session_id(get_header(request.headers, h.SESSION))
+        session_id = check_session_id(get_header(headers, h.SESSION))
         closed = await self.close_local(session_id, hop.token)
         nxt = hop.next
         if nxt is not None:
@@ -174,20 +213,19 @@ class ForwardService:
 
     # --- data frames ------------------------------------------------------------------
 
-    async def _data_frame(self, request: Request, hop: RoutedHop) -> Response:
+    async def _data_frame(self, headers: Mapping[str, str], read_body: BodyReader, hop: RoutedHop) -> Response:
         shard = self._runner.shard
         if hop.hop_index == 0:
             raise FrameError("bad_header", f"{h.HOP_INDEX} 0 is the head, which takes tokens through the chat API, "
                                            "not hidden states")
-        spec = parse_frame_headers(request.headers, self._limits)
+        spec = parse_frame_headers(headers, self._limits)
         if len(spec.shape) != 3 or spec.shape[0] != 1 or spec.shape[2] != shard.hidden_size:
             raise FrameError("bad_shape", f"frame shape {list(spec.shape)} is not [1, n, {shard.hidden_size}] "
                                           "(this model's hidden size)")
         tokens = spec.shape[1]
-        info = StepInfo.parse(request.headers, tokens)
-        body = await self._read_body(request, spec.nbytes if spec.encoding == "identity"
-                                     else compress_bound(spec.nbytes))
-        frame = decode_frame(request.headers, body, self._limits)
+        info = StepInfo.parse(headers, tokens)
+        body = await read_body(spec.nbytes if spec.encoding == "identity" else compress_bound(spec.nbytes))
+        frame = decode_frame(headers, body, self._limits)
         samples = shard.is_tail and frame.chunk_index == frame.chunk_total - 1
         params = self._sampling_params(info) if samples else None
 
@@ -226,7 +264,7 @@ class ForwardService:
             out_headers, out_body = encode_frame(
                 result.hidden, session=frame.session, chunk_index=frame.chunk_index,
                 chunk_total=frame.chunk_total, extra=info.for_next_hop(nxt.start_layer).headers())
-            answer: ForwardAnswer = await send_along(self._hops, nxt, out_headers, out_body)
+            answer: ForwardAnswer = await self._sender.send(nxt, out_headers, out_body)
             return json_response(200, {"token": answer.token, "node_timings_ms": {**timings, **answer.node_timings_ms}})
 
     async def _read_body(self, request: Request, max_bytes: int) -> bytes:
@@ -289,3 +327,12 @@ def _check_bound(session: Session, route_token: str) -> None:
     if session.route_key is not None and session.route_key != route_key(route_token):
         raise ForwardRefusal(403, "bad_route", f"session {log_tag(session.session_id)} was opened along another "
                                                "route; only that route may step or close it")
+
+
+def _given(body: bytes) -> BodyReader:
+    """A body reader over a row's body already received (``POST /forward/rows``)."""
+    async def read(max_bytes: int) -> bytes:
+        if len(body) > max_bytes:
+            raise FrameError("too_large", f"body is longer than the {max_bytes} bytes its headers announce")
+        return body
+    return read

@@ -52,6 +52,7 @@ from services.node.hop_client import INVALID_SAMPLING, ChainFailure, HopClient, 
 from services.node.metrics import NodeMetrics
 from services.node.protocol import StepInfo, close_headers
 from services.node.routing import RoutedHop, TrackerRoutes
+from services.node.row_sender import RowSender
 from services.node.sampling import MAX_SEED, Sampler, SamplingFailed, SamplingParams
 from services.node.sessions import Session, SessionRefused, SessionTable, log_tag
 from services.node.stops import StopMatcher
@@ -157,13 +158,15 @@ class History:
 class SessionChain:
     """One session of this head along one route (or alone, when the head holds every layer)."""
 
-    def __init__(self, *, runner: ShardRunner, sessions: SessionTable, hops: HopClient, metrics: NodeMetrics,
+    def __init__(self, *, runner: ShardRunner, sessions: SessionTable, hops: HopClient, sender: RowSender,
+                 metrics: NodeMetrics,
                  hop: RoutedHop | None, session_id: str, sampling: SamplingParams, reserve: int,
                  sample_draws: int = 0) -> None:
         self._runner = runner
         self._metrics = metrics
         self._sessions = sessions
         self._hops = hops
+        self._sender = sender
         self.hop = hop
         self.session_id = session_id
         self._sampling = sampling
@@ -219,7 +222,7 @@ class SessionChain:
             headers, body = encode_frame(result.hidden, session=self.session_id, chunk_index=chunk_index,
                                          chunk_total=chunk_total, extra=info.headers())
             try:
-                answer = await send_along(self._hops, nxt, headers, body)
+                answer = await self._sender.send(nxt, headers, body)
             except ChainFailure as exc:
                 raise _generation_failure(exc) from exc
         if samples and answer.token is None:
@@ -297,11 +300,13 @@ class Generator:
     """Runs requests on this head: the generation loop over a :class:`SessionChain`, with failover."""
 
     def __init__(self, *, runner: ShardRunner, sessions: SessionTable, hops: HopClient, tokenizer: HeadTokenizer,
+                 sender: RowSender | None = None,
                  metrics: NodeMetrics, prefill_chunk_tokens: int, routes: TrackerRoutes | None = None,
                  model_id: str = "", failover: FailoverPolicy = DEFAULT_FAILOVER) -> None:
         self._runner = runner
         self._sessions = sessions
         self._hops = hops
+        self._sender = sender or RowSender(hops)
         self.tokenizer = tokenizer
         self._metrics = metrics
         self._chunk = prefill_chunk_tokens
@@ -358,7 +363,8 @@ class Generator:
             await self._close(run, upcoming)
 
     def _chain(self, hop: RoutedHop | None, request: GenerationRequest, history: History) -> SessionChain:
-        return SessionChain(runner=self._runner, sessions=self._sessions, hops=self._hops, metrics=self._metrics,
+        return SessionChain(runner=self._runner, sessions=self._sessions, hops=self._hops, sender=self._sender,
+                            metrics=self._metrics,
                             hop=hop, session_id=new_session_id(), sampling=request.sampling,
                             reserve=len(request.prompt_ids) + request.max_tokens,
                             sample_draws=history.draws)

@@ -49,6 +49,7 @@ except ImportError:  # pragma: no cover - depends on which pieces are installed
 logger = logging.getLogger(__name__)
 
 FORWARD_PATH: Final = "/forward"
+OCTET_STREAM: Final = "application/octet-stream"
 PROBE_PATH: Final = "/health"
 BUSY_CODES: Final = frozenset({"kv_budget", "too_many_sessions", "draining"})
 """503 codes that mean "busy, try later" rather than "this node failed"."""
@@ -148,23 +149,23 @@ class HopClient:
         """Whether frames for ``endpoint`` go through its relay now, its direct path being known dead."""
         return self._paths.relay_only(endpoint)
 
-    async def post_frame(self, node: RouteNode, headers: Mapping[str, str], body: bytes) -> HopAnswer:
-        """POST one frame to ``node``'s ``/forward``; raise :class:`HopUnreachable` when it is gone."""
-        out_headers = {**headers, **bearer_headers(self._secret), "Content-Type": "application/octet-stream"}
+    async def post_frame(self, node: RouteNode, headers: Mapping[str, str], body: bytes, *,
+                         path: str = FORWARD_PATH, content_type: str = OCTET_STREAM) -> HopAnswer:
+        """POST one frame (or a batch, at ``path``) to ``node``; raise :class:`HopUnreachable` when it is gone."""
+        out_headers = {**headers, **bearer_headers(self._secret), "Content-Type": content_type}
         relayable = node.relay_addr is not None and self._relay is not None
         if relayable and self._paths.relay_only(node.endpoint):
             if self._paths.probe_due(node.endpoint):
                 self._probe_soon(node.endpoint)
-            return await self._via_relay(node, out_headers, body)
+            return await self._via_relay(node, out_headers, body, path)
         try:
-            answer = await self._frames.request("POST", node.endpoint, FORWARD_PATH, out_headers, body,
-                                                self._timeout_s)
+            answer = await self._frames.request("POST", node.endpoint, path, out_headers, body, self._timeout_s)
         except HopConnectFailed as exc:  # never reached the hop: safe to try another way
             if relayable:
                 logger.info("hop %s not reachable directly at %s (%s); using its relay", node.node_id,
                             node.endpoint, exc)
                 self._paths.unreachable(node.endpoint)
-                return await self._via_relay(node, out_headers, body)
+                return await self._via_relay(node, out_headers, body, path)
             raise HopUnreachable(node.node_id, f"cannot connect to {node.endpoint}: {exc}") from exc
         except HopTimedOut as exc:
             raise HopUnreachable(node.node_id, f"no answer within {self._timeout_s:.0f} s") from exc
@@ -192,11 +193,11 @@ class HopClient:
         logger.info("%s is reachable directly again", endpoint)
         self._paths.reachable(endpoint)
 
-    async def _via_relay(self, node: RouteNode, headers: dict[str, str], body: bytes) -> HopAnswer:
+    async def _via_relay(self, node: RouteNode, headers: dict[str, str], body: bytes, path: str) -> HopAnswer:
         assert self._relay is not None and node.relay_addr is not None
         try:
             status, answer_headers, answer_body = await self._relay.request(
-                node.relay_addr, "POST", FORWARD_PATH, headers, body, self._timeout_s)
+                node.relay_addr, "POST", path, headers, body, self._timeout_s)
         except Exception as exc:  # any relay failure means the hop cannot be reached
             raise HopUnreachable(node.node_id, f"relay {node.relay_addr} failed: {exc}") from exc
         if len(answer_body) > MAX_ANSWER_BYTES:
@@ -255,6 +256,11 @@ async def send_along(client: HopClient, node: RouteNode, headers: Mapping[str, s
         answer = await client.post_frame(node, headers, body)
     except HopUnreachable as exc:
         raise hop_failed(node.node_id, exc.reason) from exc
+    return judge_answer(node, answer)
+
+
+def judge_answer(node: RouteNode, answer: HopAnswer) -> ForwardAnswer:
+    """What ``node`` answered one frame: a :class:`ForwardAnswer`, or the :class:`ChainFailure` it means."""
     if answer.status == 200:
         try:
             return ForwardAnswer.model_validate_json(answer.body)
