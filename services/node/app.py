@@ -34,6 +34,7 @@ from meshwire import errors
 from meshwire.frames import DTYPE_NAMES
 from meshwire.logs import configure_logging
 from meshwire.row_batch import ROWS_PATH
+from services.node import openmp
 from services.node.metrics import CONTENT_TYPE
 from services.node.openai_api import ApiError, OpenAIService
 from services.node.runtime import NodeRuntime
@@ -128,6 +129,12 @@ def create_app(settings: NodeSettings | None = None) -> Starlette:
 
 @functools.cache
 def _app_from_env() -> Starlette:
+    unset = openmp.missing()
+    if unset:  # torch has loaded by now: too late to set them for this process
+        logging.getLogger(__name__).warning(
+            "%s not set: OpenMP threads wait torch's default way, which makes decode steps slower; start the "
+            "node with %s (as `meshnet node` does)", ", ".join(unset),
+            " ".join(f"{k}={v}" for k, v in openmp.OPENMP_DEFAULTS.items()))
     return create_app(NodeSettings())
 
 

@@ -2,7 +2,7 @@
 
 A node on a CPU runs each forward with torch intra-op threads, and its
 OpenMP worker threads spin a short while after each parallel region
-(``GOMP_SPINCOUNT``, set in :mod:`services.node`), which is what lets a decode
+(``GOMP_SPINCOUNT``, see :mod:`services.node.openmp`), which is what lets a decode
 step's few hundred small kernels run back to back without a futex wake each.
 Alone on its machine, a node should use every core. Several nodes on one
 machine (a local mesh, ``meshnet up``, the test suite) that each used every

@@ -8,7 +8,7 @@ import uvicorn
 
 from meshwire.auth import DEFAULT_SECRET
 from meshwire.logs import configure_logging
-from services.node.app import create_app
+from services.node import openmp
 from services.node.settings import NodeSettings
 
 logger = logging.getLogger(__name__)
@@ -20,6 +20,9 @@ def serve(settings: NodeSettings) -> None:
     The device and dtype are chosen (and logged, with the reason) when the
     layers load; the ready line names both.
     """
+    openmp.configure()  # before torch loads: the node's modules import it
+    from services.node.app import create_app
+
     configure_logging()
     if settings.secret == DEFAULT_SECRET:
         logger.warning("MESHNET_SECRET is the development default: anyone who knows it can use this mesh")

@@ -19,7 +19,6 @@ from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 from meshwire import limits
 from meshwire.auth import DEFAULT_SECRET
 from services.node.cpu_gate import DEFAULT_CPU_LOCK
-from services.node.step_engine import DEFAULT_MAX_BATCH, DEFAULT_MAX_STEP_TOKENS
 
 DEFAULT_MODEL: Final = "HuggingFaceTB/SmolLM2-135M-Instruct"
 DEFAULT_PORT: Final = 8100
@@ -32,6 +31,10 @@ DEFAULT_MAX_PROMPT_TOKENS: Final = 8192
 DEFAULT_PREFILL_CHUNK_TOKENS: Final = 512
 DEFAULT_HOP_TIMEOUT_S: Final = 120.0
 MAX_THREADS: Final = 1024
+DEFAULT_MAX_BATCH: Final = 16
+"""Decode rows (sessions) in one batched step by default."""
+DEFAULT_MAX_STEP_TOKENS: Final = 512
+"""Tokens one compute turn takes by default, decode rows and prompt chunks together."""
 MAX_BATCH_LIMIT: Final = 256
 """Largest ``max_batch`` accepted (rows of one batched decode step)."""
 MAX_API_KEYS: Final = 1024

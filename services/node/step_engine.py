@@ -44,16 +44,13 @@ import torch
 
 from services.node.kv_cache import ShardCache
 from services.node.sampling import Sampler
+from services.node.settings import DEFAULT_MAX_BATCH, DEFAULT_MAX_STEP_TOKENS
 from services.node.shard import Shard
 
 logger = logging.getLogger(__name__)
 
 GATHER_ROUNDS: Final = 4
 """Event-loop rounds the engine yields before taking a turn, so frames that arrived together join it."""
-DEFAULT_MAX_BATCH: Final = 16
-"""Decode rows in one batch by default (``--max-batch``)."""
-DEFAULT_MAX_STEP_TOKENS: Final = 512
-"""Tokens one compute turn takes by default, decode rows and prompt chunks together (``--max-step-tokens``)."""
 
 
 @dataclass(frozen=True)
