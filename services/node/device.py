@@ -134,8 +134,8 @@ def _band(min_rows: int, dtype: DTypeName, evidence: str) -> RowBand:
     return RowBand(min_rows=min_rows, dtype=dtype, evidence=evidence)
 
 
-_MEASURED: Final = "measured on this machine (Intel Xeon, AMX-BF16, AVX512-FP16)"
-_EMULATED: Final = "measured on this machine with torch's kernels capped to the class"
+_MEASURED: Final = "measured on an Intel Xeon of this class (AMX-BF16, AVX512-FP16)"
+_EMULATED: Final = "measured on that Xeon with torch's kernels capped to this class"
 _UNMEASURED: Final = ("not measured (no such CPU, and no way to emulate one, here): float32, which every CPU "
                       "runs with native kernels, and which the exactness tests pin")
 
