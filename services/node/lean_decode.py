@@ -88,12 +88,10 @@ class LeanDecoder:
             first: int, last: int) -> torch.Tensor:
         """Layers ``first..last`` on one token's ``hidden`` (``[1, 1, hidden]``), appending to ``cache``.
 
-        ``cos``/``sin`` are the rotary embedding of the token's position (``[1, 1, head_dim]``).
+        ``cos``/``sin`` are the rotary embedding of the token's position (``[1, 1, head_dim]``):
+        a batch of one row (:meth:`run_rows`).
         """
-        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-        for index in range(first, last + 1):
-            hidden = self._layer(index, hidden, cos, sin, cache)
-        return hidden
+        return self.run_rows(hidden, cos, sin, (cache,), first, last)
 
     def run_rows(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, caches: Sequence[Cache],
                  first: int, last: int) -> torch.Tensor:
@@ -124,31 +122,16 @@ class LeanDecoder:
         q = q * cos + _rotate_half(q) * sin
         k = k * cos + _rotate_half(k) * sin
         wide = _attention_dtype(x)
-        attended = torch.empty((rows, heads, 1, dim), dtype=x.dtype, device=x.device)
+        per_row = []
         for row, cache in enumerate(caches):
             keys, values = cache.layers[index].update(k[row:row + 1], v[row:row + 1])
-            attended[row] = F.scaled_dot_product_attention(
-                q[row:row + 1].to(wide), keys.to(wide), values.to(wide), scale=w.scaling, enable_gqa=True)[0]
+            per_row.append(F.scaled_dot_product_attention(q[row:row + 1].to(wide), keys.to(wide), values.to(wide),
+                                                          scale=w.scaling, enable_gqa=True))
+        attended = (per_row[0] if rows == 1 else torch.cat(per_row)).to(x.dtype)
         x = x + F.linear(attended.transpose(1, 2).reshape(rows, 1, heads * dim), w.out, w.out_bias)
         gate, up = F.linear(_rms_norm(x, w.post_norm, w.post_eps), w.gate_up, w.gate_up_bias).split(
             [self._intermediate, self._intermediate], -1)
         return x + F.linear(F.silu(gate) * up, w.down, w.down_bias)
-
-    def _layer(self, index: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: Cache) -> torch.Tensor:
-        w = self._layers[index]
-        heads, kv_heads, dim = self._heads, self._kv_heads, self._head_dim
-        qkv = F.linear(_rms_norm(x, w.input_norm, w.input_eps), w.qkv, w.qkv_bias)
-        q, k, v = qkv.view(1, 1, heads + 2 * kv_heads, dim).transpose(1, 2).split([heads, kv_heads, kv_heads], 1)
-        q = q * cos + _rotate_half(q) * sin
-        k = k * cos + _rotate_half(k) * sin
-        keys, values = cache.layers[index].update(k, v)
-        attended = F.scaled_dot_product_attention(q.float(), keys.float(), values.float(), scale=w.scaling,
-                                                  enable_gqa=True)
-        x = x + F.linear(attended.to(x.dtype).transpose(1, 2).reshape(1, 1, heads * dim), w.out, w.out_bias)
-        gate, up = F.linear(_rms_norm(x, w.post_norm, w.post_eps), w.gate_up, w.gate_up_bias).split(
-            [self._intermediate, self._intermediate], -1)
-        return x + F.linear(F.silu(gate) * up, w.down, w.down_bias)
-
 
 def _attention_dtype(x: torch.Tensor) -> torch.dtype:
     """Format attention is computed in: float32 on a CPU (as :mod:`~services.node.chunk_precision` does), else
