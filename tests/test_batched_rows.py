@@ -43,7 +43,8 @@ def test_batched_rows_equal_each_sessions_solo_steps(tiny_model_dir: Path, dtype
     batched, solo = prefilled(shard), prefilled(shard)
     tokens = [ids[-1] for ids in prompts(shard)]
     for _ in range(STEPS):
-        rows = shard.run_rows(shard.embed(torch.tensor([tokens])).transpose(0, 1), batched, from_layer=0)
+        rows = shard.run_rows(shard.embed(torch.tensor([tokens])).transpose(0, 1), batched,
+                              [c.seq_len for c in batched], from_layer=0)
         alone = torch.cat([shard.run_layers(shard.embed(torch.tensor([[t]])), cache, cache.seq_len)
                            for t, cache in zip(tokens, solo, strict=True)])
         assert rows.shape == alone.shape == (len(tokens), 1, shard.hidden_size)
@@ -59,7 +60,7 @@ def test_a_batch_of_one_row_is_the_lone_step_exactly(tiny_model_dir: Path) -> No
     shard = load_shard(tiny_model_dir, 0, 3, torch.float32, CPU)
     [batched], [solo] = prefilled(shard)[:1], prefilled(shard)[:1]
     token = torch.tensor([[7]])
-    row = shard.run_rows(shard.embed(token), [batched], from_layer=0)
+    row = shard.run_rows(shard.embed(token), [batched], [batched.seq_len], from_layer=0)
     assert relative_difference(row, shard.run_layers(shard.embed(token), solo, solo.seq_len)) <= TOLERANCE[torch.float32]
 
 
@@ -73,7 +74,8 @@ def test_a_failed_batch_leaves_every_cache_as_it_was(tiny_model_dir: Path) -> No
     shard.lean._layers[2] = broken
     try:
         with pytest.raises(RuntimeError):
-            shard.run_rows(torch.zeros(len(caches), 1, shard.hidden_size), caches, from_layer=0)
+            shard.run_rows(torch.zeros(len(caches), 1, shard.hidden_size), caches, [c.seq_len for c in caches],
+                           from_layer=0)
     finally:
         shard.lean._layers[2] = layer
     assert [c.seq_len for c in caches] == before
@@ -85,7 +87,9 @@ def test_rows_of_a_shard_entered_midway(tiny_model_dir: Path) -> None:
     caches = [shard.new_cache() for _ in range(3)]
     for i, cache in enumerate(caches):
         shard.run_layers(hidden[i:i + 1], cache, 0, from_layer=3)
-    rows = shard.run_rows(hidden[:, :1], caches, from_layer=3)
+    rows = shard.run_rows(hidden[:, :1], caches, [4, 4, 4], from_layer=3)
     assert rows.shape == (3, 1, shard.hidden_size) and [c.seq_len for c in caches] == [5, 5, 5]
     with pytest.raises(ValueError, match="entered this shard at layer 3"):
-        shard.run_rows(hidden[:, :1], caches, from_layer=2)
+        shard.run_rows(hidden[:, :1], caches, [5, 5, 5], from_layer=2)
+    with pytest.raises(ValueError, match="does not follow the 5 tokens"):
+        shard.run_rows(hidden[:, :1], caches, [5, 4, 5], from_layer=3)

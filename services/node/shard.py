@@ -194,10 +194,7 @@ class Shard:
                 f"hidden states must have shape [1, n>=1, {self.hidden_size}], got {list(hidden.shape)}"
             )
         held = cache.seq_len
-        if position_offset != held:
-            raise ShardError(
-                f"position offset {position_offset} does not follow the {held} tokens in the KV cache"
-            )
+        _check_follows(position_offset, held)
 
         hidden = hidden.to(device=self.device, dtype=self.dtype)
         n = hidden.shape[1]
@@ -229,27 +226,29 @@ class Shard:
         return self.lean is not None
 
     @torch.inference_mode()
-    def run_rows(self, hidden: torch.Tensor, caches: Sequence[ShardCache], from_layer: int) -> torch.Tensor:
+    def run_rows(self, hidden: torch.Tensor, caches: Sequence[ShardCache], offsets: Sequence[int],
+                 from_layer: int) -> torch.Tensor:
         """One decode step of B sessions at once: ``hidden`` is ``[B, 1, hidden]``, row ``i`` the next
-        token of the session of ``caches[i]`` (at the position its cache has reached); returns ``[B, 1, hidden]``.
+        token of the session of ``caches[i]``, at position ``offsets[i]``; returns ``[B, 1, hidden]``.
 
         The products run once over all rows, attention per row against its own
-        cache (:meth:`LeanDecoder.run_rows`). Where the layers' structure is not
-        known, rows run one after another through :meth:`run_layers`. If the
-        step fails, every cache is left as it was.
+        cache (:meth:`LeanDecoder.run_rows`); only shards that :attr:`batches_rows`
+        can. As in :meth:`run_layers`, each offset must equal the tokens its cache
+        holds. If the step fails, every cache is left as it was.
         """
+        if self.lean is None:
+            raise ShardError("these layers' structure is not one the batched path knows: run each session's "
+                             "step through run_layers")
         rows = len(caches)
         if hidden.ndim != 3 or hidden.shape[0] != rows or hidden.shape[1] != 1 or hidden.shape[2] != self.hidden_size:
             raise ShardError(f"decode rows must have shape [{rows}, 1, {self.hidden_size}], got {list(hidden.shape)}")
         if from_layer not in self.layer_range:
             raise ShardError(f"from_layer {from_layer} is outside this shard's layers {self.start}-{self.end}")
-        for cache in caches:
+        held = [cache.seq_len for cache in caches]
+        for cache, offset, length in zip(caches, offsets, held, strict=True):
             if cache.entry_layer not in (None, from_layer):
                 raise ShardError(f"a session entered this shard at layer {cache.entry_layer}, not {from_layer}")
-        if self.lean is None:
-            return torch.cat([self.run_layers(hidden[i:i + 1], cache, cache.seq_len, from_layer)
-                              for i, cache in enumerate(caches)])
-        held = [cache.seq_len for cache in caches]
+            _check_follows(offset, length)
         for cache in caches:
             cache.entry_layer = from_layer
         hidden = hidden.to(device=self.device, dtype=self.dtype)
@@ -301,6 +300,12 @@ class Shard:
                 layer_idx=index,
             )
         return masks
+
+
+def _check_follows(position_offset: int, held: int) -> None:
+    """Refuse a step whose first position is not the next one of its cache: its attention would be wrong."""
+    if position_offset != held:
+        raise ShardError(f"position offset {position_offset} does not follow the {held} tokens in the KV cache")
 
 
 def _mask_kinds(config: PretrainedConfig, start: int, end: int) -> dict[int, MaskKind]:

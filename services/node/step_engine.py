@@ -36,7 +36,7 @@ import asyncio
 import logging
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Final
 
@@ -103,8 +103,7 @@ SingleStep = Callable[[StepJob], StepResult]
 class StepEngine:
     """The queue of ready steps of one node, run in batched turns on its compute worker."""
 
-    def __init__(self, shard: Shard, compute: Callable[..., asyncio.Future[object]] | Callable[..., object],
-                 single: SingleStep, *, max_batch: int = DEFAULT_MAX_BATCH,
+    def __init__(self, shard: Shard, compute: Callable[..., Awaitable[object]], single: SingleStep, *, max_batch: int = DEFAULT_MAX_BATCH,
                  max_step_tokens: int = DEFAULT_MAX_STEP_TOKENS,
                  on_turn: Callable[[int, float], None] | None = None) -> None:
         if max_batch < 1 or max_step_tokens < 1:
@@ -118,11 +117,6 @@ class StepEngine:
         self._queue: deque[StepJob] = deque()
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
-
-    @property
-    def waiting(self) -> int:
-        """Steps queued and not yet in a turn."""
-        return sum(1 for job in self._queue if not job.future.done())
 
     async def submit(self, cache: ShardCache, *, position_offset: int, from_layer: int,
                      ids: Sequence[int] | None = None, hidden: torch.Tensor | None = None,
@@ -237,17 +231,14 @@ class StepEngine:
         began = time.perf_counter()
         shard = self._shard
         try:
-            for job in rows:
-                if job.position_offset != job.cache.seq_len:
-                    raise ValueError(f"position offset {job.position_offset} does not follow the "
-                                     f"{job.cache.seq_len} tokens in the KV cache")
             with torch.inference_mode():
                 if rows[0].ids is not None:
                     states = shard.embed(torch.tensor([[job.ids[0] for job in rows if job.ids is not None]]))
                     states = states.transpose(0, 1)
                 else:
                     states = torch.cat([job.hidden for job in rows if job.hidden is not None])
-                out = shard.run_rows(states, [job.cache for job in rows], rows[0].from_layer)
+                out = shard.run_rows(states, [job.cache for job in rows], [job.position_offset for job in rows],
+                                     rows[0].from_layer)
                 logits = shard.logits_rows(out) if shard.is_tail else None
         except Exception as exc:  # noqa: BLE001 - fails these rows only; the caches were restored
             logger.warning("a batch of %d decode rows failed: %s", len(rows), exc)
