@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Final
 
@@ -39,6 +39,7 @@ from services.node.hop_client import (
     judge_answer,
     send_along,
 )
+from services.node.outcomes import outcome_of, settle
 from services.node.protocol import ForwardAnswer
 
 logger = logging.getLogger(__name__)
@@ -89,8 +90,7 @@ class RowSender:
 
     async def _deliver(self, node: RouteNode, batch: list[_Pending]) -> None:
         if len(batch) == 1:
-            outcome = await _settle(send_along(self._hops, node, batch[0].headers, batch[0].body))
-            _resolve(batch[0], outcome)
+            settle(batch[0].future, await outcome_of(send_along(self._hops, node, batch[0].headers, batch[0].body)))
             return
         try:
             answer = await self._hops.post_frame(node, {h.WIRE: h.WIRE_VERSION},
@@ -99,15 +99,15 @@ class RowSender:
         except HopUnreachable as exc:
             failure = hop_failed(node.node_id, exc.reason)
             for pending in batch:
-                _resolve(pending, failure)
+                settle(pending.future, failure)
             return
         except Exception as exc:
             logger.exception("sending a batch of %d frames to %s failed", len(batch), node.node_id)
             for pending in batch:
-                _resolve(pending, exc)
+                settle(pending.future, exc)
             return
         for pending, outcome in zip(batch, _row_outcomes(node, answer, len(batch)), strict=True):
-            _resolve(pending, outcome)
+            settle(pending.future, outcome)
 
 
 def _row_outcomes(node: RouteNode, answer: HopAnswer, rows: int) -> list[ForwardAnswer | BaseException]:
@@ -131,22 +131,6 @@ def _judged(node: RouteNode, answer: HopAnswer) -> ForwardAnswer | BaseException
         return judge_answer(node, answer)
     except ChainFailure as exc:
         return exc
-
-
-async def _settle(call: Awaitable[ForwardAnswer]) -> ForwardAnswer | BaseException:
-    try:
-        return await call
-    except Exception as exc:  # noqa: BLE001 - handed to the frame's own sender
-        return exc
-
-
-def _resolve(pending: _Pending, outcome: ForwardAnswer | BaseException) -> None:
-    if pending.future.done():  # its session went away meanwhile
-        return
-    if isinstance(outcome, BaseException):
-        pending.future.set_exception(outcome)
-    else:
-        pending.future.set_result(outcome)
 
 
 def _is_decode_row(headers: Mapping[str, str]) -> bool:

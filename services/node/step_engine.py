@@ -43,6 +43,7 @@ from typing import Final
 import torch
 
 from services.node.kv_cache import ShardCache
+from services.node.outcomes import settle
 from services.node.sampling import Sampler
 from services.node.settings import DEFAULT_MAX_BATCH, DEFAULT_MAX_STEP_TOKENS
 from services.node.shard import Shard
@@ -138,10 +139,7 @@ class StepEngine:
         if self._task is not None:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
-        while self._queue:
-            job = self._queue.popleft()
-            if not job.future.done():
-                job.future.set_exception(RuntimeError("the node is stopping"))
+        self._fail_queued(RuntimeError("the node is stopping"))
 
     # --- the loop ---------------------------------------------------------------------
 
@@ -152,9 +150,12 @@ class StepEngine:
             raise
         except Exception:  # a dead engine would hang every later step: say so loudly, fail what waits
             logger.exception("the step engine stopped")
-            _fail([job for job in self._queue], RuntimeError("the step engine stopped"))
-            self._queue.clear()
+            self._fail_queued(RuntimeError("the step engine stopped"))
             raise
+
+    def _fail_queued(self, exc: BaseException) -> None:
+        _fail(list(self._queue), exc)
+        self._queue.clear()
 
     async def _turns(self) -> None:
         while True:
@@ -176,12 +177,7 @@ class StepEngine:
                 continue
             assert isinstance(outcomes, list)
             for job, outcome in zip(turn, outcomes, strict=True):
-                if job.future.done():  # its caller went away meanwhile
-                    continue
-                if isinstance(outcome, BaseException):
-                    job.future.set_exception(outcome)
-                else:
-                    job.future.set_result(outcome)
+                settle(job.future, outcome)
 
     def take(self) -> list[StepJob]:
         """The next turn: the rows of the oldest row's group (at most ``max_batch``), then prompt chunks.
@@ -264,5 +260,4 @@ class StepEngine:
 
 def _fail(turn: list[StepJob], exc: BaseException) -> None:
     for job in turn:
-        if not job.future.done():
-            job.future.set_exception(exc)
+        settle(job.future, exc)
