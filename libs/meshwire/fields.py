@@ -25,6 +25,21 @@ def _as_tuple(value: Any) -> Any:
 AsTuple: Final = BeforeValidator(_as_tuple)
 """Put in ``Annotated[tuple[...], AsTuple]`` so strict models take lists for their tuple fields."""
 
+def _api_keys(value: Any) -> Any:
+    """Accept ``"k1,k2"`` (the environment form) as well as a sequence; empty entries are dropped."""
+    if isinstance(value, str):
+        value = [part.strip() for part in value.split(",")]
+    if isinstance(value, list | tuple):
+        keys = tuple(key for key in value if isinstance(key, str) and key)
+        if len(keys) > limits.MAX_API_KEYS:
+            raise ValueError(f"at most {limits.MAX_API_KEYS} API keys")
+        return keys
+    return value
+
+
+ApiKeyList: Final = BeforeValidator(_api_keys)
+"""Put in ``Annotated[tuple[str, ...], ApiKeyList]``: client API keys, comma-separated in the environment."""
+
 DType = Literal["float32", "bfloat16", "float16"]
 """Activation dtypes on the wire (declared here so torch-free code can name them)."""
 

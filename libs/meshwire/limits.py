@@ -57,6 +57,8 @@ MAX_STOP_CHARS: Final = 256
 """Longest single stop sequence."""
 MAX_TOP_K: Final = 1 << 20
 """Largest ``top_k`` extension value."""
+MAX_API_KEYS: Final = 1024
+"""Most client API keys ``MESHNET_API_KEYS`` may list (on the tracker and on a node)."""
 MIN_TEMPERATURE: Final = 0.01
 """Smallest non-zero sampling temperature. Below it the logits divided by the temperature can
 overflow float32 (``1e-45`` does), the softmax turns NaN and no token can be drawn; it would be

@@ -11,13 +11,14 @@ from __future__ import annotations
 import re
 import uuid
 from pathlib import Path
-from typing import Annotated, Any, Final, Literal
+from typing import Annotated, Final, Literal
 
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from meshwire import limits
 from meshwire.auth import DEFAULT_SECRET
+from meshwire.fields import ApiKeyList
 from services.node.cpu_gate import DEFAULT_CPU_LOCK
 
 DEFAULT_MODEL: Final = "HuggingFaceTB/SmolLM2-135M-Instruct"
@@ -37,8 +38,6 @@ DEFAULT_MAX_STEP_TOKENS: Final = 512
 """Tokens one compute turn takes by default, decode rows and prompt chunks together."""
 MAX_BATCH_LIMIT: Final = 256
 """Largest ``max_batch`` accepted (rows of one batched decode step)."""
-MAX_API_KEYS: Final = 1024
-"""Most client API keys a node accepts (as on the tracker)."""
 NodeDType = Literal["auto", "float32", "bfloat16", "float16"]
 
 _LAYERS = re.compile(r"^\s*(\d{1,5})\s*-\s*(\d{1,5})\s*$")
@@ -69,7 +68,7 @@ class NodeSettings(BaseSettings):
     """``auto`` (the first CUDA GPU, else the CPU), ``cpu``, ``cuda`` or ``cuda:N``."""
     secret: str = Field(default=DEFAULT_SECRET, min_length=1, max_length=1024)
     """The mesh's shared secret: authenticates hops and registration, verifies routes."""
-    api_keys: Annotated[tuple[str, ...], NoDecode] = ()
+    api_keys: Annotated[tuple[str, ...], NoDecode, ApiKeyList] = ()
     """Client API keys this head's ``/v1`` endpoints accept besides the mesh secret (comma-separated);
     give it the tracker's ``MESHNET_API_KEYS``. Empty: only the mesh (the tracker) may call them."""
     node_id: str | None = Field(default=None, min_length=1, max_length=limits.MAX_ID_CHARS,
@@ -106,19 +105,6 @@ class NodeSettings(BaseSettings):
     """torch intra-op threads; ``None`` keeps torch's default."""
     cpu_lock: str = Field(default=DEFAULT_CPU_LOCK, max_length=limits.MAX_URL_CHARS)
     """File CPU nodes on one machine lock so their forwards take turns on its cores; ``off`` disables."""
-
-    @field_validator("api_keys", mode="before")
-    @classmethod
-    def _split_keys(cls, value: Any) -> Any:
-        """Accept ``"k1,k2"`` (the environment form) as well as a sequence."""
-        if isinstance(value, str):
-            value = [part.strip() for part in value.split(",")]
-        if isinstance(value, list | tuple):
-            keys = tuple(key for key in value if isinstance(key, str) and key)
-            if len(keys) > MAX_API_KEYS:
-                raise ValueError(f"at most {MAX_API_KEYS} API keys")
-            return keys
-        return value
 
     @field_validator("layers")
     @classmethod

@@ -8,17 +8,16 @@ constant in :mod:`meshwire.limits`.
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Final
+from typing import Annotated, Final
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from meshwire import limits
 from meshwire.auth import DEFAULT_SECRET
+from meshwire.fields import ApiKeyList
 
 DEFAULT_PORT: Final = 8000
-MAX_API_KEYS: Final = 1024
-"""Most client API keys ``MESHNET_API_KEYS`` may list."""
 
 
 class TrackerSettings(BaseSettings):
@@ -31,7 +30,7 @@ class TrackerSettings(BaseSettings):
     port: int = Field(DEFAULT_PORT, ge=0, le=65535)
     secret: str = Field(DEFAULT_SECRET, min_length=1)
     """The mesh's shared secret: authenticates nodes and signs routes."""
-    api_keys: Annotated[tuple[str, ...], NoDecode] = ()
+    api_keys: Annotated[tuple[str, ...], NoDecode, ApiKeyList] = ()
     """Client API keys for the OpenAI front door; empty means the front door is open."""
 
     # --- registry clocks -------------------------------------------------------
@@ -68,19 +67,6 @@ class TrackerSettings(BaseSettings):
     proxy_write_timeout_s: float = Field(30.0, gt=0, le=600)
     max_connections: int = Field(256, ge=1, le=65536)
     """Most simultaneous connections from the tracker to head nodes."""
-
-    @field_validator("api_keys", mode="before")
-    @classmethod
-    def _split_keys(cls, value: Any) -> Any:
-        """Accept ``"k1,k2"`` (the environment form) as well as a sequence."""
-        if isinstance(value, str):
-            value = [part.strip() for part in value.split(",")]
-        if isinstance(value, (list, tuple)):
-            keys = tuple(key for key in value if isinstance(key, str) and key)
-            if len(keys) > MAX_API_KEYS:
-                raise ValueError(f"at most {MAX_API_KEYS} API keys")
-            return keys
-        return value
 
     @model_validator(mode="after")
     def _check_clocks(self) -> TrackerSettings:
