@@ -31,6 +31,11 @@ class AuthFailure:
         """The OpenAI error ``type`` matching :attr:`status`."""
         return "authentication_error" if self.status == 401 else "permission_error"
 
+    @property
+    def code(self) -> str:
+        """The error ``code`` services answer with: ``unauthorized`` (401) or ``forbidden`` (403)."""
+        return "unauthorized" if self.status == 401 else "forbidden"
+
 
 def check_bearer(authorization: str | None, secret: str) -> AuthFailure | None:
     """Check an ``Authorization`` header value against ``secret``.

@@ -135,8 +135,7 @@ class ForwardService:
         failure = check_bearer(request.headers.get("authorization"), self._secret)
         if failure is None:
             return None
-        return self._refuse(ForwardRefusal(failure.status, "unauthorized" if failure.status == 401 else "forbidden",
-                                           failure.message))
+        return self._refuse(ForwardRefusal(failure.status, failure.code, failure.message))
 
     async def _frame(self, headers: Mapping[str, str], read_body: BodyReader) -> Response:
         """One frame, after the credential: its route, then a close or a data frame; every refusal answered."""

@@ -112,8 +112,7 @@ class OpenAIService:
         settings = self._node.settings
         failure = check_bearer_any(request.headers.get("authorization"), (settings.secret, *settings.api_keys))
         if failure is not None:  # before anything is read: only the mesh (the tracker) or a client key may ask
-            return ApiError(failure.status, failure.message, "unauthorized" if failure.status == 401
-                            else "forbidden").response()
+            return ApiError(failure.status, failure.message, failure.code).response()
         try:
             prepared = await self._prepare(request, schema, chat=chat)
             response_id = oa.new_id("chatcmpl" if chat else "cmpl")

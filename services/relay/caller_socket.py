@@ -120,9 +120,8 @@ async def admit_caller(websocket: WebSocket, peer_id: str, state: RelayState,
     kind = caller_kind(websocket.headers.get("authorization"), settings.secret, transport,
                        rpc_requires_auth=settings.rpc_requires_auth)
     if isinstance(kind, AuthFailure):
-        code = "unauthorized" if kind.status == 401 else "forbidden"
-        metrics.caller_refusals.labels(code).inc()
-        await refuse(websocket, kind.status, code, kind.message)
+        metrics.caller_refusals.labels(kind.code).inc()
+        await refuse(websocket, kind.status, kind.code, kind.message)
         return None
     if state.peers.get(peer_id) is None:
         metrics.caller_refusals.labels("unknown_peer").inc()

@@ -41,8 +41,7 @@ async def serve_peer(websocket: WebSocket, peer_id: str, state: RelayState) -> N
     failure = check_bearer(websocket.headers.get("authorization"), settings.secret)
     if failure is not None:
         metrics.peer_connections.labels("unauthorized").inc()
-        await refuse(websocket, failure.status, "unauthorized" if failure.status == 401 else "forbidden",
-                     failure.message)
+        await refuse(websocket, failure.status, failure.code, failure.message)
         return
     try:
         await state.peers.claim(peer_id)
