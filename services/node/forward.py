@@ -86,15 +86,14 @@ class ForwardService:
     """The ``/forward`` endpoint of one node."""
 
     def __init__(self, *, node_id: str, model_id: str, secret: str, runner: ShardRunner, sessions: SessionTable,
-                 hops: HopClient, metrics: NodeMetrics, frame_limits: FrameLimits,
-                 sender: RowSender | None = None) -> None:
+                 hops: HopClient, sender: RowSender, metrics: NodeMetrics, frame_limits: FrameLimits) -> None:
         self.node_id = node_id
         self.model_id = model_id
         self._secret = secret
         self._runner = runner
         self._sessions = sessions
         self._hops = hops
-        self._sender = sender or RowSender(hops)
+        self._sender = sender
         self._metrics = metrics
         self._limits = frame_limits
 

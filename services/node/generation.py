@@ -300,13 +300,12 @@ class Generator:
     """Runs requests on this head: the generation loop over a :class:`SessionChain`, with failover."""
 
     def __init__(self, *, runner: ShardRunner, sessions: SessionTable, hops: HopClient, tokenizer: HeadTokenizer,
-                 sender: RowSender | None = None,
-                 metrics: NodeMetrics, prefill_chunk_tokens: int, routes: TrackerRoutes | None = None,
+                 sender: RowSender, metrics: NodeMetrics, prefill_chunk_tokens: int, routes: TrackerRoutes | None = None,
                  model_id: str = "", failover: FailoverPolicy = DEFAULT_FAILOVER) -> None:
         self._runner = runner
         self._sessions = sessions
         self._hops = hops
-        self._sender = sender or RowSender(hops)
+        self._sender = sender
         self.tokenizer = tokenizer
         self._metrics = metrics
         self._chunk = prefill_chunk_tokens
