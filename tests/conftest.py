@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -18,3 +19,18 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 # --- end tiny model ------------------------------------------------------------------------------------
+
+
+# --- Redis (owned by the tracker store) -----------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def redis_url() -> Iterator[str]:
+    """URL of a real, empty ``redis-server`` for the module (skips where none is installed; fails on CI)."""
+    from tests.redis_server import redis_server
+
+    with redis_server() as server:
+        yield server.url
+
+
+# --- end Redis ------------------------------------------------------------------------------------------

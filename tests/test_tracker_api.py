@@ -3,6 +3,7 @@
 Nodes here are plain authenticated registrations (what a node sends); the
 tracker never needs to reach them except where a test says so. Each test uses
 its own model name, so the tests share one tracker without seeing each other.
+Every test runs twice: on the memory store and on a real Redis (``MESHNET_STORE``).
 """
 
 from __future__ import annotations
@@ -22,9 +23,12 @@ AUTH = {"Authorization": f"Bearer {TEST_SECRET}"}
 NUM_LAYERS = 4
 
 
-@pytest.fixture(scope="module")
-def tracker() -> Iterator[Service]:
-    with start_service("tracker", {"MESHNET_NODE_TTL_S": "30", "MESHNET_HEARTBEAT_S": "1"}) as service:
+@pytest.fixture(scope="module", params=["memory", "redis"])
+def tracker(request: pytest.FixtureRequest) -> Iterator[Service]:
+    """One tracker per store: every test here runs on the memory store and on a real Redis."""
+    store = "memory" if request.param == "memory" else request.getfixturevalue("redis_url")
+    with start_service("tracker", {"MESHNET_NODE_TTL_S": "30", "MESHNET_HEARTBEAT_S": "1",
+                                   "MESHNET_STORE": store}) as service:
         yield service
 
 

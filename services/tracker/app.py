@@ -2,7 +2,8 @@
 
 Routes (the rest live in :mod:`.openai_api` and :mod:`.mesh_api`):
 
-- ``GET /health``: 200 once the tracker serves (with a count of nodes and servable models).
+- ``GET /health``: 200 once the tracker serves (with its store, a count of nodes and servable
+  models); 503 with the reason while its shared store (Redis) is away.
 - ``GET /metrics``: Prometheus metrics.
 - ``GET /``: the live mesh page (``page.html`` beside this module) when it
   exists, else a short text pointer to the API.
@@ -22,6 +23,7 @@ side effects.
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
@@ -42,6 +44,8 @@ from .metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from .responses import HTTPError, error_response
 from .settings import TrackerSettings
 from .state import TrackerState, tracker_state
+from .store import MEMORY, StoreUnavailable
+from .store_fence import StoreFence
 
 logger = logging.getLogger(__name__)
 
@@ -81,24 +85,40 @@ def create_app(settings: TrackerSettings | None = None, *, clock: Callable[[], f
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         async with _head_client(settings) as client:
             state.client = client
-            logger.info("tracker serving at %s (node TTL %.1f s, heartbeat %.1f s, API keys %s)", settings.url,
-                        settings.node_ttl_s, settings.heartbeat_s, "on" if settings.api_keys else "off")
+            await state.store.start()
+            logger.info("tracker serving at %s (store %s, node TTL %.1f s, heartbeat %.1f s, API keys %s)",
+                        settings.url, state.store.kind, settings.node_ttl_s, settings.heartbeat_s,
+                        "on" if settings.api_keys else "off")
             try:
                 yield
             finally:
                 state.client = None
+                await state.store.close()
 
     app = FastAPI(title="meshnet tracker", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.tracker = state
     app.include_router(openai_api.router)
     app.include_router(mesh_api.router)
+    if state.store.kind != MEMORY:
+        app.add_middleware(StoreFence, store=state.store, retry_after_s=settings.heartbeat_s)
 
     @app.get("/health")
     async def health(request: Request) -> JSONResponse:
         current = tracker_state(request)
+        store = await current.store.health()
+        reason = store.reason
+        if store.ok:
+            try:
+                await current.store.fresh()
+            except StoreUnavailable as exc:
+                reason = str(exc)
+        if reason is not None:
+            return JSONResponse({"status": "unavailable", "store": current.store.kind, "reason": reason},
+                                status_code=503,
+                                headers={"Retry-After": str(max(math.ceil(settings.heartbeat_s), 1))})
         coverage = current.registry.coverage(current.now())
         live = sum(node.routable for node in current.registry.snapshot(current.now()))
-        return JSONResponse({"status": "ok", "nodes": live,
+        return JSONResponse({"status": "ok", "store": current.store.kind, "nodes": live,
                              "models_servable": sum(model.complete for model in coverage)})
 
     @app.get("/metrics")

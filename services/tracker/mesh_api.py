@@ -19,7 +19,9 @@ Routes:
   (:class:`~meshwire.routes.SignedRoute`).
 
 The credential is checked before the body is read, so an unauthenticated
-registration changes nothing. The three views hand out every endpoint, relay
+registration changes nothing. Registration, departure and failure reports
+are applied by the tracker's store (see :mod:`.store`); while a shared store
+is away they answer 503 ``store_unavailable`` with ``Retry-After``. The three views hand out every endpoint, relay
 address and failure reason: with ``MESHNET_API_KEYS`` set they need a client
 API key or the mesh secret (401 otherwise); without it the mesh's layout is
 public.
@@ -42,7 +44,8 @@ from meshwire.registry import NodeRegistration, RegistrationAnswer
 
 from .registry import MAX_REASON_CHARS, RegistryError
 from .responses import HTTPError, read_body, require_mesh_reader, require_mesh_secret
-from .state import parse_exclude, tracker_state
+from .state import parse_exclude, store_unavailable, tracker_state
+from .store import StoreUnavailable
 
 logger = logging.getLogger(__name__)
 
@@ -92,7 +95,10 @@ async def register(request: Request) -> JSONResponse:
         state.metrics.registrations.labels("refused").inc()
         raise _invalid(exc) from None
     try:
-        registered = state.registry.register(registration, _lease(request), state.now())
+        registered = await state.store.register(registration, _lease(request), state.now())
+    except StoreUnavailable as exc:
+        state.metrics.registrations.labels("refused").inc()
+        raise store_unavailable(str(exc), state.settings.heartbeat_s) from None
     except RegistryError as exc:
         state.metrics.registrations.labels("refused").inc()
         logger.warning("refused registration of %s from %s: %s", registration.node_id, registration.endpoint, exc)
@@ -109,7 +115,9 @@ async def deregister(node_id: str, request: Request) -> JSONResponse:
     state = tracker_state(request)
     require_mesh_secret(request, state.settings.secret)
     try:
-        state.registry.deregister(node_id, _lease(request), state.now())
+        await state.store.deregister(node_id, _lease(request), state.now())
+    except StoreUnavailable as exc:
+        raise store_unavailable(str(exc), state.settings.heartbeat_s) from None
     except RegistryError as exc:
         logger.warning("refused the departure of %s: %s", node_id[:limits.MAX_ID_CHARS], exc)
         raise _refused(exc) from None
@@ -126,7 +134,9 @@ async def report_failure(node_id: str, request: Request) -> JSONResponse:
     except ValidationError as exc:
         raise _invalid(exc) from None
     try:
-        backoff_s = state.registry.report_failure(node_id, report.reason, state.now())
+        backoff_s = await state.store.report_failure(node_id, report.reason, state.now())
+    except StoreUnavailable as exc:
+        raise store_unavailable(str(exc), state.settings.heartbeat_s) from None
     except RegistryError as exc:
         raise _refused(exc) from None
     state.metrics.failure_reports.inc()

@@ -380,6 +380,57 @@ class Registry:
             if (entry := self._entries.get(node_id)) is not None:
                 entry.inflight = max(entry.inflight - 1, 0)
 
+    # --- mirroring a shared store -----------------------------------------------------------------
+    # A tracker on a shared store (see :mod:`.store_redis`) keeps this registry as its view of the
+    # store: the store decides leases and expiry, and these methods copy its verdicts in, so the
+    # planner and every view read one consistent, synchronous registry whichever store is used.
+
+    def apply_record(self, registration: NodeRegistration, lease: str, heartbeats: int, now: float,
+                     age_s: float = 0.0, left: bool = False) -> None:
+        """Copy one node as the shared store holds it: last heard ``age_s`` ago, departed if ``left``.
+
+        The entry keeps its first-seen time and in-flight count while its lease is unchanged; a
+        new lease starts a new entry (a restarted node starts clean, as in :meth:`register`).
+        """
+        node_id = registration.node_id
+        entry = self._entries.get(node_id)
+        if entry is None or not _same(lease, entry.lease):
+            if entry is None and len(self._entries) >= self.policy.max_nodes:
+                self._make_room(now)
+            entry = _Entry(registration=registration, lease=lease, registered_at=now - age_s,
+                           last_seen=now - age_s, inflight=entry.inflight if entry is not None else 0)
+            self._entries[node_id] = entry
+        entry.registration, entry.heartbeats = registration, heartbeats
+        entry.last_seen = now - age_s
+        entry.left_at = (entry.left_at if entry.left_at is not None else now) if left else None
+
+    def apply_offline(self, node_id: str, now: float) -> None:
+        """The shared store says ``node_id``'s lease ended (it left, or its key expired): offline now."""
+        entry = self._entries.get(node_id)
+        if entry is not None and entry.left_at is None:
+            entry.left_at = now
+
+    def apply_failure(self, node_id: str, reason: str | None, failures: int, backoff_remaining_s: float,
+                      now: float) -> None:
+        """Copy a failure run as the shared store holds it (it decides the backoff, not this registry)."""
+        entry = self._entries.get(node_id)
+        if entry is None:
+            return
+        if reason is not None:
+            entry.last_failure_reason = reason[:MAX_REASON_CHARS]
+        if backoff_remaining_s > 0:
+            entry.failures = failures
+            entry.last_failure_at = now
+            entry.backoff_until = now + backoff_remaining_s
+
+    def forget(self, node_id: str) -> None:
+        """Drop ``node_id`` from the view (the shared store no longer lists it)."""
+        self._entries.pop(node_id, None)
+
+    def node_ids(self) -> tuple[str, ...]:
+        """Every listed node id."""
+        return tuple(self._entries)
+
     # --- views --------------------------------------------------------------------------------------
 
     def models(self, now: float) -> dict[str, int]:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Annotated, Final
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from meshwire import limits
@@ -32,6 +32,9 @@ class TrackerSettings(BaseSettings):
     """The mesh's shared secret: authenticates nodes and signs routes."""
     api_keys: Annotated[tuple[str, ...], NoDecode, ApiKeyList] = ()
     """Client API keys for the OpenAI front door; empty means the front door is open."""
+
+    store: str = Field("memory", min_length=1, max_length=limits.MAX_URL_CHARS)
+    """Where the registry lives: ``memory`` (this process) or ``redis://host:port/db``, shared by several trackers."""
 
     # --- registry clocks -------------------------------------------------------
     node_ttl_s: float = Field(6.0, gt=0, le=3600)
@@ -67,6 +70,14 @@ class TrackerSettings(BaseSettings):
     proxy_write_timeout_s: float = Field(30.0, gt=0, le=600)
     max_connections: int = Field(256, ge=1, le=65536)
     """Most simultaneous connections from the tracker to head nodes."""
+
+    @field_validator("store")
+    @classmethod
+    def _check_store(cls, value: str) -> str:
+        value = value.strip()
+        if value != "memory" and not value.startswith(("redis://", "rediss://", "unix://")):
+            raise ValueError(f"store must be 'memory' or a redis://host:port/db URL, got {value[:100]!r}")
+        return value
 
     @model_validator(mode="after")
     def _check_clocks(self) -> TrackerSettings:

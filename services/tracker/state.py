@@ -1,6 +1,6 @@
 """What one running tracker holds, and the two questions every route asks of it.
 
-:class:`TrackerState` bundles the settings, the registry, the metrics, the
+:class:`TrackerState` bundles the settings, the store (and its registry), the metrics, the
 clock and the HTTP client to head nodes; the app keeps one in
 ``app.state.tracker``. :meth:`TrackerState.resolve_model` and
 :meth:`TrackerState.route_for` turn the registry's answers into the errors the
@@ -28,6 +28,7 @@ from .planner import IncompleteCoverage, RouteTooLong, format_ranges, plan_route
 from .registry import Registry, RegistryPolicy, resolve_model_name
 from .responses import HTTPError
 from .settings import TrackerSettings
+from .store import NodeStore, open_store
 
 logger = logging.getLogger(__name__)
 
@@ -42,7 +43,7 @@ class TrackerState:
     """The tracker's state and collaborators (one per app)."""
 
     settings: TrackerSettings
-    registry: Registry
+    store: NodeStore
     metrics: TrackerMetrics
     clock: Callable[[], float] = time.monotonic
     client: httpx.AsyncClient | None = field(default=None)
@@ -50,14 +51,19 @@ class TrackerState:
 
     @classmethod
     def create(cls, settings: TrackerSettings, clock: Callable[[], float] = time.monotonic) -> TrackerState:
-        registry = Registry(RegistryPolicy(
+        store = open_store(settings.store, RegistryPolicy(
             ttl_s=settings.node_ttl_s, suspect_s=settings.suspect_s, offline_keep_s=settings.offline_keep_s,
             max_nodes=settings.max_nodes, backoff_s=settings.failure_backoff_s,
             backoff_max_s=settings.failure_backoff_max_s, failure_reset_s=settings.failure_reset_s,
-        ))
-        metrics = TrackerMetrics(nodes=lambda: registry.snapshot(clock()),
-                                 coverage=lambda: registry.coverage(clock()))
-        return cls(settings=settings, registry=registry, metrics=metrics, clock=clock)
+        ), clock)
+        metrics = TrackerMetrics(nodes=lambda: store.registry.snapshot(clock()),
+                                 coverage=lambda: store.registry.coverage(clock()))
+        return cls(settings=settings, store=store, metrics=metrics, clock=clock)
+
+    @property
+    def registry(self) -> Registry:
+        """The registry routes are planned from: the store's own, or its view of a shared store."""
+        return self.store.registry
 
     def now(self) -> float:
         return self.clock()
@@ -107,6 +113,13 @@ class TrackerState:
         self.metrics.routes.labels("planned").inc()
         route = Route(model=model, nodes=hops, num_layers=num_layers)
         return issue_signed_route(route, self.settings.secret, ttl_s=self.settings.route_ttl_s, now=time.time())
+
+
+def store_unavailable(reason: str, retry_after_s: float) -> HTTPError:
+    """The 503 every request that needs the store gets while it is away (with ``Retry-After``)."""
+    return HTTPError(503, f"The tracker's store is unavailable: {reason[:300]}. Retry shortly.",
+                     errors.UNAVAILABLE, "store_unavailable", None,
+                     headers={"Retry-After": str(max(math.ceil(retry_after_s), 1))})
 
 
 def tracker_state(request: Request) -> TrackerState:

@@ -1,0 +1,541 @@
+"""The tracker's registry in Redis: several trackers serve one mesh, and any of them may die.
+
+Keys (all under :data:`PREFIX`; one Redis database per mesh):
+
+- ``lease:{id}``: the node's lease, a key with an expiry of the node TTL plus
+  :data:`LEASE_GRACE_S`. A heartbeat refreshes it; Redis expires it. There is
+  no expiry loop here: Redis does what it is built for.
+- ``node:{id}``: a hash (``registration`` JSON as the node sent it, ``lease``,
+  ``heartbeats``, ``left``, ``reason``) kept for ``offline_keep_s`` after the
+  lease ends, so an operator still sees what died.
+- ``nodes``: the set of listed ids (bounded by ``max_nodes`` live leases).
+- ``failures:{id}`` and ``backoff:{id}``: a failure run (expires after
+  ``failure_reset_s``) and its backoff (expires when the backoff ends).
+- ``version`` and ``epoch``: a counter bumped by every change of membership
+  or state, and a random id a Redis that restarted empty lacks.
+
+Every change is one Lua script (atomic across trackers: two trackers cannot
+hand one id to two nodes) that also ``PUBLISH``es the change on ``events``.
+Each tracker keeps a :class:`~.registry.Registry` as its *view* of Redis,
+loaded whole on connect and kept current from that channel and from Redis's
+``expired`` keyspace events, so a joined, suspect or departed node is seen by
+every tracker at once, and routes are planned from memory at memory speed.
+
+Reads that plan a route first call :meth:`RedisStore.fresh`: one ``MGET`` of
+``version`` and ``epoch``. A view behind the version waits (briefly) for the
+channel to deliver, else reloads; a changed epoch (Redis restarted empty)
+reloads at once. So a node whose registration any tracker has answered is
+routable through every tracker at once, and after Redis comes back empty the
+view is empty too (no route names a lease Redis no longer holds) until the
+nodes' next heartbeats, which register them again (one heartbeat interval,
+well within one TTL).
+
+The view expires a node :data:`LEASE_GRACE_S` before its Redis key does, so
+the planner never names a node whose lease key has expired while the channel
+is slower than that grace.
+
+Redis away: the tracker says so rather than guess. ``/health`` answers 503
+with the reason; registrations, routes and chats answer 503 with
+``Retry-After``; the tracker reconnects with a bounded backoff and reloads
+its view before it serves again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import secrets
+from collections.abc import Callable
+from typing import Any, Final
+
+from pydantic import ValidationError
+from redis.asyncio import Redis
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
+from redis.exceptions import RedisError
+
+from meshwire.headers import LEASE as LEASE_HEADER
+from meshwire.registry import NodeRegistration
+
+from .registry import (
+    LEASE_BYTES,
+    MAX_REASON_CHARS,
+    LeaseConflict,
+    LeaseRequired,
+    Registered,
+    Registry,
+    RegistryFull,
+    RegistryPolicy,
+    UnknownNode,
+)
+from .store import StoreHealth, StoreUnavailable
+
+logger = logging.getLogger(__name__)
+
+PREFIX: Final = "meshnet:"
+LEASE_GRACE_S: Final = 1.0
+"""A lease key outlives the view's idea of it by this much (the channel's latency budget)."""
+REDIS_TIMEOUT_S: Final = 2.0
+"""Longest wait for one Redis command or connection; a slower Redis counts as away."""
+CATCH_UP_S: Final = 1.0
+"""Longest wait for the channel to deliver a change :meth:`RedisStore.fresh` knows of, before reloading."""
+RECONNECT_MIN_S: Final = 0.1
+RECONNECT_MAX_S: Final = 2.0
+"""Bounds of the backoff between attempts to reach a Redis that is away."""
+POLL_S: Final = 1.0
+"""How long one wait for a channel message lasts (the listener checks its connection in between)."""
+MAX_CONNECTIONS: Final = 64
+"""Most connections one tracker opens to Redis for commands."""
+MAX_EVENT_BYTES: Final = 256 * 1024
+"""Largest channel message read (a registration is at most 64 KiB)."""
+
+_REGISTER = """
+local cur = redis.call('GET', KEYS[1])
+if cur and cur ~= ARGV[1] then
+  return {'conflict', redis.call('PTTL', KEYS[1]), redis.call('HGET', KEYS[2], 'registration') or ''}
+end
+local lease = cur
+local fresh = 0
+local heartbeats = 0
+if cur then
+  heartbeats = tonumber(redis.call('HGET', KEYS[2], 'heartbeats') or '0') + 1
+else
+  local old = redis.call('HGET', KEYS[2], 'lease')
+  if old and ARGV[1] ~= '' and old == ARGV[1] then
+    lease = old
+    heartbeats = tonumber(redis.call('HGET', KEYS[2], 'heartbeats') or '0') + 1
+  else
+    if redis.call('SISMEMBER', KEYS[3], ARGV[8]) == 0 and redis.call('SCARD', KEYS[3]) >= tonumber(ARGV[6]) then
+      local live = 0
+      for _, id in ipairs(redis.call('SMEMBERS', KEYS[3])) do
+        if redis.call('EXISTS', ARGV[9] .. id) == 0 then
+          redis.call('SREM', KEYS[3], id)
+        elseif redis.call('EXISTS', ARGV[10] .. id) == 1 then
+          live = live + 1
+        end
+      end
+      if live >= tonumber(ARGV[6]) then return {'full'} end
+    end
+    lease = ARGV[2]
+    fresh = 1
+    redis.call('DEL', KEYS[2])
+  end
+end
+redis.call('SET', KEYS[1], lease, 'PX', ARGV[4])
+redis.call('HSET', KEYS[2], 'registration', ARGV[3], 'lease', lease, 'heartbeats', heartbeats, 'left', '0')
+redis.call('PEXPIRE', KEYS[2], ARGV[5])
+redis.call('SADD', KEYS[3], ARGV[8])
+local version
+if cur then version = tonumber(redis.call('GET', KEYS[4]) or '0') else version = redis.call('INCR', KEYS[4]) end
+redis.call('PUBLISH', ARGV[7], cjson.encode({kind='node', version=version, registration=ARGV[3], lease=lease,
+                                            heartbeats=heartbeats}))
+return {'ok', lease, fresh, version, heartbeats}
+"""
+"""KEYS: lease, node, nodes, version. ARGV: lease sent ('' if none), new lease, registration JSON, lease ms,
+record ms, max nodes, channel, node id, node key prefix, lease key prefix."""
+
+_DEREGISTER = """
+local old = redis.call('HGET', KEYS[2], 'lease')
+if not old then return {'unknown'} end
+if ARGV[1] == '' then return {'missing'} end
+if old ~= ARGV[1] then return {'wrong'} end
+redis.call('DEL', KEYS[1])
+redis.call('HSET', KEYS[2], 'left', '1')
+redis.call('PEXPIRE', KEYS[2], ARGV[2])
+local version = redis.call('INCR', KEYS[3])
+redis.call('PUBLISH', ARGV[3], cjson.encode({kind='left', version=version, node_id=ARGV[4]}))
+return {'ok'}
+"""
+"""KEYS: lease, node, version. ARGV: lease sent ('' if none), record ms, channel, node id."""
+
+_FAILURE = """
+if redis.call('EXISTS', KEYS[1]) == 0 then return {'unknown'} end
+redis.call('HSET', KEYS[1], 'reason', ARGV[1])
+local running = redis.call('PTTL', KEYS[3])
+local failures
+local version
+if running > 0 then
+  failures = tonumber(redis.call('GET', KEYS[2]) or '1')
+  version = tonumber(redis.call('GET', KEYS[4]) or '0')
+else
+  failures = redis.call('INCR', KEYS[2])
+  redis.call('PEXPIRE', KEYS[2], ARGV[4])
+  running = math.floor(math.min(tonumber(ARGV[2]) * 2 ^ (failures - 1), tonumber(ARGV[3])))
+  redis.call('SET', KEYS[3], '1', 'PX', running)
+  version = redis.call('INCR', KEYS[4])
+end
+redis.call('PUBLISH', ARGV[5], cjson.encode({kind='failure', version=version, node_id=ARGV[6], reason=ARGV[1],
+                                            failures=failures, backoff_ms=running}))
+return {'ok', running}
+"""
+"""KEYS: node, failures, backoff, version. ARGV: reason, backoff ms, max backoff ms, reset ms, channel, node id."""
+
+
+def _ms(seconds: float) -> int:
+    return max(int(seconds * 1000), 1)
+
+
+def _redact(url: str) -> str:
+    """``url`` without a password, for logs and ``/health``."""
+    scheme, sep, rest = url.partition("://")
+    if "@" in rest:
+        rest = "***@" + rest.split("@", 1)[1]
+    return f"{scheme}{sep}{rest}"
+
+
+class SharedView(Registry):
+    """The view of Redis routes are planned from; a failure reported to it is also written to Redis.
+
+    The OpenAI front door reports a head that failed to the registry directly
+    (synchronously); here that report is applied to the view at once and
+    sent on to Redis in the background, so every tracker backs the node off.
+    """
+
+    def __init__(self, policy: RegistryPolicy, on_failure: Callable[[str, str], None]) -> None:
+        super().__init__(policy)
+        self._on_failure = on_failure
+
+    def report_failure(self, node_id: str, reason: str, now: float) -> float:
+        backoff = super().report_failure(node_id, reason, now)
+        self._on_failure(node_id, reason)
+        return backoff
+
+
+class RedisStore:
+    """Node records, leases, backoffs and load in Redis; a pub/sub-fed view in this tracker."""
+
+    kind = "redis"
+
+    def __init__(self, url: str, policy: RegistryPolicy, clock: Callable[[], float]) -> None:
+        self.url = url
+        self.policy = policy
+        self._clock = clock
+        self.registry: Registry = SharedView(policy, self._send_failure)
+        common: dict[str, Any] = {"decode_responses": True, "socket_timeout": REDIS_TIMEOUT_S,
+                                  "socket_connect_timeout": REDIS_TIMEOUT_S}
+        # Commands retry once: a pooled connection broken by a Redis restart is reopened, not an error.
+        self._redis: Redis = Redis.from_url(url, retry=Retry(NoBackoff(), 1), max_connections=MAX_CONNECTIONS,
+                                            **common)
+        # The channel never retries by itself: a lost subscription must reload the view, not resume silently.
+        self._sub: Redis = Redis.from_url(url, retry=Retry(NoBackoff(), 0), **common)
+        self._db = int(self._redis.connection_pool.connection_kwargs.get("db", 0) or 0)
+        self._register = self._redis.register_script(_REGISTER)
+        self._deregister = self._redis.register_script(_DEREGISTER)
+        self._failure = self._redis.register_script(_FAILURE)
+        self._down: str | None = "not connected yet"
+        self._epoch: str | None = None
+        self._applied = 0
+        self._delivered = asyncio.Event()
+        self._reload_lock = asyncio.Lock()
+        self._listener: asyncio.Task[None] | None = None
+        self._background: set[asyncio.Task[None]] = set()
+        self._connected = asyncio.Event()
+
+    # --- keys -----------------------------------------------------------------------------------
+
+    @staticmethod
+    def _key(kind: str, node_id: str = "") -> str:
+        return f"{PREFIX}{kind}:{node_id}" if node_id else f"{PREFIX}{kind}"
+
+    @property
+    def _channel(self) -> str:
+        return self._key("events")
+
+    @property
+    def _expired_channel(self) -> str:
+        return f"__keyevent@{self._db}__:expired"
+
+    @property
+    def _lease_ms(self) -> int:
+        return _ms(self.policy.ttl_s + LEASE_GRACE_S)
+
+    @property
+    def _record_ms(self) -> int:
+        return _ms(self.policy.ttl_s + LEASE_GRACE_S + self.policy.offline_keep_s)
+
+    # --- lifespan --------------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Start listening; returns once the view is loaded, or after one connect timeout (then: away)."""
+        self._listener = asyncio.create_task(self._listen(), name="redis-store-listener")
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._connected.wait(), REDIS_TIMEOUT_S * 2)
+        if self._down:
+            logger.warning("store %s is away (%s): the tracker answers 503 until it is back", _redact(self.url),
+                           self._down)
+
+    async def close(self) -> None:
+        tasks = [t for t in (self._listener, *self._background) if t is not None]
+        for task in tasks:
+            task.cancel()
+        for task in tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+        await self._redis.aclose()
+        await self._sub.aclose()
+
+    # --- writes ------------------------------------------------------------------------------------
+
+    async def register(self, registration: NodeRegistration, lease: str | None, now: float) -> Registered:
+        node_id = registration.node_id
+        body = registration.model_dump_json()
+        answer = await self._call(
+            self._register,
+            [self._key("lease", node_id), self._key("node", node_id), self._key("nodes"), self._key("version")],
+            [lease or "", secrets.token_urlsafe(LEASE_BYTES), body, self._lease_ms, self._record_ms,
+             self.policy.max_nodes, self._channel, node_id, self._key("node", ""), self._key("lease", "")],
+        )
+        if answer[0] == "conflict":
+            expires_in = max(int(answer[1]), 0) / 1000 - LEASE_GRACE_S
+            endpoint = _endpoint_of(answer[2])
+            what = "the lease sent is not its" if lease is not None else "send its lease"
+            raise LeaseConflict(
+                f"node id {node_id!r} is held by a live node (at {endpoint}) under a lease; {what} in "
+                f"{LEASE_HEADER}, choose another id, or register after the entry expires "
+                f"(in {max(expires_in, 0.0):.1f} s without a heartbeat)")
+        if answer[0] == "full":
+            raise RegistryFull(f"the mesh already holds {self.policy.max_nodes} live nodes")
+        _, granted, fresh, version, heartbeats = answer
+        self._apply_node(registration, granted, int(heartbeats), int(version), now)
+        if int(fresh):
+            logger.info("node %s registered: %s, layers %d-%d of %s", node_id, registration.endpoint,
+                        registration.shard_start, registration.shard_end, registration.model)
+        return Registered(granted, new_lease=bool(int(fresh)))
+
+    async def deregister(self, node_id: str, lease: str | None, now: float) -> None:
+        answer = await self._call(
+            self._deregister, [self._key("lease", node_id), self._key("node", node_id), self._key("version")],
+            [lease or "", self._ms_keep(), self._channel, node_id])
+        if answer[0] == "unknown":
+            raise UnknownNode(f"no node {node_id!r} is registered")
+        if answer[0] == "missing":
+            raise LeaseRequired(f"leaving needs node {node_id!r}'s lease in {LEASE_HEADER}")
+        if answer[0] == "wrong":
+            raise LeaseRequired(f"the lease in {LEASE_HEADER} is not node {node_id!r}'s")
+        self.registry.apply_offline(node_id, now)
+        logger.info("node %s left", node_id)
+
+    def _ms_keep(self) -> int:
+        return _ms(self.policy.offline_keep_s)
+
+    async def report_failure(self, node_id: str, reason: str, now: float) -> float:
+        reason = reason[:MAX_REASON_CHARS]
+        answer = await self._call(
+            self._failure, [self._key("node", node_id), self._key("failures", node_id), self._key("backoff", node_id),
+                            self._key("version")],
+            [reason, _ms(self.policy.backoff_s), _ms(self.policy.backoff_max_s), _ms(self.policy.failure_reset_s),
+             self._channel, node_id])
+        if answer[0] == "unknown":
+            raise UnknownNode(f"no node {node_id!r} is registered")
+        backoff_s = int(answer[1]) / 1000
+        self.registry.apply_failure(node_id, reason, self._failures_of(node_id), backoff_s, now)
+        logger.warning("node %s reported failing (%s): backing off %.1f s", node_id, reason, backoff_s)
+        return backoff_s
+
+    def _failures_of(self, node_id: str) -> int:
+        info = next((n for n in self.registry.snapshot(self._clock()) if n.node_id == node_id), None)
+        return info.failures if info is not None else 0
+
+    def _send_failure(self, node_id: str, reason: str) -> None:
+        """Write a failure the front door reported to the view on to Redis (in the background)."""
+        async def send() -> None:
+            with contextlib.suppress(StoreUnavailable, UnknownNode):
+                await self.report_failure(node_id, reason, self._clock())
+
+        with contextlib.suppress(RuntimeError):  # no running loop: nothing to send from
+            task = asyncio.get_running_loop().create_task(send())
+            self._background.add(task)
+            task.add_done_callback(self._background.discard)
+
+    async def _call(self, script: Any, keys: list[str], args: list[Any]) -> list[Any]:
+        if self._down is not None:
+            raise StoreUnavailable(self._down)
+        try:
+            answer: list[Any] = await script(keys=keys, args=args)
+        except (RedisError, OSError) as exc:
+            raise StoreUnavailable(f"store {_redact(self.url)} unreachable: {exc}") from None
+        return answer
+
+    # --- reads -------------------------------------------------------------------------------------
+
+    async def fresh(self) -> None:
+        if self._down is not None:
+            raise StoreUnavailable(self._down)
+        try:
+            version, epoch = await self._redis.mget(self._key("version"), self._key("epoch"))
+        except (RedisError, OSError) as exc:
+            raise StoreUnavailable(f"store {_redact(self.url)} unreachable: {exc}") from None
+        if epoch is None or epoch != self._epoch:
+            logger.info("store epoch changed (Redis restarted or was emptied): reloading the view")
+            await self._reload()
+            return
+        wanted = int(version or 0)
+        if self._applied >= wanted:
+            return
+        try:
+            await asyncio.wait_for(self._delivered_up_to(wanted), CATCH_UP_S)
+        except TimeoutError:
+            logger.warning("the store's channel is %d changes behind: reloading the view", wanted - self._applied)
+            await self._reload()
+
+    async def _delivered_up_to(self, version: int) -> None:
+        while self._applied < version:
+            delivered = self._delivered
+            await delivered.wait()
+
+    async def health(self) -> StoreHealth:
+        if self._down is not None:
+            return StoreHealth(ok=False, reason=self._down)
+        try:
+            await self._redis.ping()
+        except (RedisError, OSError) as exc:
+            return StoreHealth(ok=False, reason=f"store {_redact(self.url)} unreachable: {exc}")
+        return StoreHealth(ok=True)
+
+    # --- the view ------------------------------------------------------------------------------------
+
+    async def _reload(self) -> None:
+        """Load the whole view from Redis (on connect, after a restart, or when the channel fell behind)."""
+        async with self._reload_lock:
+            try:
+                await self._redis.set(self._key("epoch"), secrets.token_hex(8), nx=True)
+                version, epoch = await self._redis.mget(self._key("version"), self._key("epoch"))
+                ids = sorted(await self._redis.smembers(self._key("nodes")))
+                async with self._redis.pipeline(transaction=False) as pipe:
+                    for node_id in ids:
+                        pipe.hgetall(self._key("node", node_id))
+                        pipe.pttl(self._key("lease", node_id))
+                        pipe.pttl(self._key("backoff", node_id))
+                        pipe.get(self._key("failures", node_id))
+                    rows = await pipe.execute()
+            except (RedisError, OSError) as exc:
+                raise StoreUnavailable(f"store {_redact(self.url)} unreachable: {exc}") from None
+            now = self._clock()
+            seen: set[str] = set()
+            for index, node_id in enumerate(ids):
+                record, lease_ms, backoff_ms, failures = rows[4 * index: 4 * index + 4]
+                registration = _registration(record.get("registration")) if record else None
+                if registration is None or registration.node_id != node_id:
+                    continue
+                live = int(lease_ms) > 0 and record.get("left") != "1"
+                age_s = (self._lease_ms - int(lease_ms)) / 1000 if live else self.policy.ttl_s
+                self._apply_safely(self.registry.apply_record, registration, record.get("lease", ""),
+                                   int(record.get("heartbeats", 0)), now, age_s=age_s, left=not live)
+                self.registry.apply_failure(node_id, record.get("reason"), int(failures or 0),
+                                            max(int(backoff_ms), 0) / 1000, now)
+                seen.add(node_id)
+            for node_id in set(self.registry.node_ids()) - seen:
+                self.registry.forget(node_id)
+            self._epoch = epoch
+            self._applied = int(version or 0)
+            self._wake()
+            logger.info("store view loaded from %s: %d nodes (version %d)", _redact(self.url), len(seen),
+                        self._applied)
+
+    def _apply_node(self, registration: NodeRegistration, lease: str, heartbeats: int, version: int,
+                    now: float) -> None:
+        self._apply_safely(self.registry.apply_record, registration, lease, heartbeats, now)
+        self._applied = max(self._applied, version)
+        self._wake()
+
+    def _apply_safely(self, apply: Callable[..., None], *args: Any, **kwargs: Any) -> None:
+        try:
+            apply(*args, **kwargs)
+        except RegistryFull:
+            logger.warning("the view holds %d nodes already: a node Redis lists is left out of this tracker's "
+                           "routes", self.policy.max_nodes)
+
+    def _wake(self) -> None:
+        delivered, self._delivered = self._delivered, asyncio.Event()
+        delivered.set()
+
+    def _on_event(self, channel: str, data: str) -> None:
+        now = self._clock()
+        if channel == self._expired_channel:
+            prefix = self._key("lease", "")
+            if data.startswith(prefix):
+                node_id = data[len(prefix):]
+                logger.info("node %s: its lease expired in Redis", node_id)
+                self.registry.apply_offline(node_id, now)
+            return
+        if len(data) > MAX_EVENT_BYTES:
+            logger.warning("dropped a store event of %d bytes (over %d)", len(data), MAX_EVENT_BYTES)
+            return
+        try:
+            event = json.loads(data)
+            kind, version = event["kind"], int(event["version"])
+        except (ValueError, KeyError, TypeError):
+            logger.warning("dropped a malformed store event: %.200s", data)
+            return
+        if kind == "node":
+            registration = _registration(event.get("registration"))
+            if registration is not None:
+                self._apply_safely(self.registry.apply_record, registration, str(event.get("lease", "")),
+                                   int(event.get("heartbeats", 0)), now)
+        elif kind == "left":
+            self.registry.apply_offline(str(event.get("node_id", "")), now)
+        elif kind == "failure":
+            self.registry.apply_failure(str(event.get("node_id", "")), event.get("reason"),
+                                        int(event.get("failures", 0)), int(event.get("backoff_ms", 0)) / 1000, now)
+        self._applied = max(self._applied, version)
+        self._wake()
+
+    async def _listen(self) -> None:
+        """Subscribe, load the view, apply every change as it comes; on loss, say so and start over."""
+        delay = RECONNECT_MIN_S
+        while True:
+            try:
+                async with self._sub.pubsub(ignore_subscribe_messages=True) as pubsub:
+                    await pubsub.subscribe(self._channel, self._expired_channel)
+                    await self._enable_expiry_events()
+                    self._epoch = None
+                    await self._reload()
+                    if self._down is not None:
+                        logger.info("store %s connected", _redact(self.url))
+                    self._down = None
+                    self._connected.set()
+                    delay = RECONNECT_MIN_S
+                    while True:
+                        message = await pubsub.get_message(ignore_subscribe_messages=True, timeout=POLL_S)
+                        if message is None:
+                            await pubsub.ping()
+                            continue
+                        if message.get("type") == "message":
+                            self._on_event(str(message["channel"]), str(message["data"]))
+            except asyncio.CancelledError:
+                raise
+            except (RedisError, OSError, StoreUnavailable) as exc:
+                reason = f"store {_redact(self.url)} unreachable: {exc}"
+                if self._down is None:
+                    logger.warning("%s; answering 503 until it is back", reason)
+                self._down = reason
+                self._connected.clear()
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, RECONNECT_MAX_S)
+
+    async def _enable_expiry_events(self) -> None:
+        """Ask Redis for ``expired`` keyspace events (best effort: a managed Redis may forbid ``CONFIG``)."""
+        try:
+            current = (await self._sub.config_get("notify-keyspace-events")).get("notify-keyspace-events", "")
+            wanted = "".join(sorted(set(current) | {"E", "x"}))
+            if not {"E", "x"} <= set(current) and "A" not in current:
+                await self._sub.config_set("notify-keyspace-events", wanted)
+        except RedisError as exc:
+            logger.warning("could not enable Redis expiry events (%s): expired leases leave this tracker's "
+                           "view by its own clock, %.1f s before their keys", exc, LEASE_GRACE_S)
+
+
+def _registration(raw: object) -> NodeRegistration | None:
+    if not isinstance(raw, str):
+        return None
+    try:
+        return NodeRegistration.model_validate_json(raw)
+    except ValidationError:
+        return None
+
+
+def _endpoint_of(raw: str) -> str:
+    registration = _registration(raw)
+    return registration.endpoint if registration is not None else "an unknown endpoint"
