@@ -10,7 +10,8 @@ from pydantic import ValidationError
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, PreTrainedModel
 
 from meshwire.limits import MIN_TEMPERATURE
-from services.node.sampling import Sampler, SamplingFailed, SamplingParams
+from meshwire.sampling_params import SamplingParams
+from services.node.sampling import Sampler, SamplingFailed
 from tests.transformers_reference import reference_generate
 
 NEW_TOKENS = 40

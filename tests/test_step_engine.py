@@ -10,8 +10,9 @@ from typing import Final
 import pytest
 import torch
 
+from meshwire.sampling_params import SamplingParams
 from services.node.compute import ComputeWorker, ShardRunner
-from services.node.sampling import Sampler, SamplingFailed, SamplingParams
+from services.node.sampling import Sampler, SamplingFailed
 from services.node.shard import ShardCache, load_shard
 
 CPU: Final = torch.device("cpu")

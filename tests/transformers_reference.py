@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from transformers import PreTrainedModel
 
-from services.node.sampling import SamplingParams
+from meshwire.sampling_params import SamplingParams
 
 
 def reference_generate(

@@ -243,7 +243,8 @@ def parse_attn_mask(value: str) -> tuple[int, ...]:
 # --- validation -----------------------------------------------------------------
 
 
-def _check_session(session: str | None) -> str:
+def check_session_id(session: str | None) -> str:
+    """A session id as frames allow it (1-128 of ``[A-Za-z0-9._:-]``), or :class:`FrameError` ``bad_header``."""
     if not session:
         raise FrameError("bad_header", f"missing header {h.SESSION}")
     if len(session) > limits.MAX_SESSION_ID_CHARS or not _SESSION.fullmatch(session):
@@ -288,7 +289,7 @@ def parse_frame_headers(headers: Mapping[str, str], limits_: FrameLimits | None 
     if dtype not in TORCH_DTYPES:
         raise FrameError("unknown_dtype", f"dtype {dtype[:40]!r} is not one of {', '.join(TORCH_DTYPES)}")
     shape = parse_shape(get_header(headers, h.SHAPE), lim)
-    session = _check_session(get_header(headers, h.SESSION))
+    session = check_session_id(get_header(headers, h.SESSION))
     index = _parse_chunk(h.CHUNK_INDEX, get_header(headers, h.CHUNK_INDEX))
     total = _parse_chunk(h.CHUNK_TOTAL, get_header(headers, h.CHUNK_TOTAL))
     _check_chunks(index, total, lim)
@@ -379,7 +380,7 @@ def encode_frame(tensor: torch.Tensor, *, session: str, chunk_index: int = 0, ch
         raise FrameError("bad_shape", f"cannot send a tensor of shape {tuple(tensor.shape)}")
     if encoding not in get_args(Encoding):
         raise FrameError("bad_encoding", f"unknown encoding {encoding!r}")
-    _check_session(session)
+    check_session_id(session)
     _check_chunks(chunk_index, chunk_total, FrameLimits(max_chunks=max(chunk_total, 1)))
     clash = _FRAME_HEADERS.intersection(key.lower() for key in extra)
     if clash:
@@ -403,7 +404,11 @@ def encode_frame(tensor: torch.Tensor, *, session: str, chunk_index: int = 0, ch
 def decode_frame(headers: Mapping[str, str], body: bytes,
                  limits: FrameLimits = FrameLimits()) -> Frame:
     """Decode a received frame, refusing with :class:`FrameError` anything that does not add up."""
-    spec = parse_frame_headers(headers, limits)
+    return decode_frame_body(parse_frame_headers(headers, limits), headers, body)
+
+
+def decode_frame_body(spec: FrameSpec, headers: Mapping[str, str], body: bytes) -> Frame:
+    """Decode the body of a frame whose headers :func:`parse_frame_headers` already read into ``spec``."""
     _check_body_length(spec, len(body))
     raw = _inflate(body, spec.nbytes) if spec.encoding == "zlib" else body
     return Frame(

@@ -16,8 +16,9 @@ Model and compute (torch lives here)
     ``step_engine``       every ready session's step, run as batched turns
     ``compute``           the compute thread and ``ShardRunner``, the node's one verb
 
-Mesh transport
-    ``protocol``          the step headers of ``POST /forward`` (``StepInfo``) and its answer
+Mesh transport (the ``/forward`` contract itself, its headers, answer and sampling
+parameters, is ``meshwire.forward_step`` and ``meshwire.sampling_params``: shared with
+every sender, parsed once)
     ``routing``           verifying a signed route; asking the tracker for one
     ``hop_http``          keep-alive HTTP/1.1 connections to next hops
     ``hop_client``        sending a frame to a hop, directly or through its relay; judging the answer

@@ -3,10 +3,11 @@
 The order of checks is the security model:
 
 1. the mesh's credential (``Authorization: Bearer``), before anything else is read: 401/403;
-2. the signed route (``X-Meshnet-Route``): it must verify, name this node at
+2. every header, read once before the body (:func:`meshwire.forward_step.parse_forward`):
+   400 with the :class:`~meshwire.frames.FrameError` code;
+3. the signed route (``X-Meshnet-Route``): it must verify, name this node at
    ``X-Meshnet-Hop-Index`` and agree with the layers it holds: 403 ``bad_route``;
-3. the frame's headers, before its body is read, then the body: 400 with the
-   :class:`~meshwire.frames.FrameError` code;
+   then the body: 400 when it does not match its headers;
 4. the session: step order (409 ``bad_step``), position (409 ``bad_position``),
    unknown session (409 ``unknown_session``), KV budget (503 ``kv_budget``
    with ``Retry-After``).
@@ -28,32 +29,31 @@ from collections.abc import Awaitable, Callable, Mapping
 from typing import Any, Final
 
 import orjson
-from pydantic import ValidationError
 from starlette.requests import Request
 from starlette.responses import Response
 
 from meshwire import errors
 from meshwire import headers as h
 from meshwire.auth import check_bearer
-from meshwire.frames import (
-    FrameError,
-    FrameLimits,
-    compress_bound,
-    decode_frame,
-    encode_frame,
-    get_header,
-    parse_frame_headers,
-    parse_int_header,
+from meshwire.forward_step import (
+    CloseRequest,
+    DataRequest,
+    ForwardAnswer,
+    HopAddress,
+    StepInfo,
+    close_headers,
+    parse_forward,
 )
+from meshwire.frames import FrameError, FrameLimits, compress_bound, decode_frame_body, encode_frame
 from meshwire.row_batch import MAX_INDEX_BYTES, RowAnswer, decode_rows, encode_answers
+from meshwire.sampling_params import SamplingParams
 from services.node.bodies import BodyIncomplete, BodyTooLarge, read_bounded
 from services.node.compute import ShardRunner
 from services.node.hop_client import INVALID_SAMPLING, ChainFailure, HopClient, send_along
 from services.node.metrics import NodeMetrics
-from services.node.protocol import CLOSE, ForwardAnswer, StepInfo, check_session_id, close_headers
 from services.node.routing import RoutedHop, RouteRefused, verify_hop
 from services.node.row_sender import RowSender
-from services.node.sampling import Sampler, SamplingFailed, SamplingParams
+from services.node.sampling import Sampler, SamplingFailed
 from services.node.sessions import Session, SessionExists, SessionRefused, SessionTable, log_tag, route_key
 
 logger = logging.getLogger(__name__)
@@ -139,13 +139,11 @@ class ForwardService:
     async def _frame(self, headers: Mapping[str, str], read_body: BodyReader) -> Response:
         """One frame, after the credential: its route, then a close or a data frame; every refusal answered."""
         try:
-            hop = self._verify_route(headers)
-            control = get_header(headers, h.CONTROL)
-            if control is not None:
-                if control.strip().lower() != CLOSE:
-                    raise FrameError("bad_header", f"unknown {h.CONTROL} {control[:40]!r}; the only one is 'close'")
-                return await self._close(headers, hop)
-            return await self._data_frame(headers, read_body, hop)
+            request = parse_forward(headers, self._limits)
+            hop = self._verify_route(request.address, request.session)
+            if isinstance(request, CloseRequest):
+                return await self._close(request.session, hop)
+            return await self._data_frame(request, headers, read_body, hop)
         except FrameError as exc:
             return self._refuse(ForwardRefusal(400, exc.code, str(exc)))
         except ForwardRefusal as exc:
@@ -165,28 +163,27 @@ class ForwardService:
 
     # --- route ------------------------------------------------------------------------
 
-    def _verify_route(self, headers: Mapping[str, str]) -> RoutedHop:
-        """The verified route naming this node at the frame's hop index, or a 403 ``bad_route``."""
-        hop_index = parse_int_header(h.HOP_INDEX, get_header(headers, h.HOP_INDEX), minimum=0)
-        session_id = get_header(headers, h.SESSION)
-        opens_session = session_id is None or self._sessions.get(session_id) is None
+    def _verify_route(self, address: HopAddress, session_id: str) -> RoutedHop:
+        """The verified route naming this node at the frame's hop index, or a 403 ``bad_route``.
+
+        A route's expiry bounds when a session may open; an open session's later
+        frames ride on the route that opened it.
+        """
+        opens_session = self._sessions.get(session_id) is None
         try:
-            hop = verify_hop(get_header(headers, h.ROUTE), hop_index, secret=self._secret, node_id=self.node_id,
-                             model_id=self.model_id, shard=self._runner.shard, check_expiry=opens_session)
+            hop = verify_hop(address.route_token or None, address.hop_index, secret=self._secret,
+                             node_id=self.node_id, model_id=self.model_id, shard=self._runner.shard,
+                             check_expiry=opens_session)
         except RouteRefused as exc:
             raise ForwardRefusal(403, "bad_route", str(exc)) from None
-        start_layer = parse_int_header(h.START_LAYER, get_header(headers, h.START_LAYER), minimum=0)
-        if start_layer != hop.me.start_layer:
-            raise FrameError("bad_header", f"{h.START_LAYER} is {start_layer}, the route says {hop.me.start_layer}")
+        if address.start_layer != hop.me.start_layer:
+            raise FrameError("bad_header", f"{h.START_LAYER} is {address.start_layer}, "
+                                           f"the route says {hop.me.start_layer}")
         return hop
 
     # --- close ------------------------------------------------------------------------
 
-    async def _close(self, headers: Mapping[str, str], hop: RoutedHop) -> Response:
-        wire = get_header(headers, h.WIRE)
-        if wire is None or wire.strip() != h.WIRE_VERSION:
-            raise FrameError("wire_version", f"{h.WIRE} must be {h.WIRE_VERSION!r}")
-        session_id = check_session_id(get_header(headers, h.SESSION))
+    async def _close(self, session_id: str, hop: RoutedHop) -> Response:
         closed = await self.close_local(session_id, hop.token)
         nxt = hop.next
         if nxt is not None:
@@ -211,21 +208,20 @@ class ForwardService:
 
     # --- data frames ------------------------------------------------------------------
 
-    async def _data_frame(self, headers: Mapping[str, str], read_body: BodyReader, hop: RoutedHop) -> Response:
+    async def _data_frame(self, request: DataRequest, headers: Mapping[str, str], read_body: BodyReader,
+                          hop: RoutedHop) -> Response:
         shard = self._runner.shard
         if hop.hop_index == 0:
             raise FrameError("bad_header", f"{h.HOP_INDEX} 0 is the head, which takes tokens through the chat API, "
                                            "not hidden states")
-        spec = parse_frame_headers(headers, self._limits)
-        if len(spec.shape) != 3 or spec.shape[0] != 1 or spec.shape[2] != shard.hidden_size:
+        spec, info, tokens = request.spec, request.info, request.tokens
+        if spec.shape[2] != shard.hidden_size:
             raise FrameError("bad_shape", f"frame shape {list(spec.shape)} is not [1, n, {shard.hidden_size}] "
                                           "(this model's hidden size)")
-        tokens = spec.shape[1]
-        info = StepInfo.parse(headers, tokens)
         body = await read_body(spec.nbytes if spec.encoding == "identity" else compress_bound(spec.nbytes))
-        frame = decode_frame(headers, body, self._limits)
+        frame = decode_frame_body(spec, headers, body)
         samples = shard.is_tail and frame.chunk_index == frame.chunk_total - 1
-        params = self._sampling_params(info) if samples else None
+        params = info.sampling_params() if samples else None
 
         session = self._sessions.get(frame.session)
         if session is None:
@@ -273,16 +269,6 @@ class ForwardService:
             raise FrameError("too_large", f"body is longer than the {max_bytes} bytes its headers announce") from None
         except BodyIncomplete:
             raise FrameError("bad_length", "the sender went away before the body was complete") from None
-
-    def _sampling_params(self, info: StepInfo) -> SamplingParams | None:
-        """The sampling parameters a sampling frame carries (``None``: the session already has a sampler)."""
-        if info.sampling is None:
-            return None
-        try:
-            return SamplingParams.model_validate_json(info.sampling)
-        except ValidationError as exc:
-            raise FrameError("bad_header", f"{h.SAMPLING} is not valid sampling parameters: "
-                                           f"{exc.errors()[0]['msg']}") from None
 
     def _open(self, session_id: str, info: StepInfo, tokens: int, route_token: str) -> Session:
         if info.step != 0:

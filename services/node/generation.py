@@ -45,15 +45,16 @@ from typing import Any, Final, Literal
 
 import orjson
 
+from meshwire.forward_step import StepInfo, close_headers
 from meshwire.frames import encode_frame
+from meshwire.sampling_params import MAX_SEED, SamplingParams
 from services.node.compute import ShardRunner
 from services.node.failover import Failover, FailoverGaveUp, FailoverPolicy
 from services.node.hop_client import INVALID_SAMPLING, ChainFailure, HopClient, send_along
 from services.node.metrics import NodeMetrics
-from services.node.protocol import StepInfo, close_headers
 from services.node.routing import RoutedHop, TrackerRoutes
 from services.node.row_sender import RowSender
-from services.node.sampling import MAX_SEED, Sampler, SamplingFailed, SamplingParams
+from services.node.sampling import Sampler, SamplingFailed
 from services.node.sessions import Session, SessionRefused, SessionTable, log_tag
 from services.node.stops import StopMatcher
 from services.node.tokens import HeadTokenizer

@@ -37,9 +37,9 @@ from pydantic import ValidationError
 
 from meshwire import errors
 from meshwire.auth import bearer_headers
+from meshwire.forward_step import ForwardAnswer
 from meshwire.routes import RouteNode
 from services.node.hop_http import HopConnectFailed, HopHttp, HopHttpError, HopTimedOut
-from services.node.protocol import ForwardAnswer
 
 try:  # written by the relay piece; without it, hops behind NAT are reached directly or not at all
     from meshwire.relay_client import RelayCaller

@@ -40,11 +40,11 @@ from meshwire import errors, sse
 from meshwire import headers as h
 from meshwire import openai as oa
 from meshwire.auth import check_bearer_any
+from meshwire.sampling_params import SamplingParams
 from services.node.bodies import BodyIncomplete, BodyTooLarge, read_bounded
 from services.node.generation import Finished, GenerationEvent, GenerationFailed, GenerationRequest, pick_seed
 from services.node.routing import NoRoute, RoutedHop, RouteRefused, verify_hop
 from services.node.runtime import NodeRuntime
-from services.node.sampling import SamplingParams
 from services.node.tokens import TemplateError
 
 logger = logging.getLogger(__name__)

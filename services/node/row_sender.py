@@ -27,6 +27,7 @@ from typing import Final
 import orjson
 
 from meshwire import headers as h
+from meshwire.forward_step import ForwardAnswer
 from meshwire.frames import get_header
 from meshwire.routes import RouteNode
 from meshwire.row_batch import CONTENT_TYPE, MAX_ROWS, ROWS_PATH, RowAnswer, decode_answers, encode_rows
@@ -40,7 +41,6 @@ from services.node.hop_client import (
     send_along,
 )
 from services.node.outcomes import outcome_of, settle
-from services.node.protocol import ForwardAnswer
 
 logger = logging.getLogger(__name__)
 

@@ -26,7 +26,6 @@ import logging
 from typing import Final
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, field_validator
 from transformers.generation.logits_process import (
     LogitsProcessorList,
     TemperatureLogitsWarper,
@@ -34,43 +33,12 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
-from meshwire.limits import MAX_TOP_K, MIN_TEMPERATURE
+from meshwire.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
-MAX_TEMPERATURE: Final = 100.0
-"""Highest temperature accepted (OpenAI allows 2; extra room costs nothing)."""
-MAX_SEED: Final = (1 << 63) - 1
-"""Largest seed (torch seeds are 64-bit; keep to the signed range JSON tools handle)."""
 MAX_SKIP_DRAWS: Final = 1 << 20
 """Most draws one :meth:`Sampler.skip` call may replay (a session never makes more)."""
-
-
-class SamplingParams(BaseModel):
-    """How the tail picks each token of one session (the ``X-Meshnet-Sampling`` JSON)."""
-
-    model_config = ConfigDict(frozen=True, strict=True, extra="forbid")
-
-    temperature: float = Field(default=1.0, ge=0.0, le=MAX_TEMPERATURE)
-    """0 is greedy; otherwise logits are divided by it before top-k/top-p."""
-    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
-    """Nucleus mass to keep; 1 is off."""
-    top_k: int = Field(default=0, ge=0, le=MAX_TOP_K)
-    """Keep the k most likely tokens; 0 is off (OpenAI has no top_k)."""
-    seed: int = Field(default=0, ge=0, le=MAX_SEED)
-    """Seed of the session's generator."""
-
-    @field_validator("temperature")
-    @classmethod
-    def _temperature_floor(cls, value: float) -> float:
-        if 0.0 < value < MIN_TEMPERATURE:
-            raise ValueError(f"temperature must be 0 (greedy) or at least {MIN_TEMPERATURE}, got {value!r}")
-        return value
-
-    @property
-    def greedy(self) -> bool:
-        """True when tokens are chosen by argmax and no random draw is made."""
-        return self.temperature == 0.0
 
 
 class SamplingFailed(ValueError):

@@ -1,0 +1,241 @@
+"""The contract of ``POST /forward`` beyond the tensor itself: parsed once, here.
+
+A frame sent to a hop is either
+
+* a **data frame** (:class:`DataRequest`): the frame's own headers
+  (``meshwire.frames``: dtype, shape, session, chunk) plus the step headers of
+  :class:`StepInfo` — where it is in the route (route token, hop index, start
+  layer) and in the session (step, position, reserve, sampling, draws); or
+* a **close frame** (:class:`CloseRequest`): no body, ``X-Meshnet-Control:
+  close``, the session and the route address (:func:`close_headers`).
+
+The answer to either is :class:`ForwardAnswer`. The head writes these headers
+for hop 1 and each hop rewrites them for the next with
+:meth:`StepInfo.for_next_hop`; a receiving hop reads every header once with
+:func:`parse_forward`, before it reads the body. So the writer and the reader
+share one definition, and no service carries a copy of it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
+from typing import Annotated, Final, Literal
+
+from pydantic import BaseModel, Field, ValidationError
+
+from meshwire import headers as h
+from meshwire.fields import STRICT_MODEL
+from meshwire.frames import (
+    FrameError,
+    FrameLimits,
+    FrameSpec,
+    check_session_id,
+    get_header,
+    parse_attn_mask,
+    parse_frame_headers,
+    parse_int_header,
+    parse_position_ids,
+)
+from meshwire.limits import MAX_HEADER_VALUE_CHARS, MAX_LAYERS, MAX_ROUTE_HOPS
+from meshwire.sampling_params import SamplingParams
+
+ControlVerb = Literal["close"]
+CLOSE: Final[ControlVerb] = "close"
+MAX_STEP: Final = 1 << 40
+"""Highest session step a frame may carry."""
+MAX_POSITION: Final = 1 << 32
+"""Highest absolute position of a frame's first token."""
+MAX_RESERVE_TOKENS: Final = 1 << 32
+"""Most KV tokens a session may ask to reserve on its first step."""
+MAX_SAMPLE_DRAWS: Final = 1 << 20
+"""Most sampler draws a failover replay may ask the tail to skip."""
+MAX_TIMING_ENTRIES: Final = MAX_ROUTE_HOPS
+"""Most per-node timings one answer may carry (one per hop)."""
+
+
+class ForwardAnswer(BaseModel):
+    """A hop's ``200`` answer: the sampled token (tail, sampling frames) and per-node compute times.
+
+    It is ``{"token": int | null, "node_timings_ms": {node_id: ms}}`` for a data
+    frame, plus ``"closed"`` for a close frame.
+    """
+
+    model_config = STRICT_MODEL
+
+    token: Annotated[int, Field(ge=0)] | None = None
+    node_timings_ms: Annotated[dict[str, float], Field(max_length=MAX_TIMING_ENTRIES)] = Field(default_factory=dict)
+    closed: bool | None = None
+    """On a close frame: whether this hop held the session."""
+
+
+@dataclass(frozen=True)
+class StepInfo:
+    """Where a data frame is: its hop in the route and its step in the session."""
+
+    route_token: str
+    hop_index: int
+    start_layer: int
+    step: int
+    """The session's step counter; 0 opens the session."""
+    position_offset: int
+    """Absolute position of the frame's first token."""
+    reserve: int | None = None
+    """On step 0: KV tokens the session may grow to."""
+    sampling: str | None = None
+    """The ``X-Meshnet-Sampling`` JSON, passed along unread; only the tail parses it (:meth:`sampling_params`)."""
+    sample_draws: int | None = None
+    """On a failover replay: draws the session's sampler has already made."""
+
+    def headers(self) -> dict[str, str]:
+        """The headers that carry this step, besides the frame's own."""
+        out = {
+            h.ROUTE: self.route_token,
+            h.HOP_INDEX: str(self.hop_index),
+            h.START_LAYER: str(self.start_layer),
+            h.STEP: str(self.step),
+            h.POSITION_OFFSET: str(self.position_offset),
+        }
+        if self.reserve is not None:
+            out[h.RESERVE] = str(self.reserve)
+        if self.sampling is not None:
+            out[h.SAMPLING] = self.sampling
+        if self.sample_draws is not None:
+            out[h.SAMPLE_DRAWS] = str(self.sample_draws)
+        return out
+
+    def for_next_hop(self, start_layer: int) -> StepInfo:
+        """The same step, addressed to the next hop."""
+        return replace(self, hop_index=self.hop_index + 1, start_layer=start_layer)
+
+    def sampling_params(self) -> SamplingParams | None:
+        """The sampling parameters this frame carries (``None`` if it carries none).
+
+        Raises :class:`FrameError` (``bad_header``) when they are not valid.
+        """
+        if self.sampling is None:
+            return None
+        try:
+            return SamplingParams.model_validate_json(self.sampling)
+        except ValidationError as exc:
+            raise FrameError("bad_header", f"{h.SAMPLING} is not valid sampling parameters: "
+                                           f"{exc.errors()[0]['msg']}") from None
+
+
+@dataclass(frozen=True)
+class HopAddress:
+    """What every frame says about where it is going: the route, the hop's index in it, its first layer."""
+
+    route_token: str
+    """The signed route (``X-Meshnet-Route``); empty when the header is missing (the route check refuses it)."""
+    hop_index: int
+    start_layer: int
+
+
+@dataclass(frozen=True)
+class CloseRequest:
+    """A close frame: free ``session`` on this hop and pass the close on."""
+
+    address: HopAddress
+    session: str
+
+
+@dataclass(frozen=True)
+class DataRequest:
+    """A data frame's headers, read: how to decode its body (``spec``) and where its step is (``info``)."""
+
+    address: HopAddress
+    spec: FrameSpec
+    info: StepInfo
+
+    @property
+    def session(self) -> str:
+        return self.spec.session
+
+    @property
+    def tokens(self) -> int:
+        """Positions the frame carries (its shape is ``[1, tokens, hidden]``)."""
+        return self.spec.shape[1]
+
+
+ForwardRequest = CloseRequest | DataRequest
+
+
+def parse_forward(headers: Mapping[str, str], limits: FrameLimits | None = None) -> ForwardRequest:
+    """Read every header of one ``POST /forward`` frame (case-insensitive), before its body.
+
+    Raises :class:`FrameError` on anything missing or malformed. The route's
+    signature is not checked here (that needs the verifier's key); the frame's
+    body is not read (``spec`` says how many bytes to expect).
+    """
+    address = HopAddress(
+        route_token=get_header(headers, h.ROUTE) or "",
+        hop_index=parse_int_header(h.HOP_INDEX, get_header(headers, h.HOP_INDEX), minimum=0,
+                                   maximum=MAX_ROUTE_HOPS - 1),
+        start_layer=parse_int_header(h.START_LAYER, get_header(headers, h.START_LAYER), minimum=0,
+                                     maximum=MAX_LAYERS - 1),
+    )
+    control = get_header(headers, h.CONTROL)
+    if control is not None:
+        if control.strip().lower() != CLOSE:
+            raise FrameError("bad_header", f"unknown {h.CONTROL} {control[:40]!r}; the only one is {CLOSE!r}")
+        wire = get_header(headers, h.WIRE)
+        if wire is None or wire.strip() != h.WIRE_VERSION:
+            raise FrameError("wire_version", f"{h.WIRE} must be {h.WIRE_VERSION!r}")
+        return CloseRequest(address, check_session_id(get_header(headers, h.SESSION)))
+    spec = parse_frame_headers(headers, limits)
+    if len(spec.shape) != 3 or spec.shape[0] != 1:
+        raise FrameError("bad_shape", f"frame shape {list(spec.shape)} is not [1, tokens, hidden]")
+    return DataRequest(address, spec, _step_info(headers, address, spec.shape[1]))
+
+
+def _step_info(headers: Mapping[str, str], address: HopAddress, tokens: int) -> StepInfo:
+    """A data frame's step headers; ``tokens`` is the frame's length (for the positions check).
+
+    Reference-style ``Position-Ids``/``Attn-Mask`` headers are accepted when
+    they say what the offset says (contiguous positions, no padding).
+    """
+    offset = parse_int_header(h.POSITION_OFFSET, get_header(headers, h.POSITION_OFFSET),
+                              minimum=0, maximum=MAX_POSITION)
+    _check_reference_positions(headers, offset, tokens)
+    sampling = get_header(headers, h.SAMPLING)
+    if sampling is not None and len(sampling) > MAX_HEADER_VALUE_CHARS:
+        raise FrameError("bad_header", f"{h.SAMPLING} is too long")
+    reserve = get_header(headers, h.RESERVE)
+    draws = get_header(headers, h.SAMPLE_DRAWS)
+    return StepInfo(
+        route_token=address.route_token,
+        hop_index=address.hop_index,
+        start_layer=address.start_layer,
+        step=parse_int_header(h.STEP, get_header(headers, h.STEP), minimum=0, maximum=MAX_STEP),
+        position_offset=offset,
+        reserve=None if reserve is None else parse_int_header(h.RESERVE, reserve, minimum=1,
+                                                              maximum=MAX_RESERVE_TOKENS),
+        sampling=sampling,
+        sample_draws=None if draws is None else parse_int_header(h.SAMPLE_DRAWS, draws, minimum=0,
+                                                                 maximum=MAX_SAMPLE_DRAWS),
+    )
+
+
+def _check_reference_positions(headers: Mapping[str, str], offset: int, tokens: int) -> None:
+    positions = get_header(headers, h.POSITION_IDS)
+    if positions is not None and parse_position_ids(positions) != tuple(range(offset, offset + tokens)):
+        raise FrameError("bad_header", f"{h.POSITION_IDS} must be the contiguous positions "
+                                       f"{offset}..{offset + tokens - 1} of the frame's tokens")
+    mask = get_header(headers, h.ATTN_MASK)
+    if mask is not None:
+        values = parse_attn_mask(mask)
+        if values and (len(values) < tokens or not all(values)):
+            raise FrameError("bad_header", f"{h.ATTN_MASK} must be all ones: padded frames are not supported")
+
+
+def close_headers(session: str, route_token: str, hop_index: int, start_layer: int) -> dict[str, str]:
+    """Headers of a close frame: free ``session`` on the hop and pass the close on."""
+    return {
+        h.WIRE: h.WIRE_VERSION,
+        h.SESSION: session,
+        h.CONTROL: CLOSE,
+        h.ROUTE: route_token,
+        h.HOP_INDEX: str(hop_index),
+        h.START_LAYER: str(start_layer),
+    }
