@@ -15,7 +15,7 @@ def test_every_setting_is_read_from_its_meshnet_environment_twin(monkeypatch: py
     settings = NodeSettings()
     assert settings.layer_range() == (2, 5)
     assert settings.kv_budget_tokens == 4096
-    assert settings.tracker == "http://tracker:8000"
+    assert settings.tracker == ("http://tracker:8000",)
 
 
 def test_no_layers_means_every_layer() -> None:

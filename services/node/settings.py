@@ -13,7 +13,7 @@ import uuid
 from pathlib import Path
 from typing import Annotated, Final, Literal
 
-from pydantic import Field, field_validator
+from pydantic import BeforeValidator, Field, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from meshwire import limits
@@ -44,6 +44,47 @@ _LAYERS = re.compile(r"^\s*(\d{1,5})\s*-\s*(\d{1,5})\s*$")
 _DEVICE = re.compile(r"^(auto|cpu|cuda(:\d{1,3})?|mps)$")
 
 
+MAX_TRACKERS: Final = 16
+"""Most tracker URLs one node may be given."""
+
+
+class TrackerUrls(tuple[str, ...]):
+    """The trackers a node knows, in the order it tries them (a tuple of base URLs without a trailing ``/``).
+
+    Formatted as a string it is its first URL, so code that talks to one
+    tracker (``f"{settings.tracker}/v1/route"``) keeps working; the registrar
+    (:mod:`services.node.registration`) uses every one.
+    """
+
+    __slots__ = ()
+
+    def __str__(self) -> str:
+        return self[0]
+
+    def __format__(self, spec: str) -> str:
+        return format(self[0], spec)
+
+
+def _tracker_urls(value: object) -> object:
+    """``"URL1, URL2/"`` or a sequence -> :class:`TrackerUrls` (``None`` when empty); bounded."""
+    if value is None:
+        return None
+    if isinstance(value, str):
+        value = value.split(",")
+    if not isinstance(value, list | tuple):
+        return value  # the field's own type check names the problem
+    urls = [str(url).strip().rstrip("/") for url in value if str(url).strip()]
+    if len(urls) > MAX_TRACKERS:
+        raise ValueError(f"at most {MAX_TRACKERS} trackers")
+    for url in urls:
+        if len(url) > limits.MAX_URL_CHARS or not url.startswith(("http://", "https://")):
+            raise ValueError(f"tracker {url[:100]!r} must be an http(s):// URL of at most {limits.MAX_URL_CHARS} "
+                             "characters")
+    if len(set(urls)) != len(urls):
+        raise ValueError("a tracker URL is listed twice")
+    return TrackerUrls(urls) if urls else None
+
+
 class NodeSettings(BaseSettings):
     """Everything a node needs to know to load its layers and join a mesh."""
 
@@ -54,8 +95,8 @@ class NodeSettings(BaseSettings):
     """A local folder of a Hugging Face causal LM, or a hub name."""
     layers: str | None = None
     """Layers this node holds, ``"A-B"`` inclusive; ``None`` holds every layer."""
-    tracker: str | None = Field(default=None, max_length=limits.MAX_URL_CHARS)
-    """Tracker base URL; ``None`` runs without registering."""
+    tracker: Annotated[TrackerUrls | None, NoDecode, BeforeValidator(_tracker_urls)] = None
+    """Tracker base URLs, comma-separated (``URL1,URL2``): heartbeats go to the first that answers; none: no tracker."""
     host: str = "127.0.0.1"
     """Address to listen on (``0.0.0.0`` for every interface)."""
     port: int = Field(default=DEFAULT_PORT, ge=0, le=65535)
@@ -126,7 +167,7 @@ class NodeSettings(BaseSettings):
             raise ValueError(f"device must be auto, cpu, cuda, cuda:N or mps, got {value!r}")
         return value
 
-    @field_validator("tracker", "advertise", "relay")
+    @field_validator("advertise", "relay")
     @classmethod
     def _strip_url(cls, value: str | None) -> str | None:
         if value is None or not value.strip():
