@@ -236,8 +236,9 @@ class RedisStore:
     # --- keys -----------------------------------------------------------------------------------
 
     @staticmethod
-    def _key(kind: str, node_id: str = "") -> str:
-        return f"{PREFIX}{kind}:{node_id}" if node_id else f"{PREFIX}{kind}"
+    def _key(kind: str, node_id: str | None = None) -> str:
+        """``meshnet:{kind}`` or, with a node id, ``meshnet:{kind}:{node_id}`` (``""``: the prefix of such keys)."""
+        return f"{PREFIX}{kind}" if node_id is None else f"{PREFIX}{kind}:{node_id}"
 
     @property
     def _channel(self) -> str:
