@@ -128,6 +128,11 @@ def test_redis_restarted_empty_the_mesh_is_whole_within_one_ttl_and_no_route_nam
     refused = httpx.get(f"{mesh.b.url}/v1/route", params={"model": mesh.model}, timeout=10)
     assert refused.status_code == 503 and refused.json()["error"]["code"] == "store_unavailable"
     assert refused.headers["Retry-After"]
+    client = openai.OpenAI(base_url=f"{mesh.b.url}/v1", api_key="unused", max_retries=0, timeout=60)
+    with pytest.raises(openai.APIStatusError) as chat_refused:
+        client.chat.completions.create(model=mesh.model, messages=PROMPT, max_tokens=2)
+    assert chat_refused.value.status_code == 503 and chat_refused.value.response.headers["Retry-After"]
+    assert "meshnet_tracker_store_up 0.0" in httpx.get(f"{mesh.b.url}/metrics", timeout=10).text
     mesh.redis.start()  # the same port, empty
     back_at = time.monotonic()
     redis = mesh.redis.client()

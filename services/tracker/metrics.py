@@ -27,9 +27,10 @@ class _MeshCollector(Collector):
     """Gauges read from the registry when Prometheus scrapes."""
 
     def __init__(self, nodes: Callable[[], tuple[NodeInfo, ...]],
-                 coverage: Callable[[], tuple[ModelCoverage, ...]]) -> None:
+                 coverage: Callable[[], tuple[ModelCoverage, ...]], store_up: Callable[[], bool]) -> None:
         self._nodes = nodes
         self._coverage = coverage
+        self._store_up = store_up
 
     def collect(self) -> Iterator[Metric]:
         by_state = GaugeMetricFamily("meshnet_tracker_nodes", "Listed nodes by state", labels=["state"])
@@ -46,13 +47,17 @@ class _MeshCollector(Collector):
             missing.add_metric([model.model], float(sum(b - a + 1 for a, b in model.missing)))
         yield complete
         yield missing
+        yield GaugeMetricFamily("meshnet_tracker_store_up",
+                                "1 while the registry's store answers (always 1 for the memory store)",
+                                value=float(self._store_up()))
 
 
 class TrackerMetrics:
     """The tracker's counters and histograms, plus the scrape-time mesh gauges."""
 
     def __init__(self, nodes: Callable[[], tuple[NodeInfo, ...]],
-                 coverage: Callable[[], tuple[ModelCoverage, ...]]) -> None:
+                 coverage: Callable[[], tuple[ModelCoverage, ...]],
+                 store_up: Callable[[], bool] = lambda: True) -> None:
         self.registry = CollectorRegistry()
         self.requests = Counter("meshnet_tracker_requests", "Front-door requests by endpoint and HTTP status",
                                 ["endpoint", "status"], registry=self.registry)
@@ -69,7 +74,7 @@ class TrackerMetrics:
         self.first_byte = Histogram("meshnet_tracker_head_first_byte_seconds",
                                     "Time from forwarding a request to the head's response headers",
                                     buckets=FIRST_BYTE_BUCKETS, registry=self.registry)
-        self.registry.register(_MeshCollector(nodes, coverage))
+        self.registry.register(_MeshCollector(nodes, coverage, store_up))
 
     def render(self) -> bytes:
         """The Prometheus text exposition of every metric."""

@@ -57,7 +57,8 @@ class TrackerState:
             backoff_max_s=settings.failure_backoff_max_s, failure_reset_s=settings.failure_reset_s,
         ), clock)
         metrics = TrackerMetrics(nodes=lambda: store.registry.snapshot(clock()),
-                                 coverage=lambda: store.registry.coverage(clock()))
+                                 coverage=lambda: store.registry.coverage(clock()),
+                                 store_up=lambda: store.available)
         return cls(settings=settings, store=store, metrics=metrics, clock=clock)
 
     @property

@@ -52,6 +52,10 @@ class NodeStore(Protocol):
     kind: str
     """``memory`` or ``redis``, for logs and ``/health``."""
 
+    @property
+    def available(self) -> bool:
+        """Whether the store was reachable when last tried (for the ``meshnet_tracker_store_up`` gauge)."""
+
     async def start(self) -> None:
         """Connect and load the current state (the app's lifespan calls it)."""
 
@@ -86,6 +90,10 @@ class MemoryStore:
 
     def __init__(self, policy: RegistryPolicy) -> None:
         self.registry = Registry(policy)
+
+    @property
+    def available(self) -> bool:
+        return True
 
     async def start(self) -> None:
         return None

@@ -256,6 +256,10 @@ class RedisStore:
     def _record_ms(self) -> int:
         return _ms(self.policy.ttl_s + LEASE_GRACE_S + self.policy.offline_keep_s)
 
+    @property
+    def available(self) -> bool:
+        return self._down is None
+
     # --- lifespan --------------------------------------------------------------------------------
 
     async def start(self) -> None:
