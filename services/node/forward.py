@@ -38,21 +38,20 @@ from meshwire.auth import check_bearer
 from meshwire.forward_step import (
     CloseRequest,
     DataRequest,
-    ForwardAnswer,
     HopAddress,
     StepInfo,
     close_headers,
     parse_forward,
 )
-from meshwire.frames import FrameError, FrameLimits, compress_bound, decode_frame_body, encode_frame
+from meshwire.frames import FrameError, FrameLimits, compress_bound, decode_frame_body
 from meshwire.row_batch import MAX_INDEX_BYTES, RowAnswer, decode_rows, encode_answers
 from meshwire.sampling_params import SamplingParams
 from services.node.bodies import BodyIncomplete, BodyTooLarge, read_bounded
 from services.node.compute import ShardRunner
 from services.node.hop_client import INVALID_SAMPLING, ChainFailure, HopClient, send_along
 from services.node.metrics import NodeMetrics
+from services.node.route_step import Onward, RouteStepper
 from services.node.routing import RoutedHop, RouteRefused, verify_hop
-from services.node.row_sender import RowSender
 from services.node.sampling import Sampler, SamplingFailed
 from services.node.sessions import Session, SessionExists, SessionRefused, SessionTable, log_tag, route_key
 
@@ -86,16 +85,16 @@ class ForwardService:
     """The ``/forward`` endpoint of one node."""
 
     def __init__(self, *, node_id: str, model_id: str, secret: str, runner: ShardRunner, sessions: SessionTable,
-                 hops: HopClient, sender: RowSender, metrics: NodeMetrics, frame_limits: FrameLimits) -> None:
+                 hops: HopClient, stepper: RouteStepper, metrics: NodeMetrics, frame_limits: FrameLimits) -> None:
         self.node_id = node_id
         self.model_id = model_id
         self._secret = secret
         self._runner = runner
         self._sessions = sessions
         self._hops = hops
-        self._sender = sender
         self._metrics = metrics
         self._limits = frame_limits
+        self._stepper = stepper
 
     # --- entry point ---------------------------------------------------------------
 
@@ -231,35 +230,33 @@ class ForwardService:
         async with session.lock:
             self._check_order(session, info)
             sampler = self._sampler(session, params, info) if samples else None
+            nxt = hop.next
+            onward = None if nxt is None else Onward(nxt, info.for_next_hop(nxt.start_layer), frame.chunk_index,
+                                                     frame.chunk_total)
             try:
-                self._sessions.ensure_room(session, info.position_offset + tokens)
-            except SessionRefused as exc:
+                done = await self._stepper.run(session, position_offset=info.position_offset,
+                                               from_layer=info.start_layer, tokens=tokens, hidden=frame.tensor,
+                                               sampler=sampler, onward=onward)
+            except SessionRefused as exc:  # nothing was run: the session stays as it was
                 raise ForwardRefusal(503, exc.code, str(exc), exc.retry_after_s) from None
-            try:
-                result = await self._runner.step(session.cache, position_offset=info.position_offset,
-                                                 from_layer=info.start_layer, hidden=frame.tensor, sampler=sampler)
             except SamplingFailed as exc:  # the request's parameters, not this node: no failure to report
                 self._sessions.close(frame.session)
                 raise ForwardRefusal(400, INVALID_SAMPLING, str(exc)) from None
+            except ChainFailure:  # the rest of the route failed: this hop's step is done, the head decides
+                self._stepped(session, tokens)
+                raise
             except Exception:
                 logger.exception("layers failed on session %s; closing it", log_tag(frame.session))
                 self._sessions.close(frame.session)
                 raise ForwardRefusal(500, "compute_failed", "this node failed to run its layers; "
                                                             "the session is closed") from None
-            session.next_step += 1
-            self._sessions.touch(session)
-            self._metrics.frame_tokens.observe(tokens)
-            self._metrics.compute_latency.observe(result.compute_ms / 1000)
-            timings = {self.node_id: round(result.compute_ms, 3)}
-            nxt = hop.next
-            if nxt is None:
-                return json_response(200, {"token": result.token, "node_timings_ms": timings})
-            assert result.hidden is not None
-            out_headers, out_body = encode_frame(
-                result.hidden, session=frame.session, chunk_index=frame.chunk_index,
-                chunk_total=frame.chunk_total, extra=info.for_next_hop(nxt.start_layer).headers())
-            answer: ForwardAnswer = await self._sender.send(nxt, out_headers, out_body)
-            return json_response(200, {"token": answer.token, "node_timings_ms": {**timings, **answer.node_timings_ms}})
+            self._stepped(session, tokens)
+            return json_response(200, {"token": done.token, "node_timings_ms": done.node_timings_ms})
+
+    def _stepped(self, session: Session, tokens: int) -> None:
+        """``session`` took its step on this node (whatever became of it further down the route)."""
+        session.next_step += 1
+        self._metrics.frame_tokens.observe(tokens)
 
     async def _read_body(self, request: Request, max_bytes: int) -> bytes:
         """The request body, refusing (``too_large``) one longer than ``max_bytes``."""

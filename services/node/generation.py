@@ -46,14 +46,13 @@ from typing import Any, Final, Literal
 import orjson
 
 from meshwire.forward_step import StepInfo, close_headers
-from meshwire.frames import encode_frame
 from meshwire.sampling_params import MAX_SEED, SamplingParams
 from services.node.compute import ShardRunner
 from services.node.failover import Failover, FailoverGaveUp, FailoverPolicy
 from services.node.hop_client import INVALID_SAMPLING, ChainFailure, HopClient, send_along
 from services.node.metrics import NodeMetrics
+from services.node.route_step import Onward, RouteStepper
 from services.node.routing import RoutedHop, TrackerRoutes
-from services.node.row_sender import RowSender
 from services.node.sampling import Sampler, SamplingFailed
 from services.node.sessions import Session, SessionRefused, SessionTable, log_tag
 from services.node.stops import StopMatcher
@@ -159,15 +158,13 @@ class History:
 class SessionChain:
     """One session of this head along one route (or alone, when the head holds every layer)."""
 
-    def __init__(self, *, runner: ShardRunner, sessions: SessionTable, hops: HopClient, sender: RowSender,
-                 metrics: NodeMetrics,
+    def __init__(self, *, runner: ShardRunner, sessions: SessionTable, hops: HopClient, stepper: RouteStepper,
                  hop: RoutedHop | None, session_id: str, sampling: SamplingParams, reserve: int,
                  sample_draws: int = 0) -> None:
         self._runner = runner
-        self._metrics = metrics
         self._sessions = sessions
         self._hops = hops
-        self._sender = sender
+        self._stepper = stepper
         self.hop = hop
         self.session_id = session_id
         self._sampling = sampling
@@ -193,40 +190,33 @@ class SessionChain:
             if session.closed:
                 raise GenerationFailed(503, "session_expired", f"session {self.session_id} was closed on the head")
             offset = session.position
-            try:
-                self._sessions.ensure_room(session, offset + len(ids))
-            except SessionRefused as exc:
-                raise GenerationFailed(503, exc.code, str(exc), retry_after=str(exc.retry_after_s)) from None
+            step = self._step
+            onward = None
+            if not self.solo:
+                assert self.hop is not None and self.hop.next is not None
+                nxt = self.hop.next
+                onward = Onward(nxt, StepInfo(
+                    route_token=self.hop.token, hop_index=1, start_layer=nxt.start_layer, step=step,
+                    position_offset=offset,
+                    reserve=self._reserve if step == 0 else None,
+                    sampling=self._sampling_json if samples else None,
+                    # On every frame of a replayed prefill: the tail creates its sampler on the last one.
+                    sample_draws=self._sample_draws if self._sample_draws and not self.prefilled else None,
+                ), chunk_index, chunk_total)
             sampler = self._local_sampler(session) if self.solo and samples else None
             try:
-                result = await self._runner.step(session.cache, position_offset=offset, from_layer=0, ids=ids,
-                                                 sampler=sampler)
+                answer = await self._stepper.run(session, position_offset=offset, from_layer=0, tokens=len(ids),
+                                                 ids=ids, sampler=sampler, onward=onward)
+            except SessionRefused as exc:
+                raise GenerationFailed(503, exc.code, str(exc), retry_after=str(exc.retry_after_s)) from None
             except SamplingFailed as exc:
                 raise GenerationFailed(400, INVALID_SAMPLING, str(exc)) from None
-            self._metrics.compute_latency.observe(result.compute_ms / 1000)
-            self._sessions.touch(session)
-            step = self._step
-            self._step += 1
-            if self.solo:
-                self.prefilled = self.prefilled or samples
-                return result.token
-            assert self.hop is not None and self.hop.next is not None and result.hidden is not None
-            nxt = self.hop.next
-            info = StepInfo(
-                route_token=self.hop.token, hop_index=1, start_layer=nxt.start_layer, step=step,
-                position_offset=offset,
-                reserve=self._reserve if step == 0 else None,
-                sampling=self._sampling_json if samples else None,
-                # On every frame of a replayed prefill: the tail creates its sampler on the last one.
-                sample_draws=self._sample_draws if self._sample_draws and not self.prefilled else None,
-            )
-            headers, body = encode_frame(result.hidden, session=self.session_id, chunk_index=chunk_index,
-                                         chunk_total=chunk_total, extra=info.headers())
-            try:
-                answer = await self._sender.send(nxt, headers, body)
             except ChainFailure as exc:
+                self._step += 1
                 raise _generation_failure(exc) from exc
+            self._step += 1
         if samples and answer.token is None:
+            assert self.hop is not None  # a head alone always samples its own token
             raise RouteFailed(self.hop.route.nodes[-1].node_id, "the tail answered no token")
         self.prefilled = self.prefilled or samples
         return answer.token
@@ -301,12 +291,13 @@ class Generator:
     """Runs requests on this head: the generation loop over a :class:`SessionChain`, with failover."""
 
     def __init__(self, *, runner: ShardRunner, sessions: SessionTable, hops: HopClient, tokenizer: HeadTokenizer,
-                 sender: RowSender, metrics: NodeMetrics, prefill_chunk_tokens: int, routes: TrackerRoutes | None = None,
-                 model_id: str = "", failover: FailoverPolicy = DEFAULT_FAILOVER) -> None:
+                 stepper: RouteStepper, metrics: NodeMetrics, prefill_chunk_tokens: int,
+                 routes: TrackerRoutes | None = None, model_id: str = "",
+                 failover: FailoverPolicy = DEFAULT_FAILOVER) -> None:
         self._runner = runner
         self._sessions = sessions
         self._hops = hops
-        self._sender = sender
+        self._stepper = stepper
         self.tokenizer = tokenizer
         self._metrics = metrics
         self._chunk = prefill_chunk_tokens
@@ -363,8 +354,7 @@ class Generator:
             await self._close(run, upcoming)
 
     def _chain(self, hop: RoutedHop | None, request: GenerationRequest, history: History) -> SessionChain:
-        return SessionChain(runner=self._runner, sessions=self._sessions, hops=self._hops, sender=self._sender,
-                            metrics=self._metrics,
+        return SessionChain(runner=self._runner, sessions=self._sessions, hops=self._hops, stepper=self._stepper,
                             hop=hop, session_id=new_session_id(), sampling=request.sampling,
                             reserve=len(request.prompt_ids) + request.max_tokens,
                             sample_draws=history.draws)

@@ -36,6 +36,7 @@ from services.node.metrics import NodeMetrics
 from services.node.model_source import resolve_model
 from services.node.registration import Registrar
 from services.node.relay_link import ASGIApp, asgi_handler
+from services.node.route_step import RouteStepper
 from services.node.routing import TrackerRoutes
 from services.node.row_sender import RowSender
 from services.node.sampling_defaults import SamplingDefaults
@@ -107,14 +108,15 @@ class NodeRuntime:
         self.shard = await self.worker.run(load_shard, resolved.path, start, end, dtype, device)
         self.runner = ShardRunner(self.shard, self.worker, max_batch=s.max_batch, max_step_tokens=s.max_step_tokens,
                                   on_batch=self.metrics.batch_rows.observe)
-        sender = RowSender(self.hops, max_rows=s.max_batch)
+        stepper = RouteStepper(node_id=self.node_id, runner=self.runner, sessions=self.sessions,
+                               sender=RowSender(self.hops, max_rows=s.max_batch), metrics=self.metrics)
         self.forward = ForwardService(node_id=self.node_id, model_id=self.model_id, secret=s.secret,
-                                      runner=self.runner, sessions=self.sessions, hops=self.hops, sender=sender,
+                                      runner=self.runner, sessions=self.sessions, hops=self.hops, stepper=stepper,
                                       metrics=self.metrics, frame_limits=FrameLimits(max_bytes=s.max_frame_bytes))
         if self.shard.is_head:
             tokenizer = await asyncio.to_thread(HeadTokenizer.from_folder, resolved.path, self.shard.config)
             self.sampling_defaults = SamplingDefaults.from_folder(resolved.path)
-            self.generator = Generator(runner=self.runner, sessions=self.sessions, hops=self.hops, sender=sender,
+            self.generator = Generator(runner=self.runner, sessions=self.sessions, hops=self.hops, stepper=stepper,
                                        tokenizer=tokenizer, metrics=self.metrics,
                                        prefill_chunk_tokens=s.prefill_chunk_tokens,
                                        routes=self.tracker_routes, model_id=self.model_id)
