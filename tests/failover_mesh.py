@@ -32,7 +32,10 @@ STREAM_TIMEOUT_S: Final = 120.0
 SETTLE_TIMEOUT_S: Final = 30.0
 LONG_PROMPT: Final = [{"role": "user", "content": "Tell me a long story about the river."}]
 """The tiny model does not end its answer to this within 400 tokens (greedy, and seeded at 0.8 with seed 1)."""
-TRACKER_ENV: Final = {"MESHNET_NODE_TTL_S": "6", "MESHNET_HEARTBEAT_S": "1"}
+TRACKER_ENV: Final = {"MESHNET_NODE_TTL_S": "6", "MESHNET_HEARTBEAT_S": "1",
+                      # A reported node's backoff outlasts any test (a revived node starts clean with its new
+                      # lease), so what the tests read of it never depends on how fast a loaded machine runs.
+                      "MESHNET_FAILURE_BACKOFF_S": "3600", "MESHNET_FAILURE_BACKOFF_MAX_S": "3600"}
 
 
 @dataclass
