@@ -8,7 +8,7 @@ STAMP  := $(VENV)/.setup-done
 TORCH_VERSION := 2.13.0
 SMOLLM_VERSION := 0.1.2
 
-.PHONY: setup test test-fast mesh bench lint clean browser redis
+.PHONY: setup test test-fast mesh bench lint clean browser redis compose-smoke
 
 setup: $(STAMP)
 
@@ -55,6 +55,11 @@ mesh: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python -m benchmarks.run
+
+# `docker compose up` of deploy/docker-compose.yml for real, with its own dockerd, then down -v and a
+# check that nothing is left behind. Needs root and apt (installs the engine, Compose v2, debootstrap).
+compose-smoke: $(STAMP)
+	bash scripts/compose_smoke.sh
 
 lint: $(STAMP)
 	$(BIN)/ruff check libs services tests benchmarks
