@@ -37,10 +37,12 @@ LEAKED: Final = "internal-only-text"
 """What the fake heads put in their bad answers; it must never reach a client."""
 
 
-@pytest.fixture(scope="module")
-def tracker() -> Iterator[Service]:
+@pytest.fixture(scope="module", params=["memory", "redis"])
+def tracker(request: pytest.FixtureRequest) -> Iterator[Service]:
+    """One tracker per store: the doors are the same on the memory store and on a real Redis."""
+    store = "memory" if request.param == "memory" else request.getfixturevalue("redis_url")
     with start_service("tracker", {"MESHNET_API_KEYS": API_KEY, "MESHNET_NODE_TTL_S": "60",
-                                   "MESHNET_HEARTBEAT_S": "1"}) as service:
+                                   "MESHNET_HEARTBEAT_S": "1", "MESHNET_STORE": store}) as service:
         yield service
 
 

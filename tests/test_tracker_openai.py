@@ -24,12 +24,16 @@ PROMPT = [{"role": "user", "content": "Where does the river run?"}]
 MAX_TOKENS = 12
 
 
-@pytest.fixture(scope="module")
-def mesh(tiny_model_dir: Path) -> Iterator[tuple[Service, str]]:
-    """A tracker and two nodes (layers 0-1 and 2-3), and the model's registered name, once servable."""
+@pytest.fixture(scope="module", params=["memory", "redis"])
+def mesh(tiny_model_dir: Path, request: pytest.FixtureRequest) -> Iterator[tuple[Service, str]]:
+    """A tracker and two nodes (layers 0-1 and 2-3), and the model's registered name, once servable.
+
+    Once with the memory store and once with a real Redis (``MESHNET_STORE``).
+    """
+    store = "memory" if request.param == "memory" else request.getfixturevalue("redis_url")
     services: list[Service] = []
     try:
-        tracker = start_service("tracker", {"MESHNET_HEARTBEAT_S": NODE_HEARTBEAT_S})
+        tracker = start_service("tracker", {"MESHNET_HEARTBEAT_S": NODE_HEARTBEAT_S, "MESHNET_STORE": store})
         services.append(tracker)
         for node_id, layers in (("front-node", "0-1"), ("back-node", "2-3")):
             services.append(start_service("node", {

@@ -90,6 +90,8 @@ MAX_CONNECTIONS: Final = 64
 """Most connections one tracker opens to Redis for commands."""
 MAX_EVENT_BYTES: Final = 256 * 1024
 """Largest channel message read (a registration is at most 64 KiB)."""
+MAX_PENDING_EVENTS: Final = 100_000
+"""Most channel messages held while a reload reads Redis."""
 
 _REGISTER = """
 local cur = redis.call('GET', KEYS[1])
@@ -229,6 +231,10 @@ class RedisStore:
         self._applied = 0
         self._delivered = asyncio.Event()
         self._reload_lock = asyncio.Lock()
+        self._pending: list[tuple[str, str]] = []
+        self._next_read: asyncio.Future[tuple[str | None, str | None]] | None = None
+        self._read_lock = asyncio.Lock()
+        """Channel messages that arrived while a reload read Redis, applied after it in their order."""
         self._listener: asyncio.Task[None] | None = None
         self._background: set[asyncio.Task[None]] = set()
         self._connected = asyncio.Event()
@@ -369,7 +375,7 @@ class RedisStore:
         if self._down is not None:
             raise StoreUnavailable(self._down)
         try:
-            version, epoch = await self._redis.mget(self._key("version"), self._key("epoch"))
+            version, epoch = await self._read_version()
         except (RedisError, OSError) as exc:
             raise StoreUnavailable(f"store {_redact(self.url)} unreachable: {exc}") from None
         if epoch is None or epoch != self._epoch:
@@ -384,6 +390,35 @@ class RedisStore:
         except TimeoutError:
             logger.warning("the store's channel is %d changes behind: reloading the view", wanted - self._applied)
             await self._reload()
+
+    async def _read_version(self) -> tuple[str | None, str | None]:
+        """``version`` and ``epoch``, read by one ``MGET`` sent after this call began.
+
+        Callers that arrive while a read is in flight share the next one (each
+        still sees Redis as it was after it arrived), so a busy tracker sends
+        one ``MGET`` per round trip rather than one per request.
+        """
+        shared = self._next_read
+        if shared is None:
+            shared = self._next_read = asyncio.get_running_loop().create_future()
+            task = asyncio.create_task(self._send_read(shared))
+            self._background.add(task)
+            task.add_done_callback(self._background.discard)
+        return await asyncio.shield(shared)
+
+    async def _send_read(self, shared: asyncio.Future[tuple[str | None, str | None]]) -> None:
+        async with self._read_lock:  # one read in flight; whoever asks meanwhile joins the next
+            if self._next_read is shared:
+                self._next_read = None
+            try:
+                version, epoch = await self._redis.mget(self._key("version"), self._key("epoch"))
+            except BaseException as exc:
+                shared.set_exception(exc if isinstance(exc, Exception) else RedisError("read cancelled"))
+                shared.exception()  # retrieved here too: nobody may be left to await it
+                if not isinstance(exc, Exception):
+                    raise
+                return
+            shared.set_result((version, epoch))
 
     async def _delivered_up_to(self, version: int) -> None:
         while self._applied < version:
@@ -435,6 +470,9 @@ class RedisStore:
                 self.registry.forget(node_id)
             self._epoch = epoch
             self._applied = int(version or 0)
+            pending, self._pending = self._pending, []
+            for channel, data in pending:  # newer than (or as new as) what was read: they win, in order
+                self._apply_event(channel, data)
             self._wake()
             logger.info("store view loaded from %s: %d nodes (version %d)", _redact(self.url), len(seen),
                         self._applied)
@@ -457,6 +495,14 @@ class RedisStore:
         delivered.set()
 
     def _on_event(self, channel: str, data: str) -> None:
+        """Apply one channel message, or hold it while a reload reads Redis (it must not be overwritten)."""
+        if self._reload_lock.locked():
+            if len(self._pending) < MAX_PENDING_EVENTS:
+                self._pending.append((channel, data))
+            return  # past the bound the reload's own read is at most one reload behind: the fence catches up
+        self._apply_event(channel, data)
+
+    def _apply_event(self, channel: str, data: str) -> None:
         now = self._clock()
         if channel == self._expired_channel:
             prefix = self._key("lease", "")
