@@ -35,13 +35,14 @@ browser:
 	  || echo ">>> chromium could not be installed; the browser test will skip"; \
 	else echo ">>> no apt or not root: the browser test will skip"; fi
 
-# redis-server for the several-trackers tests (MESHNET_STORE=redis://...); best effort (needs apt and root).
+# redis-server and haproxy for the several-trackers tests (MESHNET_STORE=redis://..., the `ha` gateway);
+# best effort (needs apt and root).
 redis:
-	@if command -v redis-server >/dev/null 2>&1; then echo ">>> redis-server present"; \
+	@if command -v redis-server >/dev/null 2>&1 && command -v haproxy >/dev/null 2>&1; then echo ">>> redis-server and haproxy present"; \
 	elif command -v apt-get >/dev/null 2>&1 && [ "$$(id -u)" = 0 ]; then \
-	  echo ">>> installing Debian redis-server for the Redis store tests"; \
-	  (apt-get install -y -qq redis-server >/dev/null 2>&1 || (apt-get update -qq >/dev/null 2>&1 && apt-get install -y -qq redis-server >/dev/null 2>&1)) \
-	  || echo ">>> redis-server could not be installed; the Redis store tests will skip"; \
+	  echo ">>> installing Debian redis-server and haproxy for the Redis store tests"; \
+	  (apt-get install -y -qq redis-server haproxy >/dev/null 2>&1 || (apt-get update -qq >/dev/null 2>&1 && apt-get install -y -qq redis-server haproxy >/dev/null 2>&1)) \
+	  || echo ">>> redis-server/haproxy could not be installed; the Redis store tests will skip"; \
 	else echo ">>> no apt or not root: the Redis store tests will skip"; fi
 
 test: $(STAMP)
