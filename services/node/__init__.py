@@ -25,6 +25,7 @@ every sender, parsed once)
     ``row_sender``        decode frames for the same hop sent together (``POST /forward/rows``)
     ``relay_link``        serving this node through a relay when it is behind NAT
     ``sessions``          the session table: KV budget, idle expiry, route binding
+    ``route_step``        one step at this node, then on to the next hop: the head (hop 0) and every hop
     ``forward``           the ``/forward`` and ``/forward/rows`` endpoints: the hop side of a step
     ``registration``      joining the tracker, heartbeats, leases
 

@@ -76,9 +76,15 @@ class ForwardRefusal(Exception):
         self.retry_after = retry_after
 
 
-def json_response(status: int, payload: dict[str, Any], headers: dict[str, str] | None = None) -> Response:
-    """A JSON response serialised with orjson."""
-    return Response(orjson.dumps(payload), status_code=status, media_type=JSON, headers=headers)
+def _answer(status: int, body: dict[str, Any], retry_after: str | None = None) -> RowAnswer:
+    """What one frame is answered, built by this module (so not validated again)."""
+    return RowAnswer.model_construct(status=status, body=body, retry_after=retry_after)
+
+
+def _response(answer: RowAnswer) -> Response:
+    """One frame's answer as the ``POST /forward`` response (JSON, with ``Retry-After`` when it has one)."""
+    headers = None if answer.retry_after is None else {"Retry-After": answer.retry_after}
+    return Response(orjson.dumps(answer.body), status_code=answer.status, media_type=JSON, headers=headers)
 
 
 class ForwardService:
@@ -103,11 +109,11 @@ class ForwardService:
         began = time.perf_counter()
         refused = self._check_credential(request)
         if refused is not None:
-            return refused
-        response = await self._frame(request.headers, lambda max_bytes: self._read_body(request, max_bytes))
-        if response.status_code == 200:
+            return _response(refused)
+        answer = await self._frame(request.headers, lambda max_bytes: self._read_body(request, max_bytes))
+        if answer.status == 200:
             self._metrics.forward_latency.observe(time.perf_counter() - began)
-        return response
+        return _response(answer)
 
     async def handle_rows(self, request: Request) -> Response:
         """Answer one ``POST /forward/rows``: every frame of the batch as ``/forward`` would, side by side.
@@ -118,24 +124,22 @@ class ForwardService:
         began = time.perf_counter()
         refused = self._check_credential(request)
         if refused is not None:
-            return refused
+            return _response(refused)
         try:
             frames = decode_rows(await self._read_body(request, self._limits.max_bytes + MAX_INDEX_BYTES))
         except FrameError as exc:
-            return self._refuse(ForwardRefusal(400, exc.code, str(exc)))
-        responses = await asyncio.gather(*(self._frame(frame.headers, _given(frame.body)) for frame in frames))
-        answers = [RowAnswer(status=r.status_code, body=orjson.loads(r.body), retry_after=r.headers.get("retry-after"))
-                   for r in responses]
+            return _response(self._refuse(ForwardRefusal(400, exc.code, str(exc))))
+        answers = await asyncio.gather(*(self._frame(frame.headers, _given(frame.body)) for frame in frames))
         self._metrics.forward_latency.observe(time.perf_counter() - began)
         return Response(encode_answers(answers), media_type=JSON)
 
-    def _check_credential(self, request: Request) -> Response | None:
+    def _check_credential(self, request: Request) -> RowAnswer | None:
         failure = check_bearer(request.headers.get("authorization"), self._secret)
         if failure is None:
             return None
         return self._refuse(ForwardRefusal(failure.status, failure.code, failure.message))
 
-    async def _frame(self, headers: Mapping[str, str], read_body: BodyReader) -> Response:
+    async def _frame(self, headers: Mapping[str, str], read_body: BodyReader) -> RowAnswer:
         """One frame, after the credential: its route, then a close or a data frame; every refusal answered."""
         try:
             request = parse_forward(headers, self._limits)
@@ -149,16 +153,14 @@ class ForwardService:
             return self._refuse(exc)
         except ChainFailure as exc:
             self._metrics.frames_refused.labels(code=str(exc.body.get("error", {}).get("code"))).inc()
-            extra = {"Retry-After": exc.retry_after} if exc.retry_after else None
-            return json_response(exc.status, exc.body, extra)
+            return _answer(exc.status, exc.body, exc.retry_after or None)
 
-    def _refuse(self, refusal: ForwardRefusal) -> Response:
+    def _refuse(self, refusal: ForwardRefusal) -> RowAnswer:
         self._metrics.frames_refused.labels(code=refusal.code).inc()
         logger.info("refused a frame: %d %s: %s", refusal.status, refusal.code, refusal)
         body = errors.error_body(str(refusal), _ERROR_TYPES.get(refusal.status, errors.INVALID_REQUEST),
                                  refusal.code, node_id=self.node_id)
-        headers = {"Retry-After": str(refusal.retry_after)} if refusal.retry_after is not None else None
-        return json_response(refusal.status, body, headers)
+        return _answer(refusal.status, body, None if refusal.retry_after is None else str(refusal.retry_after))
 
     # --- route ------------------------------------------------------------------------
 
@@ -182,7 +184,7 @@ class ForwardService:
 
     # --- close ------------------------------------------------------------------------
 
-    async def _close(self, session_id: str, hop: RoutedHop) -> Response:
+    async def _close(self, session_id: str, hop: RoutedHop) -> RowAnswer:
         closed = await self.close_local(session_id, hop.token)
         nxt = hop.next
         if nxt is not None:
@@ -191,7 +193,7 @@ class ForwardService:
                                                                 nxt.start_layer), b"")
             except ChainFailure as exc:  # the session there expires on its own
                 logger.info("could not pass the close of %s on to %s: %s", log_tag(session_id), nxt.node_id, exc)
-        return json_response(200, {"token": None, "closed": closed, "node_timings_ms": {}})
+        return _answer(200, {"token": None, "closed": closed, "node_timings_ms": {}})
 
     async def close_local(self, session_id: str, route_token: str) -> bool:
         """Free ``session_id`` on this node once its step in flight (if any) is done.
@@ -208,7 +210,7 @@ class ForwardService:
     # --- data frames ------------------------------------------------------------------
 
     async def _data_frame(self, request: DataRequest, headers: Mapping[str, str], read_body: BodyReader,
-                          hop: RoutedHop) -> Response:
+                          hop: RoutedHop) -> RowAnswer:
         shard = self._runner.shard
         if hop.hop_index == 0:
             raise FrameError("bad_header", f"{h.HOP_INDEX} 0 is the head, which takes tokens through the chat API, "
@@ -251,7 +253,7 @@ class ForwardService:
                 raise ForwardRefusal(500, "compute_failed", "this node failed to run its layers; "
                                                             "the session is closed") from None
             self._stepped(session, tokens)
-            return json_response(200, {"token": done.token, "node_timings_ms": done.node_timings_ms})
+            return _answer(200, {"token": done.token, "node_timings_ms": done.node_timings_ms})
 
     def _stepped(self, session: Session, tokens: int) -> None:
         """``session`` took its step on this node (whatever became of it further down the route)."""

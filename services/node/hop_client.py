@@ -266,18 +266,26 @@ def judge_answer(node: RouteNode, answer: HopAnswer) -> ForwardAnswer:
             return ForwardAnswer.model_validate_json(answer.body)
         except ValidationError:
             raise hop_failed(node.node_id, "its answer is not a forward answer") from None
-    payload = answer.json()
+    return judge_payload(node, answer.status, answer.json(), answer.headers.get("retry-after"))
+
+
+def judge_payload(node: RouteNode, status: int, payload: Any, retry_after: str | None) -> ForwardAnswer:
+    """:func:`judge_answer` for an answer whose JSON body is already parsed (a row of ``/forward/rows``)."""
+    if status == 200:
+        try:
+            return ForwardAnswer.model_validate(payload)
+        except ValidationError:
+            raise hop_failed(node.node_id, "its answer is not a forward answer") from None
     error = payload.get("error") if isinstance(payload, dict) else None
     error = error if isinstance(error, dict) else {}
     code, named = error.get("code"), error.get("failed_node") or error.get("node_id")
-    if answer.status == 502 and code == "hop_failed" and isinstance(named, str):
+    if status == 502 and code == "hop_failed" and isinstance(named, str):
         raise ChainFailure(502, payload, failed_node=named)
-    if answer.status == 503 and code in BUSY_CODES:
+    if status == 503 and code in BUSY_CODES:
         busy = named if isinstance(named, str) else node.node_id
-        raise ChainFailure(503, payload, busy_node=busy,
-                           retry_after=answer.headers.get("retry-after", DEFAULT_RETRY_AFTER_S))
-    if answer.status == 400 and code == INVALID_SAMPLING:
+        raise ChainFailure(503, payload, busy_node=busy, retry_after=retry_after or DEFAULT_RETRY_AFTER_S)
+    if status == 400 and code == INVALID_SAMPLING:
         raise ChainFailure(400, payload)
     culprit = named if isinstance(named, str) else node.node_id
-    message = str(error.get("message", answer.body[:200]))
-    raise hop_failed(culprit, f"answered {answer.status} {code or ''}: {message}".strip())
+    message = str(error.get("message", str(payload)[:200]))
+    raise hop_failed(culprit, f"answered {status} {code or ''}: {message}".strip())

@@ -24,8 +24,6 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Final
 
-import orjson
-
 from meshwire import headers as h
 from meshwire.forward_step import ForwardAnswer
 from meshwire.frames import get_header
@@ -38,6 +36,7 @@ from services.node.hop_client import (
     HopUnreachable,
     hop_failed,
     judge_answer,
+    judge_payload,
     send_along,
 )
 from services.node.outcomes import outcome_of, settle
@@ -118,17 +117,19 @@ def _row_outcomes(node: RouteNode, answer: HopAnswer, rows: int) -> list[Forward
         answers = decode_answers(answer.body, rows)
     except ValueError as exc:
         return [hop_failed(node.node_id, f"its answer to a batch of frames is not one ({exc})") for _ in range(rows)]
-    return [_judged(node, _as_hop_answer(row)) for row in answers]
-
-
-def _as_hop_answer(row: RowAnswer) -> HopAnswer:
-    headers = {"retry-after": row.retry_after} if row.retry_after else {}
-    return HopAnswer(status=row.status, body=orjson.dumps(row.body), headers=headers)
+    return [_judged_row(node, row) for row in answers]
 
 
 def _judged(node: RouteNode, answer: HopAnswer) -> ForwardAnswer | BaseException:
     try:
         return judge_answer(node, answer)
+    except ChainFailure as exc:
+        return exc
+
+
+def _judged_row(node: RouteNode, row: RowAnswer) -> ForwardAnswer | BaseException:
+    try:
+        return judge_payload(node, row.status, row.body, row.retry_after)
     except ChainFailure as exc:
         return exc
 
