@@ -21,6 +21,7 @@ import pytest
 from meshwire.registry import NodeRegistration
 from services.tracker.planner import plan_route
 from services.tracker.registry import LeaseConflict, LeaseRequired, RegistryFull, RegistryPolicy, UnknownNode
+from services.tracker.settings import TrackerSettings
 from services.tracker.store import MemoryStore, NodeStore, StoreUnavailable, open_store
 from services.tracker.store_redis import LEASE_GRACE_S, PREFIX, RedisStore
 from tests.redis_server import RedisServer, require_redis_server
@@ -322,3 +323,7 @@ async def test_the_memory_store_is_always_healthy_and_fresh() -> None:
 def test_an_unknown_store_is_refused() -> None:
     with pytest.raises(ValueError, match="memory"):
         open_store("postgres://db", POLICY, now)
+    with pytest.raises(ValueError, match="store must be 'memory' or a redis://"):
+        TrackerSettings(store="postgres://db")
+    assert TrackerSettings().store == "memory"
+    assert TrackerSettings(store=" redis://127.0.0.1:6379/0 ").store == "redis://127.0.0.1:6379/0"
