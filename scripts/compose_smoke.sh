@@ -46,6 +46,7 @@ DOCKERD_START_TRIES=120                     # x 0.5 s
 DOCKERD_STOP_TRIES=120                      # x 0.5 s
 UP_WAIT_TIMEOUT_S=600                       # above the nodes' healthcheck start_period (300 s) + retries
 SERVICE_LOG_LINES=200                       # per service, printed when something fails
+BUILD_CACHE_KEEP=8GB                        # build cache kept between runs (one build is about 1.5 GB)
 
 STARTED_AT=$(date +%s)
 DOCKERD_PID=""
@@ -97,7 +98,9 @@ cleanup() {
     ids=$(docker ps -aq); [ -z "$ids" ] || left+=("containers: $ids")
     ids=$(docker volume ls -q); [ -z "$ids" ] || left+=("volumes: $ids")
     ids=$(docker network ls -q --filter type=custom); [ -z "$ids" ] || left+=("networks: $ids")
-    docker image prune -f >/dev/null 2>&1   # images of earlier builds, now untagged: bound the cache
+    # Bound the cache: images of earlier builds (now untagged), and build cache over BUILD_CACHE_KEEP.
+    docker image prune -f >/dev/null 2>&1
+    docker builder prune -f --keep-storage "$BUILD_CACHE_KEEP" >/dev/null 2>&1
   fi
   if [ -n "$INDEX_PID" ]; then
     kill "$INDEX_PID" 2>/dev/null; wait "$INDEX_PID" 2>/dev/null
@@ -339,7 +342,7 @@ service_logs() {
 }
 
 up_and_check() {
-  export MESHNET_PUBLISH_ADDR=127.0.0.1
+  export MESHNET_PUBLISH_ADDR=127.0.0.1 MESHNET_RESTART=no
   MESHNET_SECRET=$("$PY" -c 'import secrets; print(secrets.token_urlsafe(32))')
   export MESHNET_SECRET
   local var
