@@ -1,0 +1,312 @@
+"""Weights kept quantized in memory and multiplied by PyTorch's packed 4-bit CPU kernel.
+
+``--weights int4`` and ``--weights int8`` keep a shard's decoder-layer
+products (and, for the default model, its token embedding / LM head) as
+integers with one scale and one zero per group of :data:`GROUP_SIZE` inputs,
+and multiply them with ``torch.ops.aten._weight_int4pack_mm_for_cpu``; a
+layer is never dequantized whole for a decode step.
+
+What torch 2.13 offers on a CPU, measured on the development machine's Xeon
+(2 threads, one ``3072 x 576`` product, see ``benchmarks/README.md``):
+
+* ``_weight_int4pack_mm_for_cpu`` (group-wise scale and zero) and
+  ``_weight_int8pack_mm`` (one scale per output channel only) are fast only
+  with **bfloat16** activations: 0.17 ms (int4) and 0.21 ms (int8) for one
+  row against 0.6-0.9 ms for a dense bfloat16/float16 product, but 7-12 ms
+  with float32 or float16 activations (a generic path). The kernel also
+  refuses float32 scales next to bfloat16 activations. So every quantized
+  product here converts its rows to bfloat16 and its result back.
+* Their cost grows with the rows (about 0.1 ms a row for that product) where
+  a dense product's barely does: at 8 rows int4 and dense bfloat16 cost the
+  same, at 16 rows int4 costs 2-3x more. Up to :data:`KERNEL_MAX_ROWS` rows
+  (every decode batch at the default ``--max-batch``) take the kernel; a
+  larger product (a prompt chunk) dequantizes this one matrix for the call
+  and frees it, as :mod:`services.node.chunk_precision` does for float32
+  chunks: at prompt lengths that costs a few percent of the product.
+
+One format serves both modes. The kernel computes ``w = (q - 8) * s + z``
+for a 4-bit ``q`` per group of inputs, so:
+
+* **int4** (Q4_0, Q4_1, or a float weight's group min/max): Q4_0's
+  ``(q - 8) * d`` is ``s = d, z = 0``; Q4_1's ``q * d + m`` is
+  ``s = d, z = m + 8 d``; a float group gets ``s = (max - min) / 15`` and
+  ``z = min + 8 s``.
+* **int8** (Q8_0, or a float weight's symmetric group absmax): an 8-bit
+  ``q = 16 hi + lo`` is split into two nibbles and the input is fed twice,
+  ``x W^T = [x, x] [W_hi | W_lo]^T`` with ``W_hi = (hi+8 - 8) * 16 d`` and
+  ``W_lo = (lo - 8) * d + 8 d``: exact, 8 bits a weight, one kernel call.
+
+Scales and zeros are stored in bfloat16 (the kernel's format with bfloat16
+activations), so a GGUF's float16 ``d`` and ``m`` are rounded to bfloat16
+(relative error at most 2^-9 each); the integers are the file's own. The
+tests compare every product with a float product over :func:`dequantize` of
+the same stored values.
+
+The packed layout (``_convert_weight_to_int4pack_for_cpu``, ``innerKTiles``
+has no effect on the CPU) is blocks of 64 output rows: byte ``[b, k, j]`` of
+the ``[N/64, K, 32]`` view holds row ``64 b + j`` in its low nibble and row
+``64 b + 32 + j`` in its high one. :func:`unpack` inverts it, which is how
+one matrix is dequantized for a prompt and how embedding rows are read.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Final, Literal
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+logger = logging.getLogger(__name__)
+
+QuantFormat = Literal["int4", "int8"]
+GROUP_SIZE: Final = 32
+"""Inputs sharing one scale and zero (GGUF's Q4_0/Q4_1/Q8_0 block size)."""
+ROW_BLOCK: Final = 64
+"""Output rows of one block of the kernel's packed layout; a quantized matrix has a multiple of them."""
+KERNEL_MAX_ROWS: Final = 16
+"""Products of up to this many rows run on the packed kernel; larger ones dequantize the matrix for the call."""
+KERNEL_DTYPE: Final = torch.bfloat16
+"""Activation, scale and zero format of the CPU kernel's fast path."""
+NIBBLE_MID: Final = 8
+INT4_LEVELS: Final = 15
+INT8_MAX: Final = 127
+
+
+class QuantError(ValueError):
+    """A matrix cannot be held in the quantized format (its shape, or its source blocks)."""
+
+
+@dataclass(frozen=True)
+class Groups:
+    """A matrix as the kernel's unpacked inputs: ``q`` (uint8 0..15, ``[N, K']``), ``scale`` and ``zero``
+    (float32 ``[N, K'/GROUP_SIZE]``), and how many times the input is repeated (1 for int4, 2 for int8)."""
+
+    q: torch.Tensor
+    scale: torch.Tensor
+    zero: torch.Tensor
+    repeat: int
+
+    @property
+    def out_features(self) -> int:
+        return int(self.q.shape[0])
+
+
+def shape_problem(out_features: int, in_features: int) -> str | None:
+    """Why an ``[out, in]`` matrix cannot take the packed format, or ``None`` when it can."""
+    if out_features % ROW_BLOCK:
+        return f"{out_features} output rows are not a multiple of {ROW_BLOCK}"
+    if in_features % GROUP_SIZE:
+        return f"{in_features} inputs are not a multiple of the group size {GROUP_SIZE}"
+    return None
+
+
+# --- from float weights ----------------------------------------------------------------------------
+
+
+def _grouped(weight: torch.Tensor) -> torch.Tensor:
+    rows, cols = weight.shape
+    if (problem := shape_problem(rows, cols)) is not None:
+        raise QuantError(problem)
+    return weight.detach().to(torch.float32).reshape(rows, cols // GROUP_SIZE, GROUP_SIZE)
+
+
+def _bf16(values: torch.Tensor) -> torch.Tensor:
+    """``values`` rounded to what the kernel holds (bfloat16), kept as float32."""
+    return values.to(KERNEL_DTYPE).to(torch.float32)
+
+
+def int4_groups(weight: torch.Tensor) -> Groups:
+    """Asymmetric 4-bit groups of a float ``[N, K]`` weight: each group's min..max in 16 levels."""
+    w = _grouped(weight)
+    low, high = w.amin(-1), w.amax(-1)
+    scale = _bf16(((high - low) / INT4_LEVELS).clamp_min(torch.finfo(KERNEL_DTYPE).tiny))
+    zero = _bf16(low + NIBBLE_MID * scale)
+    q = torch.round((w - zero.unsqueeze(-1)) / scale.unsqueeze(-1) + NIBBLE_MID).clamp(0, INT4_LEVELS)
+    return Groups(q=q.to(torch.uint8).reshape(weight.shape), scale=scale, zero=zero, repeat=1)
+
+
+def int8_signed_groups(q: torch.Tensor, scale: torch.Tensor) -> Groups:
+    """Signed 8-bit groups (``q`` int8 ``[N, K]``, ``scale`` ``[N, K/G]``) as two nibble halves (module doc)."""
+    wide = q.to(torch.int16)
+    hi = torch.bitwise_right_shift(wide, 4) + NIBBLE_MID  # -8..7 -> 0..15
+    lo = torch.bitwise_and(wide, 15)  # 0..15
+    scale = _bf16(scale.to(torch.float32))
+    return Groups(
+        q=torch.cat([hi, lo], 1).to(torch.uint8),
+        scale=torch.cat([scale * 16, scale], 1),
+        zero=torch.cat([torch.zeros_like(scale), scale * NIBBLE_MID], 1),
+        repeat=2,
+    )
+
+
+def int8_groups(weight: torch.Tensor) -> Groups:
+    """Symmetric 8-bit groups of a float ``[N, K]`` weight: each group's absmax as 127."""
+    w = _grouped(weight)
+    scale = _bf16((w.abs().amax(-1) / INT8_MAX).clamp_min(torch.finfo(KERNEL_DTYPE).tiny))
+    q = torch.round(w / scale.unsqueeze(-1)).clamp(-INT8_MAX - 1, INT8_MAX).to(torch.int8)
+    return int8_signed_groups(q.reshape(weight.shape), scale)
+
+
+def groups_of(weight: torch.Tensor, fmt: QuantFormat) -> Groups:
+    """``weight`` quantized to ``fmt`` (rounded to the nearest level of its group)."""
+    return int4_groups(weight) if fmt == "int4" else int8_groups(weight)
+
+
+# --- from GGUF blocks ------------------------------------------------------------------------------
+
+GGUF_BLOCK_BYTES: Final = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}
+"""Bytes of one block of :data:`GROUP_SIZE` weights in each GGUF type this module reads."""
+GGUF_FORMAT: Final[dict[str, QuantFormat]] = {"Q4_0": "int4", "Q4_1": "int4", "Q8_0": "int8"}
+"""The format a GGUF type maps onto exactly (up to the bfloat16 rounding of its scales)."""
+
+
+def gguf_groups(kind: str, blocks: np.ndarray, rows: int, cols: int) -> Groups:
+    """The groups of a GGUF ``kind`` tensor of ``rows x cols`` weights from its raw bytes (``uint8``).
+
+    Q4_0 and Q4_1 blocks are ``d`` (float16), for Q4_1 ``m`` (float16), then
+    16 bytes whose low nibbles are weights 0..15 and high nibbles 16..31; Q8_0
+    blocks are ``d`` then 32 int8 weights (ggml's ``block_q4_0/q4_1/q8_0``).
+    """
+    size = GGUF_BLOCK_BYTES.get(kind)
+    if size is None:
+        raise QuantError(f"GGUF type {kind} is not one of {sorted(GGUF_BLOCK_BYTES)}")
+    if (problem := shape_problem(rows, cols)) is not None:
+        raise QuantError(problem)
+    raw = np.ascontiguousarray(blocks, dtype=np.uint8).reshape(-1)
+    per_row = cols // GROUP_SIZE
+    if raw.size != rows * per_row * size:
+        raise QuantError(f"{kind} tensor of {rows}x{cols} needs {rows * per_row * size} bytes, got {raw.size}")
+    b = torch.from_numpy(raw.reshape(rows, per_row, size).copy())
+    d = b[..., 0:2].contiguous().view(torch.float16)[..., 0].to(torch.float32)
+    if kind == "Q8_0":
+        q = b[..., 2:].contiguous().view(torch.int8).reshape(rows, cols)
+        return int8_signed_groups(q, d)
+    nibbles = b[..., 4:] if kind == "Q4_1" else b[..., 2:]
+    q = torch.cat([torch.bitwise_and(nibbles, 15), torch.bitwise_right_shift(nibbles, 4)], -1).reshape(rows, cols)
+    scale = _bf16(d)
+    if kind == "Q4_1":
+        m = b[..., 2:4].contiguous().view(torch.float16)[..., 0].to(torch.float32)
+        zero = _bf16(m + NIBBLE_MID * d)
+    else:
+        zero = torch.zeros_like(scale)
+    return Groups(q=q.to(torch.uint8), scale=scale, zero=zero, repeat=1)
+
+
+def permute_rows(groups: Groups, order: torch.Tensor) -> Groups:
+    """``groups`` with its output rows reordered (GGUF stores Llama's q/k rows in llama.cpp's rotary order)."""
+    return Groups(q=groups.q[order], scale=groups.scale[order], zero=groups.zero[order], repeat=groups.repeat)
+
+
+def stack(parts: list[Groups]) -> Groups:
+    """Several matrices of one input size and format as one, their outputs one after the other (fused q/k/v)."""
+    repeats = {part.repeat for part in parts}
+    if len(repeats) != 1:
+        raise QuantError("cannot fuse int4 and int8 matrices into one product")
+    return Groups(q=torch.cat([p.q for p in parts]), scale=torch.cat([p.scale for p in parts]),
+                  zero=torch.cat([p.zero for p in parts]), repeat=parts[0].repeat)
+
+
+# --- the packed matrix -----------------------------------------------------------------------------
+
+
+class QuantMatrix(nn.Module):
+    """One ``[out, in]`` matrix in the kernel's packed format; ``x @ W^T`` by :meth:`matmul`.
+
+    ``packed`` (uint8 ``[out, in * repeat / 2]``) and ``scale_zeros`` (bfloat16
+    ``[in * repeat / GROUP_SIZE, out, 2]``) are buffers, so a shard counts
+    their bytes as its weights.
+    """
+
+    def __init__(self, groups: Groups) -> None:
+        super().__init__()
+        rows, cols = groups.q.shape
+        if (problem := shape_problem(rows, cols)) is not None:
+            raise QuantError(problem)
+        self.out_features = rows
+        self.in_features = cols // groups.repeat
+        self.repeat = groups.repeat
+        self.format: QuantFormat = "int8" if groups.repeat == 2 else "int4"
+        self.register_buffer("packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(
+            groups.q.to(torch.int32).contiguous(), 1))
+        self.register_buffer("scale_zeros", torch.stack([groups.scale, groups.zero], -1)
+                             .transpose(0, 1).contiguous().to(KERNEL_DTYPE))
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """``x @ W^T`` for ``x`` of shape ``[..., in]``, in ``x``'s format (module doc: rows decide the kernel)."""
+        lead = x.shape[:-1]
+        flat = x.reshape(-1, self.in_features).to(KERNEL_DTYPE)
+        if flat.shape[0] > KERNEL_MAX_ROWS:
+            out = F.linear(flat, self.dequantize(KERNEL_DTYPE))
+        else:
+            if self.repeat > 1:
+                flat = flat.repeat(1, self.repeat)
+            out = torch.ops.aten._weight_int4pack_mm_for_cpu(flat, self.packed, GROUP_SIZE, self.scale_zeros)
+        return out.to(x.dtype).reshape(*lead, self.out_features)
+
+    def unpacked(self) -> torch.Tensor:
+        """The 4-bit integers, ``[out, in * repeat]`` uint8 0..15."""
+        return unpack(self.packed, self.out_features)
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The float ``[out, in]`` matrix the kernel multiplies by (for a large product, or a reference)."""
+        return _dequantize(self.unpacked(), self.scale_zeros, self.repeat, self.in_features, dtype)
+
+    def rows(self, index: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Rows ``index`` (long ``[n]``) of the float matrix, without dequantizing the others (embeddings)."""
+        view = self.packed.view(self.out_features // ROW_BLOCK, -1, ROW_BLOCK // 2)
+        block, within = index // ROW_BLOCK, index % ROW_BLOCK
+        picked = view[block, :, within % (ROW_BLOCK // 2)]  # [n, in * repeat]
+        high = (within >= ROW_BLOCK // 2).unsqueeze(-1)
+        q = torch.where(high, torch.bitwise_right_shift(picked, 4), torch.bitwise_and(picked, 15))
+        return _dequantize(q, self.scale_zeros[:, index], self.repeat, self.in_features, dtype)
+
+    def extra_repr(self) -> str:
+        return f"{self.format}, in={self.in_features}, out={self.out_features}, group={GROUP_SIZE}"
+
+
+def unpack(packed: torch.Tensor, out_features: int) -> torch.Tensor:
+    """Invert ``_convert_weight_to_int4pack_for_cpu``: ``[out, cols]`` uint8 0..15 (layout in the module doc)."""
+    view = packed.view(out_features // ROW_BLOCK, -1, ROW_BLOCK // 2)
+    both = torch.cat([torch.bitwise_and(view, 15), torch.bitwise_right_shift(view, 4)], -1)
+    return both.transpose(1, 2).reshape(out_features, -1)
+
+
+def _dequantize(q: torch.Tensor, scale_zeros: torch.Tensor, repeat: int, in_features: int,
+                dtype: torch.dtype) -> torch.Tensor:
+    rows, cols = q.shape
+    sz = scale_zeros.to(torch.float32).transpose(0, 1)  # [rows, groups, 2]
+    w = (q.to(torch.float32).view(rows, cols // GROUP_SIZE, GROUP_SIZE) - NIBBLE_MID) * sz[..., :1] + sz[..., 1:]
+    w = w.reshape(rows, cols)
+    if repeat > 1:
+        w = w.view(rows, repeat, in_features).sum(1)
+    return w.to(dtype)
+
+
+class QuantLinear(nn.Module):
+    """``nn.Linear`` over a :class:`QuantMatrix` (the LM head of a quantized tail)."""
+
+    def __init__(self, matrix: QuantMatrix, bias: torch.Tensor | None = None) -> None:
+        super().__init__()
+        self.matrix = matrix
+        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.matrix.matmul(x)
+        return out if self.bias is None else out + self.bias.to(out.dtype)
+
+
+class QuantEmbedding(nn.Module):
+    """``nn.Embedding`` over a :class:`QuantMatrix`: only the looked-up rows are dequantized."""
+
+    def __init__(self, matrix: QuantMatrix, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.matrix = matrix
+        self.dtype = dtype
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        flat = ids.reshape(-1).to(torch.long)
+        return self.matrix.rows(flat, self.dtype).reshape(*ids.shape, self.matrix.in_features)
