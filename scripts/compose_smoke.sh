@@ -224,7 +224,7 @@ start_dockerd() {
   log "starting dockerd (data-root $CACHE/docker, socket $RUNDIR/docker.sock, no iptables)"
   dockerd --config-file "$CACHE/daemon.json" --data-root "$CACHE/docker" --exec-root "$RUNDIR/exec" \
     --pidfile "$RUNDIR/dockerd.pid" --host "unix://$RUNDIR/docker.sock" \
-    --iptables=false --ip-masq=false --ip6tables=false --bridge=none >"$LOGS/dockerd.log" 2>&1 &
+    --iptables=false --ip-masq=false --ip6tables=false --bridge=none >"$LOGS/dockerd.log" 2>&1 9>&- &
   DOCKERD_PID=$!
   export DOCKER_HOST="unix://$RUNDIR/docker.sock"
   local i
@@ -305,7 +305,7 @@ serve_torch_index() {
   fi
   "$PY" "$ROOT/scripts/compose_smoke_index.py" "$wheels" >"$LOGS/index.log" 2>&1 || die "writing the index failed: see $LOGS/index.log"
   local port; port=$(free_port "$INDEX_PORT_PREFERRED")
-  "$PY" -m http.server --bind 127.0.0.1 --directory "$wheels" "$port" >>"$LOGS/index.log" 2>&1 &
+  "$PY" -m http.server --bind 127.0.0.1 --directory "$wheels" "$port" >>"$LOGS/index.log" 2>&1 9>&- &
   INDEX_PID=$!
   export TORCH_INDEX="http://127.0.0.1:$port/simple"
   local i
@@ -369,7 +369,7 @@ up_and_check() {
 main() {
   mkdir -p "$LOGS" "$CACHE"
   : >"$LOGS/apt.log"
-  exec 9>"$CACHE/.lock"
+  exec 9>"$CACHE/.lock"       # held by this script only: what it starts in the background gets 9>&-
   flock -n 9 || die "another compose smoke run holds $CACHE/.lock"
   [ -x "$PY" ] || die "no $PY: run make setup (make compose-smoke does)"
   trap cleanup EXIT
