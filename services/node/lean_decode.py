@@ -44,6 +44,7 @@ from transformers import PretrainedConfig
 from transformers.cache_utils import Cache
 
 from services.node.chunk_precision import HALF_DTYPES
+from services.node.quant import QuantMatrix
 
 logger = logging.getLogger(__name__)
 
@@ -60,13 +61,13 @@ class _LeanLayer:
     input_eps: float
     post_norm: torch.Tensor
     post_eps: float
-    qkv: torch.Tensor
+    qkv: torch.Tensor | QuantMatrix
     qkv_bias: torch.Tensor | None
-    out: torch.Tensor
+    out: torch.Tensor | QuantMatrix
     out_bias: torch.Tensor | None
-    gate_up: torch.Tensor
+    gate_up: torch.Tensor | QuantMatrix
     gate_up_bias: torch.Tensor | None
-    down: torch.Tensor
+    down: torch.Tensor | QuantMatrix
     down_bias: torch.Tensor | None
     scaling: float
 
@@ -117,7 +118,7 @@ class LeanDecoder:
         w = self._layers[index]
         rows = x.shape[0]
         heads, kv_heads, dim = self._heads, self._kv_heads, self._head_dim
-        qkv = F.linear(_rms_norm(x, w.input_norm, w.input_eps), w.qkv, w.qkv_bias)
+        qkv = _product(_rms_norm(x, w.input_norm, w.input_eps), w.qkv, w.qkv_bias)
         q, k, v = qkv.view(rows, 1, heads + 2 * kv_heads, dim).transpose(1, 2).split([heads, kv_heads, kv_heads], 1)
         q = q * cos + _rotate_half(q) * sin
         k = k * cos + _rotate_half(k) * sin
@@ -128,10 +129,55 @@ class LeanDecoder:
             per_row.append(F.scaled_dot_product_attention(q[row:row + 1].to(wide), keys.to(wide), values.to(wide),
                                                           scale=w.scaling, enable_gqa=True))
         attended = (per_row[0] if rows == 1 else torch.cat(per_row)).to(x.dtype)
-        x = x + F.linear(attended.transpose(1, 2).reshape(rows, 1, heads * dim), w.out, w.out_bias)
-        gate, up = F.linear(_rms_norm(x, w.post_norm, w.post_eps), w.gate_up, w.gate_up_bias).split(
+        x = x + _product(attended.transpose(1, 2).reshape(rows, 1, heads * dim), w.out, w.out_bias)
+        return self._mlp(w, x)
+
+    def _mlp(self, w: _LeanLayer, x: torch.Tensor) -> torch.Tensor:
+        gate, up = _product(_rms_norm(x, w.post_norm, w.post_eps), w.gate_up, w.gate_up_bias).split(
             [self._intermediate, self._intermediate], -1)
-        return x + F.linear(F.silu(gate) * up, w.down, w.down_bias)
+        return x + _product(F.silu(gate) * up, w.down, w.down_bias)
+
+    def run_chunk(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: Cache,
+                  first: int, last: int) -> torch.Tensor:
+        """Layers ``first..last`` on ``n`` consecutive tokens of one session (``hidden`` ``[1, n, hidden]``).
+
+        The path of quantized shards, whose layers exist only here: a prompt
+        chunk attends causally to the cache and to itself (each token to the
+        ones before it), in float32 on a CPU as a decode step does.
+        """
+        if hidden.ndim != 3 or hidden.shape[0] != 1:
+            raise ValueError(f"a chunk must be [1, n, hidden], got {list(hidden.shape)}")
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+        for index in range(first, last + 1):
+            hidden = self._chunk_layer(index, hidden, cos, sin, cache)
+        return hidden
+
+    def _chunk_layer(self, index: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                     cache: Cache) -> torch.Tensor:
+        w = self._layers[index]
+        n = x.shape[1]
+        heads, kv_heads, dim = self._heads, self._kv_heads, self._head_dim
+        qkv = _product(_rms_norm(x, w.input_norm, w.input_eps), w.qkv, w.qkv_bias)
+        q, k, v = qkv.view(1, n, heads + 2 * kv_heads, dim).transpose(1, 2).split([heads, kv_heads, kv_heads], 1)
+        q = q * cos + _rotate_half(q) * sin
+        k = k * cos + _rotate_half(k) * sin
+        keys, values = cache.layers[index].update(k, v)
+        total = keys.shape[2]
+        visible = torch.arange(total, device=x.device).unsqueeze(0) <= (
+            torch.arange(total - n, total, device=x.device).unsqueeze(1))
+        wide = _attention_dtype(x)
+        attended = F.scaled_dot_product_attention(q.to(wide), keys.to(wide), values.to(wide), attn_mask=visible,
+                                                  scale=w.scaling, enable_gqa=True).to(x.dtype)
+        x = x + _product(attended.transpose(1, 2).reshape(1, n, heads * dim), w.out, w.out_bias)
+        return self._mlp(w, x)
+
+
+def _product(x: torch.Tensor, weight: torch.Tensor | QuantMatrix, bias: torch.Tensor | None) -> torch.Tensor:
+    """``x W^T + b``: torch's dense product, or the packed kernel of a quantized matrix."""
+    if isinstance(weight, torch.Tensor):
+        return F.linear(x, weight, bias)
+    out = weight.matmul(x)
+    return out if bias is None else out + bias
 
 def _attention_dtype(x: torch.Tensor) -> torch.dtype:
     """Format attention is computed in: float32 on a CPU (as :mod:`~services.node.chunk_precision` does), else
@@ -166,6 +212,32 @@ def lean_decoder_for(config: PretrainedConfig, layers: dict[int, nn.Module], dty
         return None
     solo = device.type == "cpu" and dtype in HALF_DTYPES
     return LeanDecoder(config, {index: _fuse(layer) for index, layer in layers.items()}, solo=solo)
+
+
+def quantized_lean_decoder(config: PretrainedConfig, layers: dict[int, nn.Module]) -> LeanDecoder:
+    """A :class:`LeanDecoder` over layers whose projections were packed into ``layer.quant``
+    (:func:`services.node.quant_load.load_quantized`); it runs every step of such a shard, prompts too."""
+    return LeanDecoder(config, {index: _quantized(layer) for index, layer in layers.items()}, solo=True)
+
+
+def _quantized(layer: nn.Module) -> _LeanLayer:
+    attn, mlp, quant = layer.self_attn, layer.mlp, layer.quant
+    qkv_bias = None if attn.q_proj.bias is None else torch.cat([attn.q_proj.bias, attn.k_proj.bias,
+                                                                 attn.v_proj.bias])
+    gate_up_bias = None if mlp.gate_proj.bias is None else torch.cat([mlp.gate_proj.bias, mlp.up_proj.bias])
+    return _LeanLayer(
+        input_norm=layer.input_layernorm.weight, input_eps=float(layer.input_layernorm.variance_epsilon),
+        post_norm=layer.post_attention_layernorm.weight,
+        post_eps=float(layer.post_attention_layernorm.variance_epsilon),
+        qkv=quant["qkv"], qkv_bias=qkv_bias, out=quant["out"], out_bias=attn.o_proj.bias,
+        gate_up=quant["gate_up"], gate_up_bias=gate_up_bias, down=quant["down"], down_bias=mlp.down_proj.bias,
+        scaling=float(attn.scaling),
+    )
+
+
+def unsupported(config: PretrainedConfig, layers: dict[int, nn.Module], mask_kinds: dict[int, str]) -> str | None:
+    """Why the lean path cannot reproduce these layers, or ``None`` when it can (also the quantized path's test)."""
+    return _unsupported(config, layers, mask_kinds)
 
 
 def _unsupported(config: PretrainedConfig, layers: dict[int, nn.Module], mask_kinds: dict[int, str]) -> str | None:

@@ -109,8 +109,8 @@ def shape_problem(out_features: int, in_features: int) -> str | None:
 
 def _grouped(weight: torch.Tensor) -> torch.Tensor:
     rows, cols = weight.shape
-    if (problem := shape_problem(rows, cols)) is not None:
-        raise QuantError(problem)
+    if cols % GROUP_SIZE:
+        raise QuantError(f"{cols} inputs are not a multiple of the group size {GROUP_SIZE}")
     return weight.detach().to(torch.float32).reshape(rows, cols // GROUP_SIZE, GROUP_SIZE)
 
 
@@ -174,8 +174,8 @@ def gguf_groups(kind: str, blocks: np.ndarray, rows: int, cols: int) -> Groups:
     size = GGUF_BLOCK_BYTES.get(kind)
     if size is None:
         raise QuantError(f"GGUF type {kind} is not one of {sorted(GGUF_BLOCK_BYTES)}")
-    if (problem := shape_problem(rows, cols)) is not None:
-        raise QuantError(problem)
+    if cols % GROUP_SIZE:
+        raise QuantError(f"{cols} inputs are not a multiple of the group size {GROUP_SIZE}")
     raw = np.ascontiguousarray(blocks, dtype=np.uint8).reshape(-1)
     per_row = cols // GROUP_SIZE
     if raw.size != rows * per_row * size:

@@ -47,7 +47,16 @@ from transformers.masking_utils import (
 from services.node.chunk_precision import FLOAT32_ATTENTION, attention_kernel, compute_chunks_in_float32
 from services.node.device import chunk_compute_dtype
 from services.node.kv_cache import ShardCache
-from services.node.lean_decode import LeanDecoder, lean_decoder_for
+from services.node.lean_decode import LeanDecoder, lean_decoder_for, quantized_lean_decoder, unsupported
+from services.node.quant_load import (
+    GgufSource,
+    SafetensorsSource,
+    WeightsFormat,
+    float_state,
+    load_quantized,
+    quantized_problem,
+    strip_linears,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -89,6 +98,7 @@ class Shard:
         device: torch.device,
         chunk_dtype: torch.dtype | None = None,
         lean: LeanDecoder | None = None,
+        weights_format: WeightsFormat = "float",
     ) -> None:
         self.config = config
         self.start = start
@@ -111,6 +121,9 @@ class Shard:
         self._rotary_emb = rotary_emb
         self._mask_kinds: dict[int, MaskKind] = _mask_kinds(config, start, end)
         self.lean = lean
+        self.weights_format: WeightsFormat = weights_format
+        """``float``, or the packed format (:mod:`services.node.quant`) every step of this shard runs through
+        the lean decoder with."""
         self.kv_dtype: torch.dtype | None = torch.float32 if attention_kernel(dtype, device) == FLOAT32_ATTENTION \
             else None
         """Format the KV cache keeps (``None``: the shard's): float32 where attention runs in float32."""
@@ -199,6 +212,8 @@ class Shard:
         hidden = hidden.to(device=self.device, dtype=self.dtype)
         n = hidden.shape[1]
         position_ids = torch.arange(position_offset, position_offset + n, device=self.device).unsqueeze(0)
+        if self.weights_format != "float" and self.lean is not None:
+            return self._run_quantized(hidden, cache, position_ids, first, held)
         masks = self._masks(hidden, cache, position_ids, first)
         position_embeddings = self._rotary_emb(hidden, position_ids=position_ids)
         try:
@@ -219,6 +234,19 @@ class Shard:
             cache.truncate(held)  # leave the session as it was before this step (e.g. out of memory)
             raise
         return hidden
+
+    def _run_quantized(self, hidden: torch.Tensor, cache: ShardCache, position_ids: torch.Tensor, first: int,
+                       held: int) -> torch.Tensor:
+        """A step of a quantized shard: its layers exist only in the lean decoder, prompts included."""
+        assert self.lean is not None
+        cos, sin = self._rotary_emb(hidden, position_ids=position_ids)
+        try:
+            if hidden.shape[1] == 1:
+                return self.lean.run(hidden, cos, sin, cache.kv, first, self.end)
+            return self.lean.run_chunk(hidden, cos, sin, cache.kv, first, self.end)
+        except BaseException:
+            cache.truncate(held)
+            raise
 
     @property
     def batches_rows(self) -> bool:
@@ -319,11 +347,16 @@ def _mask_kinds(config: PretrainedConfig, start: int, end: int) -> dict[int, Mas
     return kinds
 
 
-def load_shard(path: Path, start: int, end: int, dtype: torch.dtype, device: torch.device) -> Shard:
+def load_shard(path: Path, start: int, end: int, dtype: torch.dtype, device: torch.device,
+               weights: WeightsFormat = "float", gguf: Path | None = None) -> Shard:
     """Load layers ``start..end`` (inclusive) of the model in folder ``path``.
 
     Only the tensors of the kept modules are read from the safetensors files;
     the rest of the model exists only as a meta-device skeleton while loading.
+    ``weights`` ``int8``/``int4`` packs the layers' products (and the embedding
+    / LM head) as they are read, from ``gguf``'s blocks when given
+    (:mod:`services.node.quant_load`); layers the quantized path cannot take
+    load as ``float``, and the log says why.
     """
     began = time.perf_counter()
     if not (path / "config.json").is_file():
@@ -351,16 +384,31 @@ def load_shard(path: Path, start: int, end: int, dtype: torch.dtype, device: tor
     if is_tail:
         modules.model.norm = decoder.norm
         modules.lm_head = skeleton.lm_head
-    if chunk_dtype != dtype:
-        compute_chunks_in_float32(modules.model.layers)
-    _load_weights(path, modules, config, dtype, device)
+    layers = {i: modules.model.layers[str(i)] for i in range(start, end + 1)}
+    mask_kinds = _mask_kinds(config, start, end)
+    served: WeightsFormat = "float"
+    if weights != "float":
+        why = quantized_problem(config, device, unsupported(config, layers, mask_kinds))
+        if why is None:
+            served = weights
+        else:
+            logger.warning("--weights %s: layers %d-%d load as float instead: %s", weights, start, end, why)
+    if served == "float":
+        if chunk_dtype != dtype:
+            compute_chunks_in_float32(modules.model.layers)
+        _load_weights(path, modules, config, dtype, device)
+    else:
+        chunk_dtype = dtype
+        _load_packed(path, gguf, modules, layers, config, served, dtype, device, is_head=is_head, is_tail=is_tail)
 
     with torch.device(device):
         rotary_emb = type(decoder.rotary_emb)(config=config)
     rotary_emb.eval()
     modules.eval()
-    layers = {i: modules.model.layers[str(i)] for i in range(start, end + 1)}
-    lean = lean_decoder_for(config, layers, dtype, device, _mask_kinds(config, start, end))
+    if served == "float":
+        lean = lean_decoder_for(config, layers, dtype, device, mask_kinds)
+    else:
+        lean = quantized_lean_decoder(config, layers)
 
     shard = Shard(
         config=config,
@@ -376,6 +424,7 @@ def load_shard(path: Path, start: int, end: int, dtype: torch.dtype, device: tor
         device=device,
         chunk_dtype=chunk_dtype,
         lean=lean,
+        weights_format=served,
     )
     chunks = (
         ""
@@ -383,12 +432,13 @@ def load_shard(path: Path, start: int, end: int, dtype: torch.dtype, device: tor
         else f" (multi-token chunks in {_name(chunk_dtype)}: no native {_name(dtype)} matrix kernels here)"
     )
     logger.info(
-        "loaded layers %d-%d of %d (%s) as %s on %s%s: %.1f MiB in %.2f s",
+        "loaded layers %d-%d of %d (%s) as %s%s on %s%s: %.1f MiB in %.2f s",
         start,
         end,
         num_layers,
         shard.role,
         _name(dtype),
+        "" if served == "float" else f" with {served} weights" + (f" from {gguf.name}" if gguf else ""),
         device,
         chunks,
         shard.weight_bytes() / (1 << 20),
@@ -452,6 +502,23 @@ def _load_weights(
     leftover = [name for name, t in [*modules.named_parameters(), *modules.named_buffers()] if t.is_meta]
     if leftover:
         raise ShardError(f"tensors not in the checkpoint and not computable: {leftover[:3]}")
+
+
+def _load_packed(path: Path, gguf: Path | None, modules: nn.Module, layers: dict[int, nn.Module],
+                 config: PretrainedConfig, fmt: WeightsFormat, dtype: torch.dtype, device: torch.device, *,
+                 is_head: bool, is_tail: bool) -> None:
+    """The quantized load: norms and biases as floats, every product packed as it is read."""
+    assert fmt != "float"
+    strip_linears(layers)
+    if is_head:
+        del modules.model.embed_tokens
+    if is_tail:
+        del modules.lm_head
+    source = GgufSource(gguf, config) if gguf is not None else SafetensorsSource(path)
+    wanted = set(modules.state_dict().keys())
+    modules.load_state_dict(float_state(source, wanted, dtype, device), strict=True, assign=True)
+    load_quantized(source, modules, layers, fmt, dtype, has_embedding=is_head, has_head=is_tail,
+                   tied=bool(getattr(config, "tie_word_embeddings", False)))
 
 
 def _cast(tensor: torch.Tensor, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
