@@ -47,6 +47,10 @@ MAX_SESSIONS: Final = 1 << 20
 MAX_ADDRESS_CHARS: Final = 512
 """Longest ``endpoint`` or ``relay_addr`` a node may register (a DNS name is at most 253 characters)."""
 MAX_PORT: Final = 65535
+MAX_MEMORY_BYTES: Final = 1 << 50
+"""Largest memory figure (weights, KV cache) a node may report."""
+WeightsFormat = Literal["float", "int8", "int4"]
+"""How a node holds its weights (``meshnet node --weights``)."""
 ENDPOINT_SCHEMES: Final = ("http", "https")
 RELAY_SCHEMES: Final = ("ws", "wss")
 
@@ -127,6 +131,12 @@ class NodeRegistration(BaseModel):
     kv_free_tokens: int = Field(default=0, ge=0, le=MAX_KV_TOKENS)
     active_sessions: int = Field(default=0, ge=0, le=MAX_SESSIONS)
     decode_tokens_per_s: float = Field(default=0.0, ge=0.0, allow_inf_nan=False)
+    weights: WeightsFormat | None = None
+    """Format the node holds its layers' weights in (``--weights``): ``float`` (its ``dtype``), ``int8``, ``int4``."""
+    weight_bytes: int = Field(default=0, ge=0, le=MAX_MEMORY_BYTES)
+    """Bytes the node's weights take in memory (packed where quantized; a tied matrix counted once)."""
+    kv_bytes: int = Field(default=0, ge=0, le=MAX_MEMORY_BYTES)
+    """Bytes its open sessions' KV caches take now."""
 
     @model_validator(mode="after")
     def _check_shard(self) -> NodeRegistration:

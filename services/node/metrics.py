@@ -63,6 +63,9 @@ class NodeMetrics:
             lambda: sessions.free_tokens)
         Gauge("meshnet_node_kv_bytes", "Bytes of key/value tensors held", registry=r).set_function(
             sessions.cache_bytes)
+        self.weight_bytes = Gauge("meshnet_node_weight_bytes",
+                                  "Bytes the node's weights take in memory (packed where --weights int8/int4)",
+                                  registry=r)
 
     def render(self) -> bytes:
         """The text exposition of every metric."""

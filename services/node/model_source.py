@@ -75,6 +75,9 @@ class ResolvedModel:
 
     path: Path
     model_id: str
+    gguf: Path | None = None
+    """The quantized file the folder was converted from (the default model's GGUF), which ``--weights``
+    reads its blocks from; ``None`` for a float checkpoint."""
 
 
 def log_progress(stage: str, fraction: float) -> None:
@@ -101,7 +104,8 @@ def resolve_model(
         check_model_folder(local)
         return ResolvedModel(path=local.resolve(), model_id=local.resolve().name)
     if name.lower() in DEFAULT_MODEL_ALIASES:
-        return ResolvedModel(path=_default_model_folder(root, progress), model_id=DEFAULT_MODEL)
+        return ResolvedModel(path=_default_model_folder(root, progress), model_id=DEFAULT_MODEL,
+                             gguf=_locate_default_gguf())
     if HUB_NAME.fullmatch(name):
         return ResolvedModel(path=_download_from_hub(name, root, progress), model_id=name)
     raise ModelSourceError(

@@ -34,6 +34,8 @@ from services.node.generation import Generator
 from services.node.hop_client import HopClient
 from services.node.metrics import NodeMetrics
 from services.node.model_source import resolve_model
+from services.node.quant import KERNEL_DTYPE
+from services.node.quant_load import resolve_format
 from services.node.registration import Registrar
 from services.node.relay_link import ASGIApp, asgi_handler
 from services.node.route_step import RouteStepper
@@ -102,10 +104,20 @@ class NodeRuntime:
         self.worker.use_gate(cpu_gate_for(s.cpu_lock, device.type), self.metrics.cpu_gate_wait.observe)
         # Chosen for one row: a lone stream's speed is what a user meets first, and the table's batch
         # bands trade it away (on an AMX Xeon bfloat16 wins from 4 rows but is 1.3x slower for one).
-        dtype = pick_dtype(s.dtype, device, rows=DTYPE_ROWS)
+        weights, why = await asyncio.to_thread(resolve_format, s.weights, resolved.gguf)
+        if weights != "float" and s.dtype == "auto" and device.type == "cpu":
+            dtype = KERNEL_DTYPE  # the packed kernel's activation format: no conversion around each product
+            logger.info("weights %s (%s); dtype auto: %s, the packed kernel's format", weights, why,
+                        DTYPE_NAMES[dtype])
+        else:
+            dtype = pick_dtype(s.dtype, device, rows=DTYPE_ROWS)
+            logger.info("weights %s (%s)", weights, why)
         config = await asyncio.to_thread(AutoConfig.from_pretrained, resolved.path)
         start, end = s.layer_range() or (0, config.num_hidden_layers - 1)
-        self.shard = await self.worker.run(load_shard, resolved.path, start, end, dtype, device)
+        self.shard = await self.worker.run(load_shard, resolved.path, start, end, dtype, device, weights,
+                                           resolved.gguf if weights != "float" else None)
+        weight_bytes = self.shard.weight_bytes()
+        self.metrics.weight_bytes.set(weight_bytes)
         self.runner = ShardRunner(self.shard, self.worker, max_batch=s.max_batch, max_step_tokens=s.max_step_tokens,
                                   on_batch=self.metrics.batch_rows.observe)
         stepper = RouteStepper(node_id=self.node_id, runner=self.runner, sessions=self.sessions,
@@ -153,6 +165,8 @@ class NodeRuntime:
             relay_addr=self.relay_addr, dtype=DTYPE_NAMES[self.shard.dtype], device=str(self.shard.device),
             kv_capacity_tokens=self.sessions.kv_budget_tokens, kv_free_tokens=self.sessions.free_tokens,
             active_sessions=len(self.sessions), decode_tokens_per_s=round(self.runner.decode_tokens_per_s, 3),
+            weights=self.shard.weights_format, weight_bytes=self.shard.weight_bytes(),
+            kv_bytes=self.sessions.cache_bytes(),
         )
 
     # --- stop -------------------------------------------------------------------------

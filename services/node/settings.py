@@ -39,6 +39,8 @@ DEFAULT_MAX_STEP_TOKENS: Final = 512
 MAX_BATCH_LIMIT: Final = 256
 """Largest ``max_batch`` accepted (rows of one batched decode step)."""
 NodeDType = Literal["auto", "float32", "bfloat16", "float16"]
+WeightsMode = Literal["auto", "float", "int8", "int4"]
+"""``--weights``: see :mod:`services.node.quant_load`."""
 
 _LAYERS = re.compile(r"^\s*(\d{1,5})\s*-\s*(\d{1,5})\s*$")
 _DEVICE = re.compile(r"^(auto|cpu|cuda(:\d{1,3})?|mps)$")
@@ -107,6 +109,10 @@ class NodeSettings(BaseSettings):
     """Number format of the layers; ``auto`` picks the fastest for the device and logs why."""
     device: str = "auto"
     """``auto`` (the first CUDA GPU, else the CPU), ``cpu``, ``cuda`` or ``cuda:N``."""
+    weights: WeightsMode = "auto"
+    """Format the layers' weights are held in: ``float`` (the ``dtype``), or ``int8``/``int4`` packed with
+    group-wise scales; ``auto`` serves a quantized file (the default model's Q4_1 GGUF) quantized, a float
+    checkpoint as float."""
     secret: str = Field(default=DEFAULT_SECRET, min_length=1, max_length=1024)
     """The mesh's shared secret: authenticates hops and registration, verifies routes."""
     api_keys: Annotated[tuple[str, ...], NoDecode, ApiKeyList] = ()
