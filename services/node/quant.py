@@ -20,9 +20,11 @@ What torch 2.13 offers on a CPU, measured on the development machine's Xeon
   a dense product's barely does: at 8 rows int4 and dense bfloat16 cost the
   same, at 16 rows int4 costs 2-3x more. Up to :data:`KERNEL_MAX_ROWS` rows
   (every decode batch at the default ``--max-batch``) take the kernel; a
-  larger product (a prompt chunk) dequantizes this one matrix for the call
-  and frees it, as :mod:`services.node.chunk_precision` does for float32
-  chunks: at prompt lengths that costs a few percent of the product.
+  larger product (a prompt chunk) dequantizes this one matrix to float32 for
+  the call and frees it, as :mod:`services.node.chunk_precision` does for
+  float32 chunks, and computes what the kernel computes (bfloat16 rows,
+  float32 weights and sums, a bfloat16 result). A dequantized bfloat16
+  matrix would be faster for long prompts but rounds every weight again.
 
 One format serves both modes. The kernel computes ``w = (q - 8) * s + z``
 for a 4-bit ``q`` per group of inputs, so:
@@ -239,8 +241,8 @@ class QuantMatrix(nn.Module):
         """``x @ W^T`` for ``x`` of shape ``[..., in]``, in ``x``'s format (module doc: rows decide the kernel)."""
         lead = x.shape[:-1]
         flat = x.reshape(-1, self.in_features).to(KERNEL_DTYPE)
-        if flat.shape[0] > KERNEL_MAX_ROWS:
-            out = F.linear(flat, self.dequantize(KERNEL_DTYPE))
+        if flat.shape[0] > KERNEL_MAX_ROWS:  # the kernel's arithmetic: bfloat16 rows, float32 weights and sums
+            out = F.linear(flat.to(torch.float32), self.dequantize(torch.float32)).to(KERNEL_DTYPE)
         else:
             if self.repeat > 1:
                 flat = flat.repeat(1, self.repeat)

@@ -1,0 +1,243 @@
+"""Weights held quantized: the packed format, GGUF blocks read into it, and quantized shards of the tiny model.
+
+The reference everywhere is a float computation over :meth:`QuantMatrix.dequantize` of the values the
+kernel holds. Tolerances, stated once: the packed kernel multiplies bfloat16 activations and rounds
+its result to bfloat16, so a product agrees with the float product of the same (bfloat16-rounded)
+rows to a few bfloat16 steps of the result's magnitude (:data:`PRODUCT_RTOL`); a whole shard whose
+reference rounds each product's rows and result to bfloat16 as the kernel does agrees to
+:data:`HIDDEN_RTOL` of the hidden states' magnitude (int4 comes out bit-identical here; int8 sums
+its two nibble halves inside the kernel).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from gguf import GGMLQuantizationType
+from gguf.quants import dequantize as gguf_dequantize
+from gguf.quants import quantize as gguf_quantize
+from torch import nn
+
+from services.node.quant import (
+    GROUP_SIZE,
+    KERNEL_DTYPE,
+    KERNEL_MAX_ROWS,
+    QuantError,
+    QuantMatrix,
+    gguf_groups,
+    groups_of,
+    unpack,
+)
+from services.node.quant_load import resolve_format
+from services.node.shard import Shard, load_shard
+
+CPU = torch.device("cpu")
+PRODUCT_RTOL = 2.0 ** -6
+"""A product's largest error, relative to the largest value of the float result (bfloat16 has 8 significant bits)."""
+HIDDEN_RTOL = 1e-2
+"""A quantized shard's hidden states against the bfloat16-rounding float reference, relative to their magnitude."""
+ROWS = (1, 2, 3, 4, 8, 16, 17, 40)
+"""Row counts a product sees: lone and batched decode steps (the kernel), prompt chunks (dequantized per call)."""
+PROMPT_IDS = [5, 17, 99, 300, 42, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22]
+DECODE_STEPS = 6
+
+
+def _weight(rows: int = 192, cols: int = 96, seed: int = 0) -> torch.Tensor:
+    return torch.randn(rows, cols, generator=torch.Generator().manual_seed(seed))
+
+
+# --- the packed format -------------------------------------------------------------------------------------
+
+
+def test_unpack_inverts_torchs_packing() -> None:
+    q = torch.randint(0, 16, (192, 96), dtype=torch.int32, generator=torch.Generator().manual_seed(1))
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
+    assert torch.equal(unpack(packed, 192).to(torch.int32), q)
+
+
+@pytest.mark.parametrize("fmt", ["int4", "int8"])
+@pytest.mark.parametrize("rows", ROWS)
+def test_a_quantized_product_equals_the_float_product_of_its_dequantized_matrix(fmt: str, rows: int) -> None:
+    matrix = QuantMatrix(groups_of(_weight(), fmt))  # type: ignore[arg-type]
+    x = torch.randn(rows, 96, generator=torch.Generator().manual_seed(rows))
+    reference = x.to(KERNEL_DTYPE).float() @ matrix.dequantize().t()
+    out = matrix.matmul(x)
+    assert out.dtype == x.dtype and out.shape == (rows, 192)
+    assert (out - reference).abs().max() <= PRODUCT_RTOL * reference.abs().max()
+
+
+@pytest.mark.parametrize(("fmt", "bound"), [("int4", 0.5 / 15), ("int8", 0.5 / 127)])
+def test_quantizing_a_float_matrix_rounds_each_weight_to_the_nearest_level_of_its_group(fmt: str,
+                                                                                         bound: float) -> None:
+    weight = _weight()
+    error = (QuantMatrix(groups_of(weight, fmt)).dequantize() - weight).abs()  # type: ignore[arg-type]
+    spread = weight.reshape(192, -1, GROUP_SIZE)
+    span = (spread.amax(-1) - spread.amin(-1)) if fmt == "int4" else 2 * spread.abs().amax(-1)
+    # half a level of the group's span, plus the bfloat16 rounding of its scale and zero
+    limit = (bound * 1.02 + 2.0 ** -8) * span.repeat_interleave(GROUP_SIZE, 1).reshape(192, 96)
+    assert bool((error <= limit).all())
+
+
+def test_embedding_rows_are_read_without_dequantizing_the_others() -> None:
+    matrix = QuantMatrix(groups_of(_weight(), "int8"))
+    rows = torch.tensor([0, 5, 31, 32, 63, 64, 100, 191, 5])
+    assert torch.equal(matrix.rows(rows, torch.float32), matrix.dequantize()[rows])
+
+
+def test_a_matrix_the_packed_format_cannot_hold_is_refused_with_its_reason() -> None:
+    with pytest.raises(QuantError, match="multiple of 64"):
+        QuantMatrix(groups_of(_weight(rows=48), "int4"))
+    with pytest.raises(QuantError, match="group size 32"):
+        groups_of(_weight(cols=40), "int4")
+
+
+def test_large_products_dequantize_only_above_the_kernel_row_bound() -> None:
+    assert KERNEL_MAX_ROWS == 16  # every decode batch at the default --max-batch takes the kernel
+
+
+# --- GGUF blocks -------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("kind", "fmt"), [("Q4_0", "int4"), ("Q4_1", "int4"), ("Q8_0", "int8")])
+def test_gguf_blocks_load_as_their_own_integers_with_bfloat16_scales(kind: str, fmt: str) -> None:
+    weight = _weight(seed=3).numpy()
+    blocks = gguf_quantize(weight, GGMLQuantizationType[kind])
+    file_values = torch.from_numpy(np.array(gguf_dequantize(blocks, GGMLQuantizationType[kind]), dtype=np.float32))
+    matrix = QuantMatrix(gguf_groups(kind, blocks, 192, 96))
+    assert matrix.format == fmt
+    held = matrix.dequantize()
+    # the integers are the file's; only d (and Q4_1's m + 8d) are rounded to bfloat16, 2^-9 relative each
+    groups = file_values.reshape(192, -1, GROUP_SIZE).abs().amax(-1).repeat_interleave(GROUP_SIZE, 1)
+    assert bool(((held - file_values).abs() <= 2.0 ** -8 * 2 * (groups.reshape(192, 96) + 1e-6)).all())
+    x = torch.randn(3, 96)
+    reference = x.to(KERNEL_DTYPE).float() @ held.t()
+    assert (matrix.matmul(x) - reference).abs().max() <= PRODUCT_RTOL * reference.abs().max()
+
+
+def test_gguf_blocks_of_the_wrong_size_are_refused() -> None:
+    blocks = gguf_quantize(_weight().numpy(), GGMLQuantizationType.Q4_1)
+    with pytest.raises(QuantError, match="needs"):
+        gguf_groups("Q4_1", blocks[:, :-1], 192, 96)
+    with pytest.raises(QuantError, match="not one of"):
+        gguf_groups("Q6_K", blocks, 192, 96)
+
+
+def test_auto_serves_a_float_checkpoint_as_float() -> None:
+    assert resolve_format("auto", None)[0] == "float"
+    assert resolve_format("int4", None)[0] == "int4"
+
+
+# --- quantized shards of the tiny model ---------------------------------------------------------------------
+
+
+class _RoundedLinear(nn.Module):
+    """A float product whose rows and result are rounded to bfloat16, as the packed kernel's are."""
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        super().__init__()
+        self.weight = weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x.to(KERNEL_DTYPE).float(), self.weight).to(KERNEL_DTYPE).float()
+
+
+def _float_reference(folder: Path, quantized: Shard) -> Shard:
+    """A float32 shard of the same layers whose products use the quantized shard's dequantized matrices."""
+    reference = load_shard(folder, quantized.start, quantized.end, torch.float32, CPU)
+    for index in quantized.layer_range:
+        packed, layer = quantized._layers[index].quant, reference._layers[index]
+        attn, mlp = layer.self_attn, layer.mlp
+        q_rows, k_rows = attn.q_proj.out_features, attn.k_proj.out_features
+        qkv = packed["qkv"].dequantize()
+        attn.q_proj = _RoundedLinear(qkv[:q_rows])
+        attn.k_proj = _RoundedLinear(qkv[q_rows:q_rows + k_rows])
+        attn.v_proj = _RoundedLinear(qkv[q_rows + k_rows:])
+        attn.o_proj = _RoundedLinear(packed["out"].dequantize())
+        gate_up, inner = packed["gate_up"].dequantize(), mlp.gate_proj.out_features
+        mlp.gate_proj, mlp.up_proj = _RoundedLinear(gate_up[:inner]), _RoundedLinear(gate_up[inner:])
+        mlp.down_proj = _RoundedLinear(packed["down"].dequantize())
+    if quantized.is_head:
+        with torch.no_grad():
+            reference._embed_tokens.weight.copy_(quantized._embed_tokens.matrix.dequantize())
+    if quantized.is_tail:
+        reference._lm_head = _RoundedLinear(quantized._lm_head.matrix.dequantize())
+    return reference
+
+
+def _close(a: torch.Tensor, b: torch.Tensor, rtol: float) -> bool:
+    return bool((a.float() - b.float()).abs().max() <= rtol * b.float().abs().max())
+
+
+@pytest.mark.parametrize("fmt", ["int4", "int8"])
+def test_a_quantized_shard_equals_a_float_reference_of_its_dequantized_weights(tiny_model_dir: Path,
+                                                                               fmt: str) -> None:
+    quantized = load_shard(tiny_model_dir, 0, 3, torch.float32, CPU, weights=fmt)  # type: ignore[arg-type]
+    assert quantized.weights_format == fmt
+    reference = _float_reference(tiny_model_dir, quantized)
+    caches = quantized.new_cache(), reference.new_cache()
+    ids = torch.tensor([PROMPT_IDS])
+    hidden = [shard.run_layers(shard.embed(ids), cache, 0) for shard, cache in zip((quantized, reference), caches)]
+    assert _close(hidden[0], hidden[1], HIDDEN_RTOL)
+    for _ in range(DECODE_STEPS):
+        token = torch.tensor([[int(reference.logits_last(hidden[1]).argmax())]])
+        hidden = [shard.run_layers(shard.embed(token), cache, cache.seq_len)
+                  for shard, cache in zip((quantized, reference), caches)]
+        assert _close(hidden[0], hidden[1], HIDDEN_RTOL)
+    assert _close(quantized.logits_last(hidden[0]), reference.logits_last(hidden[1]), 4 * HIDDEN_RTOL)
+
+
+def test_a_quantized_shard_holds_a_fraction_of_the_float_bytes(tiny_model_dir: Path) -> None:
+    whole = load_shard(tiny_model_dir, 0, 3, torch.float32, CPU).weight_bytes()
+    int8 = load_shard(tiny_model_dir, 0, 3, torch.float32, CPU, weights="int8").weight_bytes()
+    int4 = load_shard(tiny_model_dir, 0, 3, torch.float32, CPU, weights="int4").weight_bytes()
+    assert int4 < int8 < whole / 3  # float32: 4 bytes a weight; int8 1 + scales; int4 mostly half a byte
+
+
+def test_batched_rows_of_a_quantized_shard_equal_each_row_alone(tiny_model_dir: Path) -> None:
+    shard = load_shard(tiny_model_dir, 0, 3, torch.bfloat16, CPU, weights="int4")
+    prompts = [[5, 6, 7], [40, 41, 42, 43, 44], [9]]
+    solo, batched = [], []
+    for prompt in prompts:
+        for into in (solo, batched):
+            cache = shard.new_cache()
+            shard.run_layers(shard.embed(torch.tensor([prompt])), cache, 0)
+            into.append(cache)
+    token = torch.tensor([[3]])
+    alone = [shard.run_layers(shard.embed(token), cache, cache.seq_len) for cache in solo]
+    rows = torch.cat([shard.embed(token)] * len(prompts))
+    together = shard.run_rows(rows, batched, [cache.seq_len for cache in batched], 0)
+    for row, single in enumerate(alone):
+        assert _close(together[row:row + 1], single, HIDDEN_RTOL)
+
+
+def test_a_quantized_route_of_two_shards_equals_the_quantized_whole(tiny_model_dir: Path) -> None:
+    whole = load_shard(tiny_model_dir, 0, 3, torch.bfloat16, CPU, weights="int4")
+    head = load_shard(tiny_model_dir, 0, 1, torch.bfloat16, CPU, weights="int4")
+    tail = load_shard(tiny_model_dir, 2, 3, torch.bfloat16, CPU, weights="int4")
+    ids = torch.tensor([PROMPT_IDS])
+    one = whole.logits_last(whole.run_layers(whole.embed(ids), whole.new_cache(), 0))
+    mid = head.run_layers(head.embed(ids), head.new_cache(), 0)
+    two = tail.logits_last(tail.run_layers(mid, tail.new_cache(), 0))
+    assert torch.equal(one, two)
+
+
+def test_a_layer_type_the_quantized_path_cannot_take_loads_as_float_and_says_why(
+        tiny_model_dir: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    folder = tmp_path / "gelu-model"
+    shutil.copytree(tiny_model_dir, folder)
+    config = json.loads((folder / "config.json").read_text())
+    config["hidden_act"] = "gelu"
+    (folder / "config.json").write_text(json.dumps(config))
+    with caplog.at_level(logging.WARNING, logger="services.node.shard"):
+        shard = load_shard(folder, 0, 3, torch.float32, CPU, weights="int4")
+    assert shard.weights_format == "float"
+    assert any("load as float" in r.message and "activation 'gelu'" in r.message for r in caplog.records)
+    ids = torch.tensor([PROMPT_IDS])
+    assert shard.logits_last(shard.run_layers(shard.embed(ids), shard.new_cache(), 0)).shape == (shard.vocab_size,)
