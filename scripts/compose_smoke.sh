@@ -53,6 +53,7 @@ DOCKERD_PID=""
 INDEX_PID=""
 POLICY_CREATED=""
 COMPOSE_STARTED=""
+CHILD_PID=""                                # the long command now running (see run_child)
 NETWORK_IDS=""
 ROOTFS=""
 FIREWALL_BEFORE=""
@@ -61,7 +62,20 @@ HELPERS_BEFORE=""
 log() { printf '[compose-smoke %s +%ss] %s\n' "$(date +%H:%M:%S)" "$(( $(date +%s) - STARTED_AT ))" "$*"; }
 die() { log "FAILED: $*"; exit 1; }
 
-compose() { docker compose -f "$ROOT/deploy/docker-compose.yml" -p "$PROJECT" "$@"; }
+COMPOSE=(docker compose --ansi never -f "$ROOT/deploy/docker-compose.yml" -p "$PROJECT")
+compose() { "${COMPOSE[@]}" "$@"; }
+
+# A long command runs in the background and is waited for: bash runs a trap at once during `wait`,
+# but only after a foreground command ends, so an interrupted run cleans up now, not minutes later.
+# Give it an external command (not a shell function), so that $! is that command's own pid.
+run_child() {
+  "$@" 9>&- &
+  CHILD_PID=$!
+  local rc=0
+  wait "$CHILD_PID" || rc=$?
+  CHILD_PID=""
+  return "$rc"
+}
 
 # ---------------------------------------------------------------------------------------------
 # host state: what must be the same before and after
@@ -85,7 +99,12 @@ cleanup() {
   local rc=$?
   set +eu
   trap - EXIT INT TERM
+  exec 1>&7 2>&8      # the run's own output again, whatever redirection the interrupted step had
   local left=()
+  if [ -n "$CHILD_PID" ]; then
+    log "interrupted: stopping pid $CHILD_PID"
+    kill -TERM "$CHILD_PID" 2>/dev/null; wait "$CHILD_PID" 2>/dev/null
+  fi
   if [ -n "$ROOTFS" ]; then
     for m in $(mounts_under "$ROOTFS" | sort -r); do umount -l "$m"; done
   fi
@@ -249,7 +268,7 @@ build_base() {
   for m in $(mounts_under "$ROOTFS" | sort -r); do umount -l "$m"; done
   rm -rf --one-file-system "$ROOTFS"
   log "debootstrap $SUITE (python3, python3-venv, python3-pip, ca-certificates) from $MIRROR"
-  debootstrap --variant=minbase --include=python3,python3-venv,python3-pip,ca-certificates \
+  run_child debootstrap --variant=minbase --include=python3,python3-venv,python3-pip,ca-certificates \
     "$SUITE" "$ROOTFS" "$MIRROR" >"$LOGS/debootstrap.log" 2>&1 || die "debootstrap failed: see $LOGS/debootstrap.log"
   # The host's local certificate authorities (here: the egress proxy's) into this test image only.
   local crt copied=0
@@ -297,7 +316,7 @@ serve_torch_index() {
   if [ ! -e "$wheels/.complete" ]; then
     rm -rf "$wheels"; mkdir -p "$wheels"
     log "pip download torch==$TORCH_VERSION and its dependencies"
-    "$PY" -m pip download --quiet --only-binary=:all: --dest "$wheels" "torch==$TORCH_VERSION" >"$LOGS/pip-download.log" 2>&1 \
+    run_child "$PY" -m pip download --quiet --only-binary=:all: --dest "$wheels" "torch==$TORCH_VERSION" >"$LOGS/pip-download.log" 2>&1 \
       || die "pip download torch==$TORCH_VERSION failed: see $LOGS/pip-download.log"
     touch "$wheels/.complete"
   else
@@ -320,10 +339,15 @@ serve_torch_index() {
 build_image() {
   export BASE_IMAGE="$BASE_TAG" TORCH_VERSION MESHNET_BUILD_NETWORK=host
   log "docker compose build (BASE_IMAGE=$BASE_IMAGE TORCH_INDEX=$TORCH_INDEX, host network); log in $LOGS/build.log"
-  set +e +o pipefail
-  compose --progress plain build 2>&1 | tee "$LOGS/build.log" | grep --line-buffered -E '^(Step [0-9]+/|#[0-9]+ \[|Successfully|ERROR|error)'
-  local status=${PIPESTATUS[0]}
-  set -e -o pipefail
+  : >"$LOGS/build.log"
+  "${COMPOSE[@]}" --progress plain build >"$LOGS/build.log" 2>&1 9>&- &
+  CHILD_PID=$!
+  # Progress: the build's steps as they start, read from its log (tail ends with the build).
+  tail -n +1 -f --pid="$CHILD_PID" "$LOGS/build.log" 9>&- | grep --line-buffered -E '^(Step [0-9]+/|#[0-9]+ \[|ERROR|error)' &
+  local printer=$! status=0
+  wait "$CHILD_PID" || status=$?
+  CHILD_PID=""
+  wait "$printer" || true
   [ "$status" -eq 0 ] || { tail -40 "$LOGS/build.log"; die "docker compose build failed: see $LOGS/build.log"; }
   log "image built: $(docker image inspect -f '{{.Size}}' meshnet:latest | awk '{printf "%d MB", $1/1e6}')"
 }
@@ -352,14 +376,14 @@ up_and_check() {
   [ ! -f "$ROOT/deploy/.env" ] || log "note: deploy/.env exists and is read by the services"
   log "docker compose up --wait (tracker on 127.0.0.1:$MESHNET_PUBLISH_TRACKER)"
   COMPOSE_STARTED=1
-  if ! compose up --no-build --wait --wait-timeout "$UP_WAIT_TIMEOUT_S" >"$LOGS/compose.log" 2>&1; then
+  if ! run_child "${COMPOSE[@]}" up --no-build --wait --wait-timeout "$UP_WAIT_TIMEOUT_S" >"$LOGS/compose.log" 2>&1; then
     cat "$LOGS/compose.log"
     service_logs
     die "a service did not become healthy (logs above, all of them in $LOGS/services.log)"
   fi
   NETWORK_IDS=$(docker network ls -q --no-trunc --filter "label=com.docker.compose.project=$PROJECT")
   log "all services healthy: $(compose ps --format '{{.Service}}={{.Health}}' | tr '\n' ' ')"
-  if ! "$PY" "$ROOT/scripts/compose_smoke_check.py" --url "http://127.0.0.1:$MESHNET_PUBLISH_TRACKER" --nodes 2; then
+  if ! run_child "$PY" "$ROOT/scripts/compose_smoke_check.py" --url "http://127.0.0.1:$MESHNET_PUBLISH_TRACKER" --nodes 2; then
     service_logs
     die "the mesh in containers did not answer as it must (service logs above)"
   fi
@@ -367,6 +391,7 @@ up_and_check() {
 }
 
 main() {
+  exec 7>&1 8>&2      # kept for cleanup, which may run inside a step whose output goes to a log
   mkdir -p "$LOGS" "$CACHE"
   : >"$LOGS/apt.log"
   exec 9>"$CACHE/.lock"       # held by this script only: what it starts in the background gets 9>&-
