@@ -28,7 +28,7 @@ AUTH = {"Authorization": f"Bearer {TEST_SECRET}"}
 HEARTBEAT_S = 1.0
 NODE_TTL_S = 10.0
 """Ten heartbeats: the TTL bounds how long the mesh may take to be whole again after Redis restarts empty."""
-WAIT_S = 60.0
+WAIT_S = 120.0
 NODES = {"half-0": "0-1", "half-1": "2-3"}
 PROMPT = [{"role": "user", "content": "Where does the river run?"}]
 
@@ -62,7 +62,11 @@ def mesh(tiny_model_dir: Path) -> Iterator[Mesh]:
         for node in nodes.values():
             wait_healthy(node)
         mesh = Mesh(redis, a, b, nodes, str(tiny_model_dir))
-        wait_for(lambda: routable_ids(b) == set(NODES), "both nodes routable through tracker B")
+        try:
+            wait_for(lambda: routable_ids(b) == set(NODES), "both nodes routable through tracker B")
+        except AssertionError as exc:
+            logs = "\n".join(f"--- {s.kind} {s.port}:\n{s.log()[-3000:]}" for s in services)
+            raise AssertionError(f"{exc}\n{logs}") from None
         yield mesh
     finally:
         for service in reversed(services):

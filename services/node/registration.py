@@ -43,7 +43,7 @@ RETRY_MIN_S: Final = 0.5
 """First wait after a failed registration; doubles up to the heartbeat interval."""
 MIN_HEARTBEAT_S: Final = 0.2
 """Never heartbeat faster than this, whatever a tracker answers."""
-MIN_TRY_TIMEOUT_S: Final = 2.0
+MIN_TRY_TIMEOUT_S: Final = 5.0
 """With several trackers, the shortest wait for one before trying the next (see :meth:`Registrar.beat`)."""
 
 

@@ -95,6 +95,7 @@ MAX_PENDING_EVENTS: Final = 100_000
 
 _REGISTER = """
 local cur = redis.call('GET', KEYS[1])
+local revived = cur and redis.call('PTTL', KEYS[1]) <= tonumber(ARGV[11])
 if cur and cur ~= ARGV[1] then
   return {'conflict', redis.call('PTTL', KEYS[1]), redis.call('HGET', KEYS[2], 'registration') or ''}
 end
@@ -130,13 +131,15 @@ redis.call('HSET', KEYS[2], 'registration', ARGV[3], 'lease', lease, 'heartbeats
 redis.call('PEXPIRE', KEYS[2], ARGV[5])
 redis.call('SADD', KEYS[3], ARGV[8])
 local version
-if cur then version = tonumber(redis.call('GET', KEYS[4]) or '0') else version = redis.call('INCR', KEYS[4]) end
+if cur and not revived then version = tonumber(redis.call('GET', KEYS[4]) or '0')
+else version = redis.call('INCR', KEYS[4]) end
 redis.call('PUBLISH', ARGV[7], cjson.encode({kind='node', version=version, registration=ARGV[3], lease=lease,
                                             heartbeats=heartbeats}))
 return {'ok', lease, fresh, version, heartbeats}
 """
 """KEYS: lease, node, nodes, version. ARGV: lease sent ('' if none), new lease, registration JSON, lease ms,
-record ms, max nodes, channel, node id, node key prefix, lease key prefix."""
+record ms, max nodes, channel, node id, node key prefix, lease key prefix, grace ms. A heartbeat bumps the
+version only when it brings a node back (new, or heard after its views let it go: within the grace)."""
 
 _DEREGISTER = """
 local old = redis.call('HGET', KEYS[2], 'lease')
@@ -296,7 +299,8 @@ class RedisStore:
             self._register,
             [self._key("lease", node_id), self._key("node", node_id), self._key("nodes"), self._key("version")],
             [lease or "", secrets.token_urlsafe(LEASE_BYTES), body, self._lease_ms, self._record_ms,
-             self.policy.max_nodes, self._channel, node_id, self._key("node", ""), self._key("lease", "")],
+             self.policy.max_nodes, self._channel, node_id, self._key("node", ""), self._key("lease", ""),
+             _ms(LEASE_GRACE_S)],
         )
         if answer[0] == "conflict":
             expires_in = max(int(answer[1]), 0) / 1000 - LEASE_GRACE_S
