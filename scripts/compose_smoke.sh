@@ -298,6 +298,8 @@ import socket, sys
 preferred = int(sys.argv[1])
 for port in (preferred, 0):
     with socket.socket() as s:
+        # As http.server binds: a port whose last connections are in TIME_WAIT is free to it.
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind(("127.0.0.1", port))
         except OSError:
