@@ -60,9 +60,23 @@ def test_an_integer_temperature_is_a_number_as_json_intends():
     assert chat(temperature=0).temperature == 0.0
 
 
-def test_unknown_fields_are_ignored_like_openai_does():
-    request = chat(logit_bias={"50256": -100}, response_format={"type": "text"}, metadata={"a": "b"})
-    assert not hasattr(request, "logit_bias")
+def test_nothing_is_silently_ignored_an_unknown_parameter_is_refused_as_openai_does():
+    message, param = chat_refusal({**BASE, "guided_json": {"type": "object"}})
+    assert message == "unrecognized request argument supplied: guided_json" and param == "guided_json"
+
+
+def test_defaults_of_unsupported_features_and_the_no_effect_parameters_are_accepted():
+    request = chat(logit_bias={"50256": -100}, response_format={"type": "text"}, tool_choice="none",
+                   metadata={"a": "b"}, store=False, user="u")
+    assert request.logit_bias_pairs == ((50256, -100.0),) and request.top_logprobs_wanted is None
+
+
+@pytest.mark.parametrize("name", ["tools", "response_format", "functions", "function_call", "parallel_tool_calls",
+                                  "service_tier", "modalities", "audio", "prediction", "reasoning_effort",
+                                  "web_search_options"])
+def test_each_unsupported_feature_is_a_400_naming_it(name):
+    message, param = chat_refusal({**BASE, name: {"type": "something"}})
+    assert param == name and f"{name} is not supported" in message
 
 
 def test_content_may_be_a_string_or_a_list_of_text_parts():
@@ -94,7 +108,7 @@ def test_max_completion_tokens_wins_over_max_tokens():
 
 
 def test_penalties_seed_user_and_top_k_are_accepted_in_range():
-    request = chat(presence_penalty=-2, frequency_penalty=2.0, seed=-5, user="u", top_k=40, n=1)
+    request = chat(presence_penalty=0, frequency_penalty=0.0, seed=-5, user="u", top_k=40, n=1)
     assert (request.seed, request.top_k) == (-5, 40)
 
 
@@ -129,6 +143,10 @@ def test_a_completion_prompt_may_be_a_string_or_a_list_of_one_string():
     ({"stop": ["a", "b", "c", "d", "e"]}, "stop"),
     ({"stop": 7}, "stop"),
     ({"presence_penalty": 3}, "presence_penalty"),
+    ({"presence_penalty": 0.5}, "presence_penalty"),
+    ({"logit_bias": {"a": 1}}, "logit_bias"),
+    ({"logit_bias": {"5": 101}}, "logit_bias.5"),
+    ({"top_logprobs": 21, "logprobs": True}, "top_logprobs"),
     ({"frequency_penalty": -2.5}, "frequency_penalty"),
     ({"messages": []}, "messages"),
     ({"messages": [{"role": "wizard", "content": "hi"}]}, "messages[0].role"),

@@ -12,7 +12,7 @@ import torch
 
 from meshwire.sampling_params import SamplingParams
 from services.node.compute import ComputeWorker, ShardRunner
-from services.node.sampling import Sampler, SamplingFailed
+from services.node.sampling import Pick, Sampler, SamplingFailed
 from services.node.shard import ShardCache, load_shard
 
 CPU: Final = torch.device("cpu")
@@ -77,7 +77,7 @@ def test_concurrent_decode_steps_run_as_batches_and_each_equals_its_session_alon
 
 def test_one_rows_failure_leaves_the_others_in_its_batch_untouched(runner: ShardRunner) -> None:
     class Broken(Sampler):
-        def sample(self, logits: torch.Tensor) -> int:
+        def pick(self, logits: torch.Tensor) -> Pick:
             raise SamplingFailed("this session's parameters cannot be sampled")
 
     async def scenario() -> tuple[list[object], list[int], list[int]]:

@@ -38,7 +38,7 @@ from meshwire.frames import (
     parse_position_ids,
 )
 from meshwire.limits import MAX_HEADER_VALUE_CHARS, MAX_LAYERS, MAX_ROUTE_HOPS
-from meshwire.sampling_params import SamplingParams
+from meshwire.sampling_params import SamplingParams, TokenLogprobs
 
 ControlVerb = Literal["close"]
 CLOSE: Final[ControlVerb] = "close"
@@ -67,6 +67,8 @@ class ForwardAnswer(BaseModel):
     node_timings_ms: Annotated[dict[str, float], Field(max_length=MAX_TIMING_ENTRIES)] = Field(default_factory=dict)
     closed: bool | None = None
     """On a close frame: whether this hop held the session."""
+    logprobs: TokenLogprobs | None = None
+    """With the token, when the session's sampling parameters ask for log-probabilities."""
 
 
 @dataclass(frozen=True)

@@ -1,11 +1,15 @@
 """OpenAI-compatible request, response and stream-chunk schemas, in one place.
 
-Requests follow what the OpenAI API accepts: unknown keys are ignored (the
-official SDK and other clients send fields this server does not use), an
-integer is accepted where a number is expected (``"temperature": 1`` is an
-integer in JSON), and everything else is strictly typed and bounded. A bad
-request becomes one sentence naming the field via
-:func:`validation_error_message`, which services put in a 400 error body.
+Requests follow what the OpenAI API accepts, and nothing is silently
+ignored: every top-level parameter of a request is honoured, refused with a
+400 that names it and says why (:data:`REFUSED`: tools, structured outputs,
+penalties, ...), or one of the few OpenAI itself documents as having no effect
+on the answer (:data:`NO_EFFECT`: ``user``, ``store``, ``metadata``); an
+unknown parameter is a 400 too, as OpenAI answers it. An integer is accepted
+where a number is expected (``"temperature": 1`` is an integer in JSON), and
+everything else is strictly typed and bounded. A bad request becomes one
+sentence naming the field via :func:`validation_error_message`, which
+services put in a 400 error body.
 
 Responses are built by the services and serialised with ``model_dump_json``;
 stream chunks go out as server-sent events (:mod:`meshwire.sse`).
@@ -31,9 +35,12 @@ from pydantic import (
 
 from meshwire import limits
 from meshwire.fields import STRICT_MODEL, AsTuple
+from meshwire.sampling_params import MAX_LOGIT_BIAS, MAX_LOGIT_BIAS_ENTRIES, MAX_TOP_LOGPROBS
 
 REQUEST_MODEL: Final = ConfigDict(frozen=True, strict=True, extra="ignore")
-"""Requests: immutable and strictly typed, but unknown keys are ignored as OpenAI does."""
+"""Parts of requests (messages, options): immutable and strictly typed; keys of other OpenAI features ignored."""
+TOP_LEVEL_REQUEST: Final = ConfigDict(frozen=True, strict=True, extra="forbid")
+"""A request body: an unknown parameter is refused (OpenAI: "Unrecognized request argument supplied")."""
 
 Role = Literal["system", "user", "assistant", "developer", "tool"]
 FinishReason = Literal["stop", "length"]
@@ -44,6 +51,8 @@ MAX_USER_CHARS: Final = 256
 SEED_MIN: Final = -(1 << 63)
 SEED_MAX: Final = (1 << 64) - 1
 DEFAULT_COMPLETION_MAX_TOKENS: Final = 16
+MAX_COMPLETION_LOGPROBS: Final = 5
+"""OpenAI's bound on ``logprobs`` of ``/v1/completions``."""
 """OpenAI's default ``max_tokens`` for ``/v1/completions``."""
 
 StopSequence = Annotated[str, Field(min_length=1, max_length=limits.MAX_STOP_CHARS)]
@@ -119,14 +128,32 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+NO_EFFECT: Final = ("user", "store", "metadata")
+"""Accepted and without effect on the answer, by design (as at OpenAI: end-user ids, storage, tags)."""
+MAX_METADATA_ENTRIES: Final = 16
+"""OpenAI's bound on ``metadata``: 16 pairs, keys up to 64 characters, values up to 512."""
+
+
+def _refused(name: str, reason: str, *, allowed: tuple[Any, ...] = ()) -> Any:
+    """A field validator refusing ``name`` whenever it asks for something: a value not ``None`` nor ``allowed``
+    (the values that ask for what this server does anyway, e.g. ``{"type": "text"}``)."""
+    def check(value: Any) -> Any:
+        if value is not None and value not in allowed:
+            raise ValueError(f"{name} is not supported: {reason}")
+        return value
+    return field_validator(name, mode="before")(classmethod(lambda cls, value: check(value)))
+
+
 class SamplingRequest(BaseModel):
     """The generation and sampling fields ``/v1/chat/completions`` and ``/v1/completions`` share.
 
-    ``presence_penalty`` / ``frequency_penalty`` are range-checked and accepted
-    but not applied. ``top_k`` is an extension (0 or absent: off).
+    ``top_k`` is an extension (0 or absent: off). ``logit_bias`` is applied by
+    the tail to the model's logits before anything else. Penalties are
+    accepted only at 0 (their default): the tail does not see the tokens a
+    replayed session generated, so it could not apply them faithfully.
     """
 
-    model_config = REQUEST_MODEL
+    model_config = TOP_LEVEL_REQUEST
 
     model: str = Field(min_length=1, max_length=limits.MAX_URL_CHARS)
     max_tokens: TokenCount | None = None
@@ -141,8 +168,57 @@ class SamplingRequest(BaseModel):
                           Field(max_length=limits.MAX_STOP_SEQUENCES)] | None = None
     seed: int | None = Field(default=None, ge=SEED_MIN, le=SEED_MAX)
     user: str | None = Field(default=None, max_length=MAX_USER_CHARS)
+    store: bool | None = None
+    metadata: Annotated[dict[Annotated[str, Field(max_length=64)], Annotated[str, Field(max_length=512)]],
+                        Field(max_length=MAX_METADATA_ENTRIES)] | None = None
     presence_penalty: Penalty | None = None
     frequency_penalty: Penalty | None = None
+    logit_bias: Annotated[dict[str, Annotated[float, Field(ge=-MAX_LOGIT_BIAS, le=MAX_LOGIT_BIAS,
+                                                           allow_inf_nan=False)]],
+                          Field(max_length=MAX_LOGIT_BIAS_ENTRIES)] | None = None
+    """Token id (as a string, as OpenAI takes it) to a bias in -100..100 added to its logit."""
+
+    @field_validator("presence_penalty", "frequency_penalty")
+    @classmethod
+    def _no_penalty(cls, value: float | None) -> float | None:
+        if value:
+            raise ValueError("penalties are not supported (only 0, the default): the tail of a route does not "
+                             "see which tokens a session generated once a failover replays it")
+        return value
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _token_ids(cls, value: dict[str, float] | None) -> dict[str, float] | None:
+        for key in value or {}:
+            if not key.isdigit() or len(key) > 10:
+                raise ValueError(f"keys must be token ids (non-negative integers as strings), got {key[:20]!r}")
+        return value
+
+    @property
+    def logit_bias_pairs(self) -> tuple[tuple[int, float], ...]:
+        """``logit_bias`` as ``(token id, bias)`` pairs, in token order."""
+        return tuple(sorted((int(key), float(bias)) for key, bias in (self.logit_bias or {}).items()))
+
+    @property
+    def top_logprobs_wanted(self) -> int | None:
+        """``None``: no log-probabilities; else how many alternatives per token (subclasses read their fields)."""
+        return None
+
+    _response_format = _refused("response_format", "structured outputs (json_object, json_schema) are not "
+                                                   "implemented on this mesh yet", allowed=({"type": "text"},))
+    response_format: Any = None
+    _tools = _refused("tools", "this mesh has no tool calling yet")
+    tools: Any = None
+    _tool_choice = _refused("tool_choice", "this mesh has no tool calling yet", allowed=("none",))
+    tool_choice: Any = None
+    _parallel = _refused("parallel_tool_calls", "this mesh has no tool calling yet")
+    parallel_tool_calls: Any = None
+    _functions = _refused("functions", "this mesh has no function calling")
+    functions: Any = None
+    _function_call = _refused("function_call", "this mesh has no function calling")
+    function_call: Any = None
+    _service_tier = _refused("service_tier", "a mesh has one tier")
+    service_tier: Any = None
 
     @field_validator("temperature")
     @classmethod
@@ -199,6 +275,30 @@ class ChatCompletionRequest(SamplingRequest):
                         Field(min_length=1, max_length=limits.MAX_MESSAGES)]
     max_completion_tokens: TokenCount | None = None
     """OpenAI's newer name for ``max_tokens``; wins when both are given."""
+    logprobs: bool | None = None
+    """Return each output token's log-probability."""
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+    """With ``logprobs``: also the most likely alternatives at each position (0-20)."""
+    _modalities = _refused("modalities", "this mesh answers text only", allowed=(["text"],))
+    modalities: Any = None
+    _audio = _refused("audio", "this mesh answers text only")
+    audio: Any = None
+    _prediction = _refused("prediction", "predicted outputs are not implemented")
+    prediction: Any = None
+    _reasoning = _refused("reasoning_effort", "the served model has no reasoning settings")
+    reasoning_effort: Any = None
+    _web_search = _refused("web_search_options", "this mesh has no web search")
+    web_search_options: Any = None
+
+    @model_validator(mode="after")
+    def _top_logprobs_need_logprobs(self) -> ChatCompletionRequest:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs set to true")
+        return self
+
+    @property
+    def top_logprobs_wanted(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     @model_validator(mode="after")
     def _bounded_prompt(self) -> ChatCompletionRequest:
@@ -217,6 +317,30 @@ class CompletionRequest(SamplingRequest):
     """Body of ``POST /v1/completions``: one prompt string (or a list holding one)."""
 
     prompt: str = Field(max_length=limits.MAX_PROMPT_CHARS)
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_COMPLETION_LOGPROBS)
+    """Return each output token's log-probability and this many likeliest alternatives (0-5)."""
+    echo: bool = False
+    best_of: int | None = None
+    _suffix = _refused("suffix", "insertion (a suffix after the completion) is not implemented")
+    suffix: Any = None
+
+    @field_validator("echo")
+    @classmethod
+    def _no_echo(cls, value: bool) -> bool:
+        if value:
+            raise ValueError("echo is not supported: the tail computes the logits of generated tokens only")
+        return value
+
+    @field_validator("best_of")
+    @classmethod
+    def _one_best(cls, value: int | None) -> int | None:
+        if value is not None and value != 1:
+            raise ValueError(f"only best_of=1 is supported, got {value}")
+        return value
+
+    @property
+    def top_logprobs_wanted(self) -> int | None:
+        return self.logprobs
 
     @field_validator("prompt", mode="before")
     @classmethod
@@ -259,13 +383,49 @@ class AssistantMessage(BaseModel):
     content: str
 
 
+class TopLogprob(BaseModel):
+    """One alternative at a position of a chat answer: the token's text, its UTF-8 bytes, its log-probability."""
+
+    model_config = STRICT_MODEL
+
+    token: str
+    logprob: float
+    bytes: Annotated[tuple[int, ...], AsTuple] | None = None
+
+
+class TokenLogprob(TopLogprob):
+    """One output token of a chat answer with its log-probability and the likeliest alternatives."""
+
+    top_logprobs: Annotated[tuple[TopLogprob, ...], AsTuple] = ()
+
+
+class ChatLogprobs(BaseModel):
+    """``choices[].logprobs`` of a chat answer (or of one stream chunk: the tokens that chunk completes)."""
+
+    model_config = STRICT_MODEL
+
+    content: Annotated[tuple[TokenLogprob, ...], AsTuple] | None = None
+    refusal: None = None
+
+
+class CompletionLogprobs(BaseModel):
+    """``choices[].logprobs`` of a ``/v1/completions`` answer (the legacy parallel-lists form)."""
+
+    model_config = STRICT_MODEL
+
+    tokens: Annotated[tuple[str, ...], AsTuple] = ()
+    token_logprobs: Annotated[tuple[float, ...], AsTuple] = ()
+    top_logprobs: Annotated[tuple[dict[str, float], ...], AsTuple] = ()
+    text_offset: Annotated[tuple[int, ...], AsTuple] = ()
+
+
 class ChatChoice(BaseModel):
     model_config = STRICT_MODEL
 
     index: int = Field(default=0, ge=0)
     message: AssistantMessage
     finish_reason: FinishReason | None
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
 
 
 class ChatCompletion(BaseModel):
@@ -301,7 +461,7 @@ class ChunkChoice(BaseModel):
     index: int = Field(default=0, ge=0)
     delta: Delta
     finish_reason: FinishReason | None = None
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
 
 
 class ChatCompletionChunk(BaseModel):
@@ -324,7 +484,7 @@ class CompletionChoice(BaseModel):
     index: int = Field(default=0, ge=0)
     text: str
     finish_reason: FinishReason | None = None
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
 
 
 class Completion(BaseModel):
@@ -438,7 +598,9 @@ def validation_error_message(exc: ValidationError) -> str:
     first = errors[0]
     field = _location(tuple(first["loc"]))
     message = str(first["msg"]).removeprefix("Value error, ").removeprefix("Assertion failed, ")
-    if first["type"] == "missing":
+    if first["type"] == "extra_forbidden":
+        sentence = f"unrecognized request argument supplied: {field}"
+    elif first["type"] == "missing":
         sentence = f"missing required field '{field}'"
     elif first["type"] == "json_invalid":
         sentence = f"request body is not valid JSON ({message})"

@@ -7,17 +7,29 @@ to build the session's sampler. It lives in ``meshwire`` because both ends of
 
 from __future__ import annotations
 
-from typing import Final
+from typing import Annotated, Final
 
 from pydantic import BaseModel, Field, field_validator
 
-from meshwire.fields import STRICT_MODEL
+from meshwire.fields import STRICT_MODEL, AsTuple
 from meshwire.limits import MAX_TOP_K, MIN_TEMPERATURE
 
 MAX_TEMPERATURE: Final = 100.0
 """Highest temperature accepted (OpenAI allows 2; extra room costs nothing)."""
 MAX_SEED: Final = (1 << 63) - 1
 """Largest seed (torch seeds are 64-bit; keep to the signed range JSON tools handle)."""
+MAX_LOGIT_BIAS_ENTRIES: Final = 300
+"""Most tokens one request may bias (OpenAI's bound)."""
+MAX_LOGIT_BIAS: Final = 100.0
+"""Largest bias, either sign (OpenAI's range: -100 bans a token, 100 all but forces it)."""
+MAX_TOP_LOGPROBS: Final = 20
+"""Most alternatives per token whose log-probabilities a request may ask for (OpenAI's bound)."""
+
+LOGPROB_FLOOR: Final = -9999.0
+"""The log-probability reported for a token with none (``-inf`` has no JSON form; OpenAI reports this)."""
+
+TokenId = Annotated[int, Field(ge=0, lt=1 << 31)]
+Bias = Annotated[float, Field(ge=-MAX_LOGIT_BIAS, le=MAX_LOGIT_BIAS, allow_inf_nan=False)]
 
 
 class SamplingParams(BaseModel):
@@ -33,6 +45,11 @@ class SamplingParams(BaseModel):
     """Keep the k most likely tokens; 0 is off (OpenAI has no top_k)."""
     seed: int = Field(default=0, ge=0, le=MAX_SEED)
     """Seed of the session's generator."""
+    logit_bias: Annotated[tuple[Annotated[tuple[TokenId, Bias], AsTuple], ...], AsTuple,
+                          Field(max_length=MAX_LOGIT_BIAS_ENTRIES)] = ()
+    """``(token id, bias)`` pairs added to the model's logits before anything else (greedy included)."""
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+    """``None``: no log-probabilities; else the chosen token's and this many top alternatives' (0-20)."""
 
     @field_validator("temperature")
     @classmethod
@@ -45,3 +62,20 @@ class SamplingParams(BaseModel):
     def greedy(self) -> bool:
         """True when tokens are chosen by argmax and no random draw is made."""
         return self.temperature == 0.0
+
+
+class TokenLogprobs(BaseModel):
+    """The tail's log-probabilities for one sampled token (when :attr:`SamplingParams.logprobs` is set).
+
+    Computed from the same float32 logits the token was drawn from, after
+    ``logit_bias`` and before temperature, top-k and top-p: the model's own
+    distribution (as OpenAI and vLLM report it), not the warped one.
+    """
+
+    model_config = STRICT_MODEL
+
+    logprob: float
+    """The chosen token's log-probability (at least :data:`LOGPROB_FLOOR`)."""
+    top: Annotated[tuple[Annotated[tuple[TokenId, float], AsTuple], ...], AsTuple,
+                   Field(max_length=MAX_TOP_LOGPROBS)] = ()
+    """The most likely tokens, most likely first: ``(token id, log-probability)``."""

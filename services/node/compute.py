@@ -166,8 +166,9 @@ class ShardRunner:
                 raise ValueError("a step needs token ids or hidden states")
             states = self.shard.run_layers(states, cache, position_offset, from_layer=from_layer)
             if self.shard.is_tail:
-                token = sampler.sample(self.shard.logits_last(states)) if sampler is not None else None
-                out = StepResult(hidden=None, token=token, compute_ms=_ms_since(began))
+                pick = sampler.pick(self.shard.logits_last(states)) if sampler is not None else None
+                out = StepResult(hidden=None, token=None if pick is None else pick.token, compute_ms=_ms_since(began),
+                                 logprobs=None if pick is None else pick.logprobs)
             else:
                 out = StepResult(hidden=states.to("cpu").contiguous(), token=None, compute_ms=_ms_since(began))
         return out

@@ -253,7 +253,10 @@ class ForwardService:
                 raise ForwardRefusal(500, "compute_failed", "this node failed to run its layers; "
                                                             "the session is closed") from None
             self._stepped(session, tokens)
-            return _answer(200, {"token": done.token, "node_timings_ms": done.node_timings_ms})
+            body: dict[str, Any] = {"token": done.token, "node_timings_ms": done.node_timings_ms}
+            if done.logprobs is not None:
+                body["logprobs"] = done.logprobs.model_dump()
+            return _answer(200, body)
 
     def _stepped(self, session: Session, tokens: int) -> None:
         """``session`` took its step on this node (whatever became of it further down the route)."""

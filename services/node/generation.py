@@ -46,14 +46,14 @@ from typing import Any, Final, Literal
 import orjson
 
 from meshwire.forward_step import StepInfo, close_headers
-from meshwire.sampling_params import MAX_SEED, SamplingParams
+from meshwire.sampling_params import MAX_SEED, SamplingParams, TokenLogprobs
 from services.node.compute import ShardRunner
 from services.node.failover import Failover, FailoverGaveUp, FailoverPolicy
 from services.node.hop_client import INVALID_SAMPLING, ChainFailure, HopClient, send_along
 from services.node.metrics import NodeMetrics
 from services.node.route_step import Onward, RouteStepper
 from services.node.routing import RoutedHop, TrackerRoutes
-from services.node.sampling import Sampler, SamplingFailed
+from services.node.sampling import Pick, Sampler, SamplingFailed
 from services.node.sessions import Session, SessionRefused, SessionTable, log_tag
 from services.node.stops import StopMatcher
 from services.node.tokens import HeadTokenizer
@@ -81,10 +81,23 @@ class GenerationRequest:
 
 
 @dataclass(frozen=True)
+class TokenInfo:
+    """One generated token with its log-probabilities (only when the request asks for them)."""
+
+    token: int
+    logprobs: TokenLogprobs
+
+
+@dataclass(frozen=True)
 class TextDelta:
-    """New answer text, safe to send."""
+    """New answer text, safe to send, and the tokens it completes (when log-probabilities are asked for).
+
+    A token's text may be held back (an incomplete character, a possible stop
+    string); its log-probabilities go out with the delta that releases its text.
+    """
 
     text: str
+    tokens: tuple[TokenInfo, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -182,7 +195,7 @@ class SessionChain:
         """True when this head runs every layer itself."""
         return self.hop is None or self.hop.next is None
 
-    async def step(self, ids: Sequence[int], *, chunk_index: int = 0, chunk_total: int = 1) -> int | None:
+    async def step(self, ids: Sequence[int], *, chunk_index: int = 0, chunk_total: int = 1) -> Pick | None:
         """Run ``ids`` through the whole route; the sampled token on the last chunk, else ``None``."""
         samples = chunk_index == chunk_total - 1
         session = self._open() if self._session is None else self._session
@@ -219,7 +232,7 @@ class SessionChain:
             assert self.hop is not None  # a head alone always samples its own token
             raise RouteFailed(self.hop.route.nodes[-1].node_id, "the tail answered no token")
         self.prefilled = self.prefilled or samples
-        return answer.token
+        return None if answer.token is None else Pick(answer.token, answer.logprobs)
 
     def _open(self) -> Session:
         try:
@@ -315,15 +328,20 @@ class Generator:
         stops = StopMatcher(request.stop)
         reason: FinishReason = "length"
         stopped = False
-        upcoming: asyncio.Task[int] | None = None
+        upcoming: asyncio.Task[Pick] | None = None
+        pending: list[TokenInfo] = []
+        """Log-probabilities of tokens whose text has not gone out yet."""
         try:
-            token = await self._next_token(run, request, history)
+            pick = await self._next_token(run, request, history)
             while True:
+                token = pick.token
                 history.generated.append(token)
                 self._metrics.tokens_generated.inc()
                 if token in self.tokenizer.eos_ids:
                     reason = "stop"
                     break
+                if pick.logprobs is not None:
+                    pending.append(TokenInfo(token, pick.logprobs))
                 out = stops.feed(detok.push(token))
                 if not out.stopped and len(history.generated) < request.max_tokens:
                     # The next step starts before this token's text goes out: sending it (SSE, the
@@ -331,21 +349,22 @@ class Generator:
                     upcoming = asyncio.create_task(self._next_token(run, request, history))
                     await asyncio.sleep(0)  # let it reach the compute thread first
                 if out.text:
-                    yield TextDelta(out.text)
+                    yield TextDelta(out.text, tuple(pending))
+                    pending.clear()
                 if out.stopped:
                     reason, stopped = "stop", True
                     break
                 if upcoming is None:
                     break
-                token = await upcoming
+                pick = await upcoming
                 upcoming = None
             if not stopped:  # the end: release what was held back for a character or a stop string
                 out = stops.feed(detok.flush())
                 rest = out.text if out.stopped else out.text + stops.flush()
                 if out.stopped:
                     reason = "stop"
-                if rest:
-                    yield TextDelta(rest)
+                if rest or pending:
+                    yield TextDelta(rest, tuple(pending))
             yield Finished(finish_reason=reason, prompt_tokens=len(request.prompt_ids),
                            completion_tokens=len(history.generated))
         finally:
@@ -359,7 +378,7 @@ class Generator:
                             reserve=len(request.prompt_ids) + request.max_tokens,
                             sample_draws=history.draws)
 
-    async def _next_token(self, run: _Run, request: GenerationRequest, history: History) -> int:
+    async def _next_token(self, run: _Run, request: GenerationRequest, history: History) -> Pick:
         """The token that follows ``history``, moving the request to a new route while hops fail.
 
         A fresh session (the first, or one opened by failover) is prefilled
@@ -404,17 +423,17 @@ class Generator:
                        log_tag(run.chain.session_id),
                        " -> ".join(hop.node_ids), len(history.tokens()))
 
-    async def _prefill(self, chain: SessionChain, ids: list[int]) -> int:
+    async def _prefill(self, chain: SessionChain, ids: list[int]) -> Pick:
         """Run ``ids`` (the prompt, or a replayed history) through the route in chunks; the next token."""
         chunks = [ids[i:i + self._chunk] for i in range(0, len(ids), self._chunk)]
-        token: int | None = None
+        token: Pick | None = None
         for index, chunk in enumerate(chunks):
             token = await chain.step(chunk, chunk_index=index, chunk_total=len(chunks))
         if token is None:
             raise GenerationFailed(500, "no_token", "the route produced no token for the prompt")
         return token
 
-    async def _decode(self, chain: SessionChain, token: int) -> int:
+    async def _decode(self, chain: SessionChain, token: int) -> Pick:
         """Feed back ``token`` (one position) and get the next one."""
         nxt = await chain.step([token])
         if nxt is None:

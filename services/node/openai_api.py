@@ -42,10 +42,19 @@ from meshwire import openai as oa
 from meshwire.auth import check_bearer_any
 from meshwire.sampling_params import SamplingParams
 from services.node.bodies import BodyIncomplete, BodyTooLarge, read_bounded
-from services.node.generation import Finished, GenerationEvent, GenerationFailed, GenerationRequest, pick_seed
+from services.node.generation import (
+    Finished,
+    GenerationEvent,
+    GenerationFailed,
+    GenerationRequest,
+    TextDelta,
+    TokenInfo,
+    pick_seed,
+)
+from services.node.logprob_render import chat_logprobs, completion_logprobs
 from services.node.routing import NoRoute, RoutedHop, RouteRefused, verify_hop
 from services.node.runtime import NodeRuntime
-from services.node.tokens import TemplateError
+from services.node.tokens import HeadTokenizer, TemplateError
 
 logger = logging.getLogger(__name__)
 
@@ -93,6 +102,11 @@ class Prepared:
     stream: bool
     include_usage: bool
 
+    @property
+    def logprobs(self) -> bool:
+        """Whether the answer carries log-probabilities."""
+        return self.generation.sampling.logprobs is not None
+
 
 class OpenAIService:
     """The head's OpenAI endpoints over one :class:`NodeRuntime`."""
@@ -122,24 +136,29 @@ class OpenAIService:
             return exc.response()
         except GenerationFailed as exc:
             return _from_failure(exc).response()
+        tokenizer = self._node.generator.tokenizer if prepared.logprobs and self._node.generator else None
         if prepared.stream:
             render = ChatStream if chat else CompletionStream
-            stream = render(response_id, self._node.model_id, prepared.include_usage)
+            stream = render(response_id, self._node.model_id, prepared.include_usage, tokenizer)
             return StreamingResponse(stream.events(first, events), media_type=sse.MEDIA_TYPE,
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         try:
-            text, finished = await _collect(first, events)
+            text, tokens, finished = await _collect(first, events)
         except GenerationFailed as exc:
             return _from_failure(exc).response()
         usage = oa.Usage.of(finished.prompt_tokens, finished.completion_tokens)
         body: Any
         if chat:
+            logprobs = None if tokenizer is None else chat_logprobs(tokenizer, tokens)
             body = oa.ChatCompletion(id=response_id, created=oa.now_s(), model=self._node.model_id, usage=usage,
                                      choices=(oa.ChatChoice(message=oa.AssistantMessage(content=text),
-                                                            finish_reason=finished.finish_reason),))
+                                                            finish_reason=finished.finish_reason,
+                                                            logprobs=logprobs),))
         else:
+            legacy = None if tokenizer is None else completion_logprobs(tokenizer, tokens, 0)
             body = oa.Completion(id=response_id, created=oa.now_s(), model=self._node.model_id, usage=usage,
-                                 choices=(oa.CompletionChoice(text=text, finish_reason=finished.finish_reason),))
+                                 choices=(oa.CompletionChoice(text=text, finish_reason=finished.finish_reason,
+                                                              logprobs=legacy),))
         return Response(body.model_dump_json(), media_type="application/json")
 
     # --- preparation ------------------------------------------------------------------
@@ -193,11 +212,17 @@ class OpenAIService:
         wanted = parsed.token_budget(DEFAULT_CHAT_MAX_TOKENS) if chat else parsed.token_budget()
         max_tokens = wanted if context is None else max(1, min(wanted, context - len(prompt)))
         defaults = node.sampling_defaults
+        bias = parsed.logit_bias_pairs
+        if bias and bias[-1][0] >= node.shard.vocab_size:
+            raise ApiError(400, f"logit_bias names token {bias[-1][0]}, but this model's vocabulary has "
+                                f"{node.shard.vocab_size} tokens", "invalid_request", "logit_bias")
         sampling = SamplingParams(
             temperature=float(defaults.temperature if parsed.temperature is None else parsed.temperature),
             top_p=float(defaults.top_p if parsed.top_p is None else parsed.top_p),
             top_k=defaults.top_k if parsed.top_k is None else parsed.top_k,
             seed=pick_seed(parsed.seed),
+            logit_bias=bias,
+            logprobs=parsed.top_logprobs_wanted,
         )
         return GenerationRequest(prompt_ids=tuple(prompt), max_tokens=max_tokens, stop=parsed.stop_sequences,
                                  sampling=sampling)
@@ -248,25 +273,32 @@ async def _first_event(events: AsyncIterator[GenerationEvent]) -> GenerationEven
         raise
 
 
-async def _collect(first: GenerationEvent, events: AsyncIterator[GenerationEvent]) -> tuple[str, Finished]:
+async def _collect(first: GenerationEvent,
+                   events: AsyncIterator[GenerationEvent]) -> tuple[str, list[TokenInfo], Finished]:
+    """The whole answer: its text, its tokens' log-probabilities (when asked for), how it finished."""
     pieces: list[str] = []
+    tokens: list[TokenInfo] = []
     event = first
     try:
         while not isinstance(event, Finished):
             pieces.append(event.text)
+            tokens.extend(event.tokens)
             event = await anext(events)
     finally:
         await events.aclose()  # type: ignore[attr-defined]
-    return "".join(pieces), event
+    return "".join(pieces), tokens, event
 
 
 class _Stream:
     """Server-sent events of one answer; subclasses say how a chunk looks."""
 
-    def __init__(self, response_id: str, model: str, include_usage: bool) -> None:
+    def __init__(self, response_id: str, model: str, include_usage: bool,
+                 tokenizer: HeadTokenizer | None = None) -> None:
         self.response_id = response_id
         self.model = model
         self.include_usage = include_usage
+        self.tokenizer = tokenizer
+        """Set when the request asked for log-probabilities: each chunk carries those of the tokens it completes."""
         self.created = oa.now_s()
 
     async def events(self, first: GenerationEvent, rest: AsyncIterator[GenerationEvent]) -> AsyncIterator[bytes]:
@@ -277,7 +309,7 @@ class _Stream:
                 yield sse.sse_event(opening)
             event = first
             while not isinstance(event, Finished):
-                yield sse.sse_event(self.text_chunk(event.text))
+                yield sse.sse_event(self.text_chunk(event))
                 event = await anext(rest)
             yield sse.sse_event(self.finish_chunk(event))
             if self.include_usage:
@@ -293,7 +325,7 @@ class _Stream:
     def opening(self) -> Any | None:
         return None
 
-    def text_chunk(self, text: str) -> Any:
+    def text_chunk(self, delta: TextDelta) -> Any:
         raise NotImplementedError
 
     def finish_chunk(self, finished: Finished) -> Any:
@@ -312,8 +344,9 @@ class ChatStream(_Stream):
     def opening(self) -> oa.ChatCompletionChunk:
         return self._chunk(choices=(oa.ChunkChoice(delta=oa.Delta(role="assistant", content="")),))
 
-    def text_chunk(self, text: str) -> oa.ChatCompletionChunk:
-        return self._chunk(choices=(oa.ChunkChoice(delta=oa.Delta(content=text)),))
+    def text_chunk(self, delta: TextDelta) -> oa.ChatCompletionChunk:
+        logprobs = None if self.tokenizer is None else chat_logprobs(self.tokenizer, delta.tokens)
+        return self._chunk(choices=(oa.ChunkChoice(delta=oa.Delta(content=delta.text), logprobs=logprobs),))
 
     def finish_chunk(self, finished: Finished) -> oa.ChatCompletionChunk:
         return self._chunk(choices=(oa.ChunkChoice(delta=oa.Delta(), finish_reason=finished.finish_reason),))
@@ -328,8 +361,15 @@ class CompletionStream(_Stream):
     def _chunk(self, **fields: Any) -> oa.CompletionChunk:
         return oa.CompletionChunk(id=self.response_id, created=self.created, model=self.model, **fields)
 
-    def text_chunk(self, text: str) -> oa.CompletionChunk:
-        return self._chunk(choices=(oa.CompletionChoice(text=text),))
+    _offset = 0
+    """Characters of the completion sent so far (``text_offset`` of the next token)."""
+
+    def text_chunk(self, delta: TextDelta) -> oa.CompletionChunk:
+        logprobs = None
+        if self.tokenizer is not None:
+            logprobs = completion_logprobs(self.tokenizer, delta.tokens, self._offset)
+        self._offset += len(delta.text)
+        return self._chunk(choices=(oa.CompletionChoice(text=delta.text, logprobs=logprobs),))
 
     def finish_chunk(self, finished: Finished) -> oa.CompletionChunk:
         return self._chunk(choices=(oa.CompletionChoice(text="", finish_reason=finished.finish_reason),))

@@ -27,6 +27,7 @@ import torch
 from meshwire.forward_step import StepInfo
 from meshwire.frames import encode_frame
 from meshwire.routes import RouteNode
+from meshwire.sampling_params import TokenLogprobs
 from services.node.compute import ShardRunner
 from services.node.metrics import NodeMetrics
 from services.node.row_sender import RowSender
@@ -52,6 +53,8 @@ class StepDone:
     """The tail's sampled token (on a frame that samples), else ``None``."""
     node_timings_ms: dict[str, float]
     """Compute time of this node and of every hop after it."""
+    logprobs: TokenLogprobs | None = None
+    """With the token, when the session asks for log-probabilities."""
 
 
 class RouteStepper:
@@ -80,9 +83,9 @@ class RouteStepper:
         self._metrics.compute_latency.observe(result.compute_ms / 1000)
         timings = {self.node_id: round(result.compute_ms, 3)}
         if onward is None:
-            return StepDone(result.token, timings)
+            return StepDone(result.token, timings, result.logprobs)
         assert result.hidden is not None, "a shard that is not the tail always passes hidden states on"
         headers, body = encode_frame(result.hidden, session=session.session_id, chunk_index=onward.chunk_index,
                                      chunk_total=onward.chunk_total, extra=onward.info.headers())
         answer = await self._sender.send(onward.node, headers, body)
-        return StepDone(answer.token, {**timings, **answer.node_timings_ms})
+        return StepDone(answer.token, {**timings, **answer.node_timings_ms}, answer.logprobs)

@@ -23,6 +23,7 @@ that many dummy draws over a vocabulary of the same size.
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from typing import Final
 
 import torch
@@ -33,12 +34,20 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
-from meshwire.sampling_params import SamplingParams
+from meshwire.sampling_params import LOGPROB_FLOOR, SamplingParams, TokenLogprobs
 
 logger = logging.getLogger(__name__)
 
 MAX_SKIP_DRAWS: Final = 1 << 20
 """Most draws one :meth:`Sampler.skip` call may replay (a session never makes more)."""
+
+
+@dataclass(frozen=True)
+class Pick:
+    """A sampled token and, when asked for, its log-probabilities."""
+
+    token: int
+    logprobs: TokenLogprobs | None = None
 
 
 class SamplingFailed(ValueError):
@@ -82,6 +91,9 @@ class Sampler:
         self._generator.manual_seed(params.seed)
         self._draws = 0
         self._pending_skips = 0
+        self._bias = None if not params.logit_bias else (
+            torch.tensor([token for token, _ in params.logit_bias], dtype=torch.long),
+            torch.tensor([bias for _, bias in params.logit_bias], dtype=torch.float32))
 
     @property
     def draws(self) -> int:
@@ -90,20 +102,39 @@ class Sampler:
 
     def sample(self, logits: torch.Tensor) -> int:
         """The next token id for ``logits`` (``[vocab]``, any float dtype, any device)."""
+        return self.pick(logits).token
+
+    def pick(self, logits: torch.Tensor) -> Pick:
+        """The next token for ``logits`` (``[vocab]``), with its log-probabilities when the session asks for them."""
         if logits.ndim != 1 or logits.numel() == 0:
             raise ValueError(f"logits must be a non-empty vector, got shape {tuple(logits.shape)}")
         scores = logits.to(device="cpu", dtype=torch.float32).unsqueeze(0)
+        if self._bias is not None:
+            scores = self._biased(scores)
         if self.params.greedy:
-            return int(torch.argmax(scores, dim=-1).item())
+            token = int(torch.argmax(scores, dim=-1).item())
+        else:
+            token = self._draw(scores)
+        return Pick(token, None if self.params.logprobs is None else _logprobs(scores[0], token, self.params.logprobs))
+
+    def _draw(self, scores: torch.Tensor) -> int:
         self._apply_pending_skips(scores.shape[-1])
-        scores = self._warpers(_NO_INPUT_IDS, scores)
-        probs = torch.nn.functional.softmax(scores, dim=-1)
+        warped = self._warpers(_NO_INPUT_IDS, scores)
+        probs = torch.nn.functional.softmax(warped, dim=-1)
         if not bool(torch.isfinite(probs).all()) or not float(probs.sum()) > 0.0:
             raise SamplingFailed(f"the sampling parameters {self.params.model_dump()} turn this step's logits into "
                                  "probabilities that are not finite: no token can be drawn")
         token = torch.multinomial(probs, num_samples=1, generator=self._generator)
         self._draws += 1
         return int(token.item())
+
+    def _biased(self, scores: torch.Tensor) -> torch.Tensor:
+        assert self._bias is not None
+        ids, values = self._bias
+        if int(ids.max()) >= scores.shape[-1]:
+            raise SamplingFailed(f"logit_bias names token {int(ids.max())}, but the vocabulary has "
+                                 f"{scores.shape[-1]} tokens")
+        return scores.index_add(1, ids, values.unsqueeze(0))
 
     def skip(self, draws: int) -> None:
         """Advance the generator as if ``draws`` tokens had been sampled (failover catch-up).
@@ -131,3 +162,15 @@ class Sampler:
 
 _NO_INPUT_IDS: Final = torch.empty((1, 0), dtype=torch.long)
 """The warpers we use ignore ``input_ids``; they still take the argument."""
+
+
+def _logprobs(scores: torch.Tensor, token: int, top: int) -> TokenLogprobs:
+    """Log-probabilities of ``token`` and of the ``top`` likeliest tokens under ``scores`` (``[vocab]``, float32)."""
+    logprobs = torch.log_softmax(scores, dim=-1)
+    values, ids = torch.topk(logprobs, top) if top else (logprobs[:0], logprobs[:0].long())
+    return TokenLogprobs(logprob=_floored(float(logprobs[token])),
+                         top=tuple((int(i), _floored(float(v))) for i, v in zip(ids, values, strict=True)))
+
+
+def _floored(value: float) -> float:
+    return max(value, LOGPROB_FLOOR)

@@ -42,6 +42,7 @@ from typing import Final
 
 import torch
 
+from meshwire.sampling_params import TokenLogprobs
 from services.node.kv_cache import ShardCache
 from services.node.outcomes import settle
 from services.node.sampling import Sampler
@@ -65,6 +66,8 @@ class StepResult:
     compute_ms: float
     rows: int = 1
     """Decode rows in the batch this step ran in (1: alone, or a prompt chunk)."""
+    logprobs: TokenLogprobs | None = None
+    """With the token, when the session's sampler was asked for log-probabilities."""
 
 
 @dataclass(eq=False)
@@ -245,8 +248,10 @@ class StepEngine:
         for index, job in enumerate(rows):
             try:
                 if logits is not None:
-                    token = job.sampler.sample(logits[index]) if job.sampler is not None else None
-                    outcomes[id(job)] = StepResult(hidden=None, token=token, compute_ms=elapsed_ms, rows=len(rows))
+                    pick = job.sampler.pick(logits[index]) if job.sampler is not None else None
+                    outcomes[id(job)] = StepResult(hidden=None, token=None if pick is None else pick.token,
+                                                   compute_ms=elapsed_ms, rows=len(rows),
+                                                   logprobs=None if pick is None else pick.logprobs)
                 else:
                     assert hidden is not None
                     outcomes[id(job)] = StepResult(hidden=hidden[index:index + 1].contiguous(), token=None,

@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Final
 
 from transformers import AutoTokenizer, GenerationConfig, PretrainedConfig, PreTrainedTokenizerBase
 
@@ -67,9 +67,37 @@ class HeadTokenizer:
         """The text of ``ids`` (special tokens skipped)."""
         return self._tokenizer.decode(list(ids), skip_special_tokens=True, clean_up_tokenization_spaces=False)
 
+    def token_bytes(self, token: int) -> bytes:
+        """The bytes token ``token`` stands for (a byte-level BPE piece may be part of a character).
+
+        Byte-level tokenizers (GPT-2 style: ``Ġ`` for a space) map each piece
+        character back to one byte; other tokenizers give the UTF-8 of the
+        token's decoded text.
+        """
+        piece = self._tokenizer.convert_ids_to_tokens(int(token))
+        if isinstance(piece, str) and piece and all(char in _BYTE_OF_CHAR for char in piece):
+            return bytes(_BYTE_OF_CHAR[char] for char in piece)
+        return self._tokenizer.decode([int(token)], skip_special_tokens=False).encode()
+
     def detokenizer(self) -> IncrementalDetokenizer:
         """A fresh incremental detokeniser for one answer."""
         return IncrementalDetokenizer(self._tokenizer)
+
+
+def _byte_level_alphabet() -> dict[str, int]:
+    """GPT-2's byte-to-character table, inverted: the character each byte is written as in a byte-level piece."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    chars = list(printable)
+    extra = 0
+    for byte in range(256):
+        if byte not in printable:
+            printable.append(byte)
+            chars.append(256 + extra)
+            extra += 1
+    return {chr(char): byte for byte, char in zip(printable, chars, strict=True)}
+
+
+_BYTE_OF_CHAR: Final = _byte_level_alphabet()
 
 
 def _eos_ids(path: Path, config: PretrainedConfig) -> set[int]:

@@ -1,0 +1,193 @@
+"""OpenAI parity through the official client: log-probabilities, logit_bias, and nothing silently ignored.
+
+A real tracker and two nodes splitting the tiny model in float32; the
+reference is single-process transformers on the same folder.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any, Final
+
+import openai
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+
+from meshwire.sampling_params import SamplingParams
+from services.node.sampling import Sampler
+from tests.procs import Service, start_service, wait_healthy
+from tests.test_tracker_openai import wait_until_servable
+
+PROMPT: Final = [{"role": "user", "content": "Where does the river run?"}]
+MAX_TOKENS: Final = 10
+TOLERANCE: Final = 1e-4
+"""Largest difference allowed between a reported log-probability and transformers' (float32)."""
+
+
+@pytest.fixture(scope="module")
+def mesh(tiny_model_dir: Path) -> Iterator[tuple[Service, str]]:
+    services: list[Service] = []
+    try:
+        tracker = start_service("tracker", {"MESHNET_HEARTBEAT_S": "1"})
+        services.append(tracker)
+        for node_id, layers in (("front", "0-1"), ("back", "2-3")):
+            services.append(start_service("node", {
+                "MESHNET_MODEL": str(tiny_model_dir), "MESHNET_LAYERS": layers, "MESHNET_TRACKER": tracker.url,
+                "MESHNET_NODE_ID": node_id, "MESHNET_DTYPE": "float32", "MESHNET_DEVICE": "cpu",
+                "MESHNET_HEARTBEAT_S": "1",
+            }, wait_ready=False))
+        for node in services[1:]:
+            wait_healthy(node)
+        yield tracker, wait_until_servable(tracker, tiny_model_dir.name)
+    finally:
+        for service in reversed(services):
+            service.stop()
+
+
+@pytest.fixture(scope="module")
+def client(mesh: tuple[Service, str]) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{mesh[0].url}/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model_dir: Path) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    model.eval()
+    return model, AutoTokenizer.from_pretrained(tiny_model_dir)
+
+
+def reference_steps(reference: tuple[PreTrainedModel, PreTrainedTokenizerBase], limit: int,
+                    bias: dict[int, float] | None = None) -> list[tuple[int, torch.Tensor]]:
+    """Greedy decoding in transformers: each step's token and the log-softmax of its (biased) logits."""
+    model, tokenizer = reference
+    ids = tokenizer.apply_chat_template(PROMPT, add_generation_prompt=True, return_tensors="pt", return_dict=True)
+    tokens = ids["input_ids"]
+    steps = []
+    with torch.inference_mode():
+        for _ in range(limit):
+            logits = model(tokens).logits[0, -1].float()
+            for token, value in (bias or {}).items():
+                logits[token] += value
+            token = int(logits.argmax())
+            steps.append((token, torch.log_softmax(logits, dim=-1)))
+            tokens = torch.cat([tokens, torch.tensor([[token]])], dim=1)
+    return steps
+
+
+def chat(client: openai.OpenAI, model: str, **extra: Any) -> Any:
+    return client.chat.completions.create(model=model, messages=PROMPT, max_tokens=MAX_TOKENS, temperature=0,
+                                          **extra)
+
+
+# --- the sampler (no processes) -------------------------------------------------------------------
+
+
+def test_the_sampler_reports_log_softmax_of_the_biased_logits_and_bias_steers_greedy_choice() -> None:
+    logits = torch.randn(50, generator=torch.Generator().manual_seed(3))
+    best = int(logits.argmax())
+    plain = Sampler(SamplingParams(temperature=0.0, logprobs=3)).pick(logits)
+    assert plain.token == best and plain.logprobs is not None
+    expected = torch.log_softmax(logits, dim=-1)
+    assert math.isclose(plain.logprobs.logprob, float(expected[best]), abs_tol=1e-6)
+    assert [token for token, _ in plain.logprobs.top] == expected.topk(3).indices.tolist()
+    banned = Sampler(SamplingParams(temperature=0.0, logit_bias=((best, -100.0),))).pick(logits)
+    assert banned.token != best and banned.logprobs is None
+
+
+def test_seeded_sampling_with_logprobs_draws_the_same_tokens_as_without() -> None:
+    """Asking for log-probabilities never changes which tokens a seeded session draws."""
+    rows = [torch.randn(40, generator=torch.Generator().manual_seed(i)) for i in range(20)]
+    plain = Sampler(SamplingParams(temperature=0.9, seed=5))
+    told = Sampler(SamplingParams(temperature=0.9, seed=5, logprobs=2))
+    assert [plain.pick(row).token for row in rows] == [told.pick(row).token for row in rows]
+
+
+# --- through the mesh -------------------------------------------------------------------------------
+
+
+def test_chat_logprobs_equal_transformers_log_softmax_streamed_or_not(
+        client: openai.OpenAI, mesh: tuple[Service, str], reference: Any) -> None:
+    answer = chat(client, mesh[1], logprobs=True, top_logprobs=2)
+    content = answer.choices[0].logprobs.content
+    steps = reference_steps(reference, len(content))
+    assert len(content) >= 1
+    for item, (token, logprobs) in zip(content, steps, strict=True):
+        assert abs(item.logprob - float(logprobs[token])) <= TOLERANCE
+        assert bytes(item.bytes).decode("utf-8", errors="backslashreplace") == item.token
+        top_ids = logprobs.topk(2).indices.tolist()
+        assert [abs(alt.logprob - float(logprobs[i])) <= TOLERANCE for alt, i in zip(item.top_logprobs, top_ids,
+                                                                                      strict=True)] == [True, True]
+        assert item.top_logprobs[0].logprob == pytest.approx(item.logprob, abs=TOLERANCE)  # greedy: the likeliest
+    text = b"".join(bytes(item.bytes) for item in content).decode("utf-8", errors="replace")
+    assert text == answer.choices[0].message.content  # the tokens' bytes are the answer's
+
+    streamed = client.chat.completions.create(model=mesh[1], messages=PROMPT, max_tokens=MAX_TOKENS, temperature=0,
+                                              logprobs=True, top_logprobs=2, stream=True)
+    chunks = [item for chunk in streamed for choice in chunk.choices if choice.logprobs
+              for item in choice.logprobs.content or ()]
+    assert [(c.token, c.logprob) for c in chunks] == [(c.token, c.logprob) for c in content]
+
+
+def test_without_logprobs_the_answer_carries_none(client: openai.OpenAI, mesh: tuple[Service, str]) -> None:
+    assert chat(client, mesh[1]).choices[0].logprobs is None
+
+
+def test_completion_logprobs_have_the_legacy_shape(client: openai.OpenAI, mesh: tuple[Service, str]) -> None:
+    answer = client.completions.create(model=mesh[1], prompt="The river", max_tokens=6, temperature=0, logprobs=2)
+    legacy = answer.choices[0].logprobs
+    assert legacy is not None and len(legacy.tokens) == len(legacy.token_logprobs) == len(legacy.top_logprobs) >= 1
+    assert all(len(top) <= 2 and lp <= 0 for top, lp in zip(legacy.top_logprobs, legacy.token_logprobs, strict=True))
+    assert legacy.text_offset[0] == 0
+
+
+def test_logit_bias_bans_the_greedy_token_and_equals_transformers_with_the_same_bias(
+        client: openai.OpenAI, mesh: tuple[Service, str], reference: Any) -> None:
+    first = reference_steps(reference, 1)[0][0]
+    bias = {first: -100.0}
+    answer = chat(client, mesh[1], logit_bias={str(first): -100}, logprobs=True)
+    content = answer.choices[0].logprobs.content
+    steps = reference_steps(reference, len(content), bias)
+    _, tokenizer = reference
+    assert answer.choices[0].message.content == tokenizer.decode([token for token, _ in steps],
+                                                                 skip_special_tokens=True)
+    assert all(abs(item.logprob - float(lp[token])) <= TOLERANCE
+               for item, (token, lp) in zip(content, steps, strict=True))
+    assert all(token != first for token, _ in steps)
+
+
+@pytest.mark.parametrize(("extra", "param"), [
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]}, "tools"),
+    ({"response_format": {"type": "json_object"}}, "response_format"),
+    ({"presence_penalty": 0.5}, "presence_penalty"),
+    ({"frequency_penalty": 1.0}, "frequency_penalty"),
+    ({"extra_body": {"guided_json": {}}}, "guided_json"),
+    ({"top_logprobs": 2}, None),
+    ({"logit_bias": {"999999": 5}}, "logit_bias"),
+    ({"n": 2}, "n"),
+])
+def test_what_the_mesh_does_not_do_is_a_400_naming_it(client: openai.OpenAI, mesh: tuple[Service, str],
+                                                      extra: dict[str, Any], param: str | None) -> None:
+    with pytest.raises(openai.BadRequestError) as refused:
+        chat(client, mesh[1], **extra)
+    error = refused.value.body
+    assert isinstance(error, dict)
+    named = param or "top_logprobs"
+    assert named in error["message"], error
+    if param is not None:
+        assert error.get("param") == param, error
+
+
+def test_completions_refuse_echo_and_suffix(client: openai.OpenAI, mesh: tuple[Service, str]) -> None:
+    for extra, name in (({"echo": True}, "echo"), ({"suffix": "end"}, "suffix"), ({"best_of": 2}, "best_of")):
+        with pytest.raises(openai.BadRequestError) as refused:
+            client.completions.create(model=mesh[1], prompt="The river", max_tokens=4, **extra)
+        assert name in str(refused.value.body), refused.value.body
+
+
+def test_user_store_and_metadata_are_accepted_without_effect(client: openai.OpenAI, mesh: tuple[Service, str]) -> None:
+    plain = chat(client, mesh[1]).choices[0].message.content
+    tagged = chat(client, mesh[1], user="u-1", store=False, metadata={"team": "a"}).choices[0].message.content
+    assert plain == tagged
