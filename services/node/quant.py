@@ -54,6 +54,7 @@ one matrix is dequantized for a prompt and how embedding rows are read.
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Final, Literal
 
@@ -76,6 +77,8 @@ KERNEL_DTYPE: Final = torch.bfloat16
 NIBBLE_MID: Final = 8
 INT4_LEVELS: Final = 15
 INT8_MAX: Final = 127
+PACK_ROWS: Final = 1024
+"""Rows packed at a time: the packing call takes int32, so a whole 49,152-row embedding would need 226 MB."""
 
 
 class QuantError(ValueError):
@@ -133,12 +136,15 @@ def int4_groups(weight: torch.Tensor) -> Groups:
 
 def int8_signed_groups(q: torch.Tensor, scale: torch.Tensor) -> Groups:
     """Signed 8-bit groups (``q`` int8 ``[N, K]``, ``scale`` ``[N, K/G]``) as two nibble halves (module doc)."""
-    wide = q.to(torch.int16)
-    hi = torch.bitwise_right_shift(wide, 4) + NIBBLE_MID  # -8..7 -> 0..15
-    lo = torch.bitwise_and(wide, 15)  # 0..15
+    rows, cols = q.shape
+    nibbles = torch.empty(rows, 2 * cols, dtype=torch.uint8)
+    for row in range(0, rows, PACK_ROWS):  # in slices: int16 copies of a whole embedding would be large
+        wide = q[row:row + PACK_ROWS].to(torch.int16)
+        nibbles[row:row + PACK_ROWS, :cols] = torch.bitwise_right_shift(wide, 4) + NIBBLE_MID  # -8..7 -> 0..15
+        nibbles[row:row + PACK_ROWS, cols:] = torch.bitwise_and(wide, 15)  # 0..15
     scale = _bf16(scale.to(torch.float32))
     return Groups(
-        q=torch.cat([hi, lo], 1).to(torch.uint8),
+        q=nibbles,
         scale=torch.cat([scale * 16, scale], 1),
         zero=torch.cat([torch.zeros_like(scale), scale * NIBBLE_MID], 1),
         repeat=2,
@@ -198,6 +204,14 @@ def gguf_groups(kind: str, blocks: np.ndarray, rows: int, cols: int) -> Groups:
     return Groups(q=q.to(torch.uint8), scale=scale, zero=zero, repeat=1)
 
 
+def dequantize_groups(groups: Groups) -> torch.Tensor:
+    """The float32 ``[N, K]`` matrix ``groups`` stands for (a GGUF matrix on its way to the other width)."""
+    rows, cols = groups.q.shape
+    w = (groups.q.to(torch.float32).view(rows, -1, GROUP_SIZE) - NIBBLE_MID) * groups.scale.unsqueeze(-1)
+    w = (w + groups.zero.unsqueeze(-1)).reshape(rows, cols)
+    return w.view(rows, groups.repeat, cols // groups.repeat).sum(1) if groups.repeat > 1 else w
+
+
 def permute_rows(groups: Groups, order: torch.Tensor) -> Groups:
     """``groups`` with its output rows reordered (GGUF stores Llama's q/k rows in llama.cpp's rotary order)."""
     return Groups(q=groups.q[order], scale=groups.scale[order], zero=groups.zero[order], repeat=groups.repeat)
@@ -225,17 +239,34 @@ class QuantMatrix(nn.Module):
 
     def __init__(self, groups: Groups) -> None:
         super().__init__()
-        rows, cols = groups.q.shape
-        if (problem := shape_problem(rows, cols)) is not None:
-            raise QuantError(problem)
-        self.out_features = rows
-        self.in_features = cols // groups.repeat
-        self.repeat = groups.repeat
-        self.format: QuantFormat = "int8" if groups.repeat == 2 else "int4"
-        self.register_buffer("packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(
-            groups.q.to(torch.int32).contiguous(), 1))
-        self.register_buffer("scale_zeros", torch.stack([groups.scale, groups.zero], -1)
-                             .transpose(0, 1).contiguous().to(KERNEL_DTYPE))
+        self._take([groups])
+
+    @classmethod
+    def from_parts(cls, parts: Iterable[Groups]) -> QuantMatrix:
+        """One matrix from consecutive slices of its rows (each a multiple of :data:`ROW_BLOCK`), packed as they
+        come, so a large matrix (an embedding) never exists unpacked whole."""
+        matrix = cls.__new__(cls)
+        nn.Module.__init__(matrix)
+        matrix._take(parts)
+        return matrix
+
+    def _take(self, parts: Iterable[Groups]) -> None:
+        packed, scale_zeros, repeat, cols = [], [], 0, 0
+        for groups in parts:
+            rows, cols = groups.q.shape
+            if (problem := shape_problem(rows, cols)) is not None:
+                raise QuantError(problem)
+            repeat = groups.repeat
+            for row in range(0, rows, PACK_ROWS):  # row blocks pack independently (module doc)
+                packed.append(torch.ops.aten._convert_weight_to_int4pack_for_cpu(
+                    groups.q[row:row + PACK_ROWS].to(torch.int32), 1))
+            scale_zeros.append(torch.stack([groups.scale, groups.zero], -1).transpose(0, 1).to(KERNEL_DTYPE))
+        self.register_buffer("packed", torch.cat(packed))
+        self.register_buffer("scale_zeros", torch.cat(scale_zeros, 1).contiguous())
+        self.out_features = int(self.packed.shape[0])
+        self.in_features = cols // repeat
+        self.repeat = repeat
+        self.format: QuantFormat = "int8" if repeat == 2 else "int4"
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         """``x @ W^T`` for ``x`` of shape ``[..., in]``, in ``x``'s format (module doc: rows decide the kernel)."""

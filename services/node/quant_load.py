@@ -20,8 +20,11 @@ alone would be 56 MB of the default model's 98 MB file.
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Final, Literal, Protocol
 
@@ -31,15 +34,18 @@ from safetensors import safe_open
 from torch import nn
 from transformers import PretrainedConfig
 
+from services.node.gguf_file import GgufFile, read_index
 from services.node.quant import (
     GGUF_BLOCK_BYTES,
     GGUF_FORMAT,
     GROUP_SIZE,
+    PACK_ROWS,
     Groups,
     QuantEmbedding,
     QuantFormat,
     QuantLinear,
     QuantMatrix,
+    dequantize_groups,
     gguf_groups,
     groups_of,
     permute_rows,
@@ -64,16 +70,16 @@ _GGUF_LAYER_NAMES: Final = {
     "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
     "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
 }
+_FLOAT_VIEWS: Final = {"F32": np.float32, "F16": np.float16}
 _GGUF_NAMES: Final = {EMBED_KEY: "token_embd.weight", "model.norm.weight": "output_norm.weight",
                       LM_HEAD_KEY: "output.weight"}
 
 
 def gguf_format(gguf: Path) -> QuantFormat | None:
     """The format the decoder-layer matrices of ``gguf`` map onto, or ``None`` (float, or another type)."""
-    from gguf import GGUFReader
-
-    kinds = {t.tensor_type.name for t in GGUFReader(str(gguf)).tensors if t.name.startswith("blk.")
-             and t.name.endswith(".weight") and len(t.shape) == 2}
+    tensors, _ = read_index(gguf)
+    kinds = {t.kind for t in tensors.values() if t.name.startswith("blk.") and t.name.endswith(".weight")
+             and len(t.shape) == 2}
     formats = {GGUF_FORMAT.get(kind) for kind in kinds}
     if len(formats) == 1 and None not in formats:
         return formats.pop()
@@ -119,6 +125,9 @@ class TensorSource(Protocol):
     def groups(self, key: str, fmt: QuantFormat) -> Groups | None:
         """The matrix named ``key`` quantized to ``fmt``, or ``None`` when the source lacks it."""
 
+    def matrix(self, key: str, fmt: QuantFormat) -> QuantMatrix | None:
+        """The matrix named ``key`` packed in ``fmt``, built a slice of rows at a time where the source can."""
+
 
 class SafetensorsSource:
     """A float checkpoint: each matrix is quantized as it is read."""
@@ -141,15 +150,17 @@ class SafetensorsSource:
         weight = self.float_tensor(key)
         return None if weight is None else groups_of(weight, fmt)
 
+    def matrix(self, key: str, fmt: QuantFormat) -> QuantMatrix | None:
+        groups = self.groups(key, fmt)
+        return None if groups is None else QuantMatrix(groups)
+
 
 class GgufSource:
     """A GGUF file: Q4_0/Q4_1/Q8_0 blocks become the packed format without a float copy (module doc)."""
 
     def __init__(self, gguf: Path, config: PretrainedConfig) -> None:
-        from gguf import GGUFReader
-
         self.path = gguf
-        self._tensors = {t.name: t for t in GGUFReader(str(gguf)).tensors}
+        self._file = GgufFile(gguf)
         self._heads: int = config.num_attention_heads
         self._kv_heads: int = config.num_key_value_heads
 
@@ -164,25 +175,45 @@ class GgufSource:
         from gguf import GGMLQuantizationType
         from gguf.quants import dequantize
 
-        tensor = self._tensors.get(self._name(key))
+        name = self._name(key)
+        tensor = self._file.tensors.get(name)
         if tensor is None:
             return None
-        values = dequantize(tensor.data, GGMLQuantizationType[tensor.tensor_type.name])
-        shape = [int(n) for n in reversed(tensor.shape)]
-        return self._unpermute(key, torch.from_numpy(np.array(values, dtype=np.float32)).reshape(shape))
+        raw = self._file.raw(name)
+        if tensor.kind in GGUF_BLOCK_BYTES and len(tensor.shape) == 2:  # our own reader: gguf-py's is slow
+            return self._unpermute(key, dequantize_groups(gguf_groups(tensor.kind, raw, *tensor.shape)))
+        if tensor.kind in _FLOAT_VIEWS:
+            values = raw.view(_FLOAT_VIEWS[tensor.kind])
+        else:
+            values = dequantize(raw, GGMLQuantizationType[tensor.kind])
+        flat = torch.from_numpy(np.array(values, dtype=np.float32))
+        return self._unpermute(key, flat.reshape(tensor.shape))
 
     def groups(self, key: str, fmt: QuantFormat) -> Groups | None:
-        tensor = self._tensors.get(self._name(key))
-        if tensor is None:
+        name = self._name(key)
+        tensor = self._file.tensors.get(name)
+        if tensor is None or len(tensor.shape) != 2:
             return None
-        kind = tensor.tensor_type.name
+        kind = tensor.kind
         if GGUF_FORMAT.get(kind) != fmt:  # another width or a float type: this one matrix goes through float
             weight = self.float_tensor(key)
             return None if weight is None else groups_of(weight, fmt)
-        cols, rows = (int(n) for n in tensor.shape)
-        groups = gguf_groups(kind, np.asarray(tensor.data).view(np.uint8), rows, cols)
+        rows, cols = tensor.shape
+        groups = gguf_groups(kind, self._file.raw(name), rows, cols)
         order = self._row_order(key, rows)
         return groups if order is None else permute_rows(groups, order)
+
+    def matrix(self, key: str, fmt: QuantFormat) -> QuantMatrix | None:
+        name = self._name(key)
+        tensor = self._file.tensors.get(name)
+        if (tensor is None or len(tensor.shape) != 2 or GGUF_FORMAT.get(tensor.kind) != fmt
+                or self._row_order(key, tensor.shape[0]) is not None):
+            groups = self.groups(key, fmt)
+            return None if groups is None else QuantMatrix(groups)
+        rows, cols = tensor.shape
+        raw = self._file.raw(name)
+        return QuantMatrix.from_parts(gguf_groups(tensor.kind, raw[row:row + PACK_ROWS], len(raw[row:row + PACK_ROWS]),
+                                                  cols) for row in range(0, rows, PACK_ROWS))
 
     def _row_order(self, key: str, rows: int) -> torch.Tensor | None:
         """llama.cpp's rotary row order of q/k undone (as transformers' GGUF loader does)."""
@@ -245,19 +276,56 @@ def load_quantized(source: TensorSource, modules: nn.Module, layers: dict[int, n
     if not (has_embedding or has_head):
         return
     key = EMBED_KEY if (has_embedding or tied) else LM_HEAD_KEY
-    embedding = source.groups(key, EMBEDDING_FORMAT)
-    if embedding is None:
+    matrix = source.matrix(key, EMBEDDING_FORMAT)
+    if matrix is None:
         raise ValueError(f"the weights lack {key}")
-    matrix = QuantMatrix(embedding)
     if has_embedding:
         modules.model.embed_tokens = QuantEmbedding(matrix, dtype)
     if has_head:
         if not tied and has_embedding:
-            head = source.groups(LM_HEAD_KEY, EMBEDDING_FORMAT)
+            head = source.matrix(LM_HEAD_KEY, EMBEDDING_FORMAT)
             if head is None:
                 raise ValueError(f"the weights lack {LM_HEAD_KEY}")
-            matrix = QuantMatrix(head)
+            matrix = head
         modules.lm_head = QuantLinear(matrix)
+
+
+M_MMAP_THRESHOLD: Final = -3
+"""glibc ``mallopt`` parameter: allocations from this size on get their own pages, returned when freed."""
+LOAD_MMAP_THRESHOLD: Final = 128 << 10
+"""While packing: every transient of a matrix is returned to the system as soon as it is freed."""
+SERVE_MMAP_THRESHOLD: Final = 32 << 20
+"""After loading: glibc's own ceiling for its dynamic threshold, so steps reuse heap memory as before."""
+
+
+@contextmanager
+def returned_transients() -> Iterator[None]:
+    """Keep the packing's large transients from staying in the process after the load.
+
+    glibc raises its mmap threshold each time a large block is freed, so the
+    int32 copy a packing call takes (tens of MB for an embedding) comes from
+    the heap the next time and its pages are kept: measured on the default
+    model's tail, 390 MiB of peak growth for 65 MiB of weights, against 200
+    MiB with the threshold fixed. A no-op where the C library is not glibc.
+    """
+    libc = _glibc()
+    if libc is not None:
+        libc.mallopt(M_MMAP_THRESHOLD, LOAD_MMAP_THRESHOLD)
+    try:
+        yield
+    finally:
+        if libc is not None:
+            libc.mallopt(M_MMAP_THRESHOLD, SERVE_MMAP_THRESHOLD)
+            libc.malloc_trim(0)
+
+
+def _glibc() -> ctypes.CDLL | None:
+    name = ctypes.util.find_library("c")
+    try:
+        libc = ctypes.CDLL(name) if name else None
+    except OSError:
+        return None
+    return libc if libc is not None and hasattr(libc, "mallopt") and hasattr(libc, "malloc_trim") else None
 
 
 def float_state(source: TensorSource, wanted: set[str], dtype: torch.dtype,

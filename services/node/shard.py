@@ -55,6 +55,7 @@ from services.node.quant_load import (
     float_state,
     load_quantized,
     quantized_problem,
+    returned_transients,
     strip_linears,
 )
 
@@ -517,8 +518,9 @@ def _load_packed(path: Path, gguf: Path | None, modules: nn.Module, layers: dict
     source = GgufSource(gguf, config) if gguf is not None else SafetensorsSource(path)
     wanted = set(modules.state_dict().keys())
     modules.load_state_dict(float_state(source, wanted, dtype, device), strict=True, assign=True)
-    load_quantized(source, modules, layers, fmt, dtype, has_embedding=is_head, has_head=is_tail,
-                   tied=bool(getattr(config, "tie_word_embeddings", False)))
+    with returned_transients():
+        load_quantized(source, modules, layers, fmt, dtype, has_embedding=is_head, has_head=is_tail,
+                       tied=bool(getattr(config, "tie_word_embeddings", False)))
 
 
 def _cast(tensor: torch.Tensor, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
