@@ -191,3 +191,49 @@ def test_user_store_and_metadata_are_accepted_without_effect(client: openai.Open
     plain = chat(client, mesh[1]).choices[0].message.content
     tagged = chat(client, mesh[1], user="u-1", store=False, metadata={"team": "a"}).choices[0].message.content
     assert plain == tagged
+
+
+# --- the Responses API -------------------------------------------------------------------------------
+
+
+def test_responses_create_answers_what_the_same_chat_answers(client: openai.OpenAI, mesh: tuple[Service, str]) -> None:
+    response = client.responses.create(model=mesh[1], input=PROMPT[0]["content"], max_output_tokens=MAX_TOKENS,
+                                       temperature=0)
+    chat_text = chat(client, mesh[1]).choices[0].message.content
+    assert response.output_text == chat_text
+    assert response.status in ("completed", "incomplete") and response.usage is not None
+    assert response.usage.output_tokens <= MAX_TOKENS and response.usage.input_tokens > 0
+
+
+def test_responses_instructions_are_the_system_message(client: openai.OpenAI, mesh: tuple[Service, str]) -> None:
+    response = client.responses.create(model=mesh[1], instructions="Be brief.", input=[
+        {"role": "user", "content": [{"type": "input_text", "text": PROMPT[0]["content"]}]}],
+        max_output_tokens=MAX_TOKENS, temperature=0)
+    same = client.chat.completions.create(model=mesh[1], max_tokens=MAX_TOKENS, temperature=0, messages=[
+        {"role": "system", "content": "Be brief."}, *PROMPT])
+    assert response.output_text == same.choices[0].message.content
+
+
+def test_a_streamed_response_has_the_event_sequence_and_the_same_text(
+        client: openai.OpenAI, mesh: tuple[Service, str]) -> None:
+    whole = client.responses.create(model=mesh[1], input="The river", max_output_tokens=8, temperature=0)
+    events = list(client.responses.create(model=mesh[1], input="The river", max_output_tokens=8, temperature=0,
+                                          stream=True))
+    kinds = [event.type for event in events]
+    assert kinds[:4] == ["response.created", "response.in_progress", "response.output_item.added",
+                         "response.content_part.added"]
+    assert kinds[-4:-1] == ["response.output_text.done", "response.content_part.done", "response.output_item.done"]
+    assert kinds[-1] in ("response.completed", "response.incomplete")
+    deltas = "".join(event.delta for event in events if event.type == "response.output_text.delta")
+    assert deltas == whole.output_text == events[-1].response.output_text
+    assert [event.sequence_number for event in events] == list(range(len(events)))
+
+
+def test_responses_refuse_what_they_cannot_do_by_name(client: openai.OpenAI, mesh: tuple[Service, str]) -> None:
+    for extra, name in (({"previous_response_id": "resp_1"}, "previous_response_id"),
+                        ({"tools": [{"type": "web_search"}]}, "tools"),
+                        ({"reasoning": {"effort": "high"}}, "reasoning"),
+                        ({"extra_body": {"frobnicate": 1}}, "frobnicate")):
+        with pytest.raises(openai.BadRequestError) as refused:
+            client.responses.create(model=mesh[1], input="hi", max_output_tokens=4, **extra)
+        assert name in str(refused.value.body), refused.value.body

@@ -134,7 +134,7 @@ MAX_METADATA_ENTRIES: Final = 16
 """OpenAI's bound on ``metadata``: 16 pairs, keys up to 64 characters, values up to 512."""
 
 
-def _refused(name: str, reason: str, *, allowed: tuple[Any, ...] = ()) -> Any:
+def refused_field(name: str, reason: str, *, allowed: tuple[Any, ...] = ()) -> Any:
     """A field validator refusing ``name`` whenever it asks for something: a value not ``None`` nor ``allowed``
     (the values that ask for what this server does anyway, e.g. ``{"type": "text"}``)."""
     def check(value: Any) -> Any:
@@ -204,20 +204,20 @@ class SamplingRequest(BaseModel):
         """``None``: no log-probabilities; else how many alternatives per token (subclasses read their fields)."""
         return None
 
-    _response_format = _refused("response_format", "structured outputs (json_object, json_schema) are not "
+    _response_format = refused_field("response_format", "structured outputs (json_object, json_schema) are not "
                                                    "implemented on this mesh yet", allowed=({"type": "text"},))
     response_format: Any = None
-    _tools = _refused("tools", "this mesh has no tool calling yet")
+    _tools = refused_field("tools", "this mesh has no tool calling yet")
     tools: Any = None
-    _tool_choice = _refused("tool_choice", "this mesh has no tool calling yet", allowed=("none",))
+    _tool_choice = refused_field("tool_choice", "this mesh has no tool calling yet", allowed=("none",))
     tool_choice: Any = None
-    _parallel = _refused("parallel_tool_calls", "this mesh has no tool calling yet")
+    _parallel = refused_field("parallel_tool_calls", "this mesh has no tool calling yet")
     parallel_tool_calls: Any = None
-    _functions = _refused("functions", "this mesh has no function calling")
+    _functions = refused_field("functions", "this mesh has no function calling")
     functions: Any = None
-    _function_call = _refused("function_call", "this mesh has no function calling")
+    _function_call = refused_field("function_call", "this mesh has no function calling")
     function_call: Any = None
-    _service_tier = _refused("service_tier", "a mesh has one tier")
+    _service_tier = refused_field("service_tier", "a mesh has one tier")
     service_tier: Any = None
 
     @field_validator("temperature")
@@ -279,15 +279,15 @@ class ChatCompletionRequest(SamplingRequest):
     """Return each output token's log-probability."""
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
     """With ``logprobs``: also the most likely alternatives at each position (0-20)."""
-    _modalities = _refused("modalities", "this mesh answers text only", allowed=(["text"],))
+    _modalities = refused_field("modalities", "this mesh answers text only", allowed=(["text"],))
     modalities: Any = None
-    _audio = _refused("audio", "this mesh answers text only")
+    _audio = refused_field("audio", "this mesh answers text only")
     audio: Any = None
-    _prediction = _refused("prediction", "predicted outputs are not implemented")
+    _prediction = refused_field("prediction", "predicted outputs are not implemented")
     prediction: Any = None
-    _reasoning = _refused("reasoning_effort", "the served model has no reasoning settings")
+    _reasoning = refused_field("reasoning_effort", "the served model has no reasoning settings")
     reasoning_effort: Any = None
-    _web_search = _refused("web_search_options", "this mesh has no web search")
+    _web_search = refused_field("web_search_options", "this mesh has no web search")
     web_search_options: Any = None
 
     @model_validator(mode="after")
@@ -321,7 +321,7 @@ class CompletionRequest(SamplingRequest):
     """Return each output token's log-probability and this many likeliest alternatives (0-5)."""
     echo: bool = False
     best_of: int | None = None
-    _suffix = _refused("suffix", "insertion (a suffix after the completion) is not implemented")
+    _suffix = refused_field("suffix", "insertion (a suffix after the completion) is not implemented")
     suffix: Any = None
 
     @field_validator("echo")

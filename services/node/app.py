@@ -119,6 +119,7 @@ def create_app(settings: NodeSettings | None = None) -> Starlette:
             Route(ROWS_PATH, counted("forward_rows", forward_rows), methods=["POST"]),
             Route("/v1/chat/completions", counted("chat", api.chat), methods=["POST"]),
             Route("/v1/completions", counted("completions", api.completions), methods=["POST"]),
+            Route("/v1/responses", counted("responses", api.responses), methods=["POST"]),
         ],
         exception_handlers={StarletteHTTPException: http_error, Exception: internal_error},
         lifespan=lifespan,

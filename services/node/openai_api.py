@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any, Final
 
 import orjson
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
@@ -40,6 +40,7 @@ from meshwire import errors, sse
 from meshwire import headers as h
 from meshwire import openai as oa
 from meshwire.auth import check_bearer_any
+from meshwire.responses_api import ResponseEvents, ResponsesRequest, usage_of
 from meshwire.sampling_params import SamplingParams
 from services.node.bodies import BodyIncomplete, BodyTooLarge, read_bounded
 from services.node.generation import (
@@ -163,20 +164,68 @@ class OpenAIService:
 
     # --- preparation ------------------------------------------------------------------
 
-    async def _prepare(self, request: Request, schema: type[oa.SamplingRequest], *, chat: bool) -> Prepared:
+    async def responses(self, request: Request) -> Response:
+        """``POST /v1/responses``: the Responses API, served as the chat it means (:mod:`meshwire.responses_api`)."""
+        settings = self._node.settings
+        failure = check_bearer_any(request.headers.get("authorization"), (settings.secret, *settings.api_keys))
+        if failure is not None:
+            return ApiError(failure.status, failure.message, failure.code).response()
+        try:
+            self._check_head()
+            parsed = await self._read(request, ResponsesRequest)
+            assert isinstance(parsed, ResponsesRequest)
+            try:
+                chat = parsed.to_chat()
+            except ValidationError as exc:
+                raise ApiError(400, oa.validation_error_message(exc), "invalid_request",
+                               oa.validation_error_param(exc)) from None
+            prepared = await self._prepare_parsed(request, chat, chat=True)
+            events = self._events(prepared)
+            first = await _first_event(events)
+        except ApiError as exc:
+            return exc.response()
+        except GenerationFailed as exc:
+            return _from_failure(exc).response()
+        builder = ResponseEvents(parsed, self._node.model_id, oa.now_s())
+        if parsed.stream:
+            return StreamingResponse(_response_events(builder, first, events), media_type=sse.MEDIA_TYPE,
+                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        try:
+            text, _, finished = await _collect(first, events)
+        except GenerationFailed as exc:
+            return _from_failure(exc).response()
+        body = builder.response("incomplete" if finished.finish_reason == "length" else "completed", text,
+                                usage_of(finished.prompt_tokens, finished.completion_tokens))
+        return Response(orjson.dumps(body), media_type="application/json")
+
+    def _check_head(self) -> None:
         node = self._node
-        generator, shard = node.generator, node.shard
+        shard = node.shard
         if shard is None or node.state != "ready":
             raise ApiError(503, f"this node is {node.state}", "not_ready", retry_after="2")
-        if generator is None:
+        if node.generator is None:
             raise ApiError(409, f"this node holds layers {shard.start}-{shard.end}, not layer 0: it is not a head; "
                                 "send chat requests to the tracker", "not_head")
-        body = await _read_json_body(request, node.settings.max_body_bytes)
+
+    async def _read(self, request: Request, schema: type[BaseModel]) -> BaseModel:
+        """The request body, validated against ``schema`` (400 naming the field)."""
+        body = await _read_json_body(request, self._node.settings.max_body_bytes)
         try:
-            parsed = schema.model_validate_json(body)
+            return schema.model_validate_json(body)
         except ValidationError as exc:
             raise ApiError(400, oa.validation_error_message(exc), "invalid_request",
                            oa.validation_error_param(exc)) from None
+
+    async def _prepare(self, request: Request, schema: type[oa.SamplingRequest], *, chat: bool) -> Prepared:
+        self._check_head()
+        parsed = await self._read(request, schema)
+        assert isinstance(parsed, oa.SamplingRequest)
+        return await self._prepare_parsed(request, parsed, chat=chat)
+
+    async def _prepare_parsed(self, request: Request, parsed: oa.SamplingRequest, *, chat: bool) -> Prepared:
+        node = self._node
+        generator = node.generator
+        assert generator is not None
         if request.headers.get(h.ROUTE) is None:  # with a route, the tracker has matched the name already
             self._check_model_name(parsed.model)
         hop = await self._route(request)
@@ -262,6 +311,29 @@ async def _read_json_body(request: Request, max_bytes: int) -> bytes:
         raise ApiError(413, f"request body is over the {max_bytes}-byte limit", "too_large") from None
     except BodyIncomplete:
         raise ApiError(400, "the client went away before the request body was complete") from None
+
+
+async def _response_events(builder: ResponseEvents, first: GenerationEvent,
+                           rest: AsyncIterator[GenerationEvent]) -> AsyncIterator[bytes]:
+    """The Responses API's event stream of one answer."""
+    pieces: list[str] = []
+    try:
+        for event in builder.opening():
+            yield event
+        event = first
+        while not isinstance(event, Finished):
+            if event.text:
+                pieces.append(event.text)
+                yield builder.delta(event.text)
+            event = await anext(rest)
+        usage = usage_of(event.prompt_tokens, event.completion_tokens)
+        for closing in builder.closing("".join(pieces), event.finish_reason == "length", usage):
+            yield closing
+    except GenerationFailed as exc:
+        logger.warning("response %s failed after it began: %s", builder.response_id, exc)
+        yield builder.failure(_from_failure(exc).body()["error"])
+    finally:
+        await rest.aclose()  # type: ignore[attr-defined]
 
 
 async def _first_event(events: AsyncIterator[GenerationEvent]) -> GenerationEvent:

@@ -2,7 +2,7 @@
 
 Routes:
 
-- ``POST /v1/chat/completions`` and ``POST /v1/completions``: validated here
+- ``POST /v1/chat/completions``, ``POST /v1/completions`` and ``POST /v1/responses``: validated here
   (400 naming the field), given a route (404 unknown model, 503 naming the
   missing layers), and proxied to the route's head node, whose answer (JSON,
   or server-sent events) is relayed as it arrives; a head's error is relayed
@@ -36,6 +36,7 @@ from meshwire.openai import (
     validation_error_message,
     validation_error_param,
 )
+from meshwire.responses_api import ResponsesRequest
 
 from .proxy import HeadError, HeadRefused, ProxiedResponse, first_byte_timer, open_head
 from .registry import UnknownNode
@@ -44,17 +45,18 @@ from .state import TrackerState, tracker_state
 
 logger = logging.getLogger(__name__)
 
-Endpoint = Literal["chat", "completions"]
-PATHS: Final[dict[Endpoint, str]] = {"chat": "/v1/chat/completions", "completions": "/v1/completions"}
-SCHEMAS: Final[dict[Endpoint, type[SamplingRequest]]] = {"chat": ChatCompletionRequest,
-                                                          "completions": CompletionRequest}
+Endpoint = Literal["chat", "completions", "responses"]
+PATHS: Final[dict[Endpoint, str]] = {"chat": "/v1/chat/completions", "completions": "/v1/completions",
+                                     "responses": "/v1/responses"}
+SCHEMAS: Final[dict[Endpoint, type[SamplingRequest | ResponsesRequest]]] = {
+    "chat": ChatCompletionRequest, "completions": CompletionRequest, "responses": ResponsesRequest}
 ROUTE_ATTEMPTS: Final = 2
 """Routes tried per request: the first, and one more avoiding a head that failed."""
 
 router = APIRouter()
 
 
-def _parse(body: bytes, endpoint: Endpoint) -> SamplingRequest:
+def _parse(body: bytes, endpoint: Endpoint) -> SamplingRequest | ResponsesRequest:
     try:
         return SCHEMAS[endpoint].model_validate_json(body)
     except ValidationError as exc:
@@ -152,6 +154,12 @@ async def chat_completions(request: Request) -> Response:
 async def completions(request: Request) -> Response:
     """OpenAI (legacy) text completions, streamed or not, served by the mesh."""
     return await _front_door(request, "completions")
+
+
+@router.post("/v1/responses")
+async def responses(request: Request) -> Response:
+    """OpenAI Responses (text in, text out), streamed or not, served by the mesh; nothing is stored."""
+    return await _front_door(request, "responses")
 
 
 def _complete_models(state: TrackerState) -> list[str]:
