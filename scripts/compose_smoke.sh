@@ -110,6 +110,8 @@ cleanup() {
   fi
   if [ -n "$DOCKERD_PID" ] && kill -0 "$DOCKERD_PID" 2>/dev/null; then
     if [ -n "$COMPOSE_STARTED" ]; then
+      # Their bridges (br-<id>) must be gone from the host afterwards.
+      NETWORK_IDS=$(docker network ls -q --no-trunc --filter "label=com.docker.compose.project=$PROJECT")
       log "down -v"
       compose down -v --remove-orphans --timeout 30 >>"$LOGS/compose.log" 2>&1 || left+=("compose down failed (see $LOGS/compose.log)")
     fi
@@ -117,6 +119,8 @@ cleanup() {
     ids=$(docker ps -aq); [ -z "$ids" ] || left+=("containers: $ids")
     ids=$(docker volume ls -q); [ -z "$ids" ] || left+=("volumes: $ids")
     ids=$(docker network ls -q --filter type=custom); [ -z "$ids" ] || left+=("networks: $ids")
+    NETWORK_IDS="$NETWORK_IDS $(docker network ls -q --no-trunc --filter type=custom)"
+    remove_everything_made   # reported above; removed so that the host is clean all the same
     # Bound the cache: images of earlier builds (now untagged), and build cache over BUILD_CACHE_KEEP.
     docker image prune -f >/dev/null 2>&1
     docker builder prune -f --keep-storage "$BUILD_CACHE_KEEP" >/dev/null 2>&1
@@ -236,6 +240,21 @@ stop_stale_dockerd() {
   rm -f "$pidfile"
 }
 
+remove_everything_made() {
+  # Every container, volume and custom network of our own dockerd (never the host's Docker).
+  docker ps -aq | xargs -r docker rm -f >/dev/null
+  docker volume ls -q | xargs -r docker volume rm -f >/dev/null
+  docker network ls -q --filter type=custom | xargs -r docker network rm >/dev/null
+}
+
+sweep_earlier_run() {
+  # Our data-root holds only what this script made: a container, volume or network in it now is
+  # what a killed run (SIGKILL: no cleanup) left. Remove it, so this run's check starts from zero.
+  [ -n "$(docker ps -aq; docker volume ls -q; docker network ls -q --filter type=custom)" ] || return 0
+  log "removing what an earlier, killed run left in $CACHE/docker"
+  remove_everything_made
+}
+
 start_dockerd() {
   stop_stale_dockerd
   mkdir -p "$RUNDIR" "$CACHE/docker"
@@ -248,7 +267,7 @@ start_dockerd() {
   export DOCKER_HOST="unix://$RUNDIR/docker.sock"
   local i
   for ((i = 0; i < DOCKERD_START_TRIES; i++)); do
-    docker version >/dev/null 2>&1 && { log "dockerd ready"; return 0; }
+    docker version >/dev/null 2>&1 && { log "dockerd ready"; sweep_earlier_run; return 0; }
     kill -0 "$DOCKERD_PID" 2>/dev/null || { tail -20 "$LOGS/dockerd.log"; die "dockerd exited at start"; }
     sleep 0.5
   done
@@ -383,7 +402,6 @@ up_and_check() {
     service_logs
     die "a service did not become healthy (logs above, all of them in $LOGS/services.log)"
   fi
-  NETWORK_IDS=$(docker network ls -q --no-trunc --filter "label=com.docker.compose.project=$PROJECT")
   log "all services healthy: $(compose ps --format '{{.Service}}={{.Health}}' | tr '\n' ' ')"
   if ! run_child "$PY" "$ROOT/scripts/compose_smoke_check.py" --url "http://127.0.0.1:$MESHNET_PUBLISH_TRACKER" --nodes 2; then
     service_logs
