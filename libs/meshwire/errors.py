@@ -16,6 +16,8 @@ NOT_FOUND: Final = "not_found_error"
 RATE_LIMIT: Final = "rate_limit_error"
 SERVER_ERROR: Final = "server_error"
 UNAVAILABLE: Final = "service_unavailable"
+STORE_UNAVAILABLE: Final = "store_unavailable"
+"""Error code of a tracker whose store (Redis) is away: a node asks another tracker."""
 
 
 def error_body(message: str, type: str, code: str | None = None, param: str | None = None,

@@ -13,14 +13,15 @@ history to another head mid-stream.
 from __future__ import annotations
 
 import logging
-from collections.abc import Collection, Iterable
+from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Final
+from typing import Any, Final
 
 import httpx
 from pydantic import ValidationError
 
 from meshwire.auth import bearer_headers
+from meshwire.errors import STORE_UNAVAILABLE
 from meshwire.routes import Route, RouteError, RouteNode, SignedRoute, verify_route
 from services.node.shard import Shard
 
@@ -97,31 +98,55 @@ def verify_hop(token: str | None, hop_index: int, *, secret: str, node_id: str, 
 
 
 class TrackerRoutes:
-    """The head's view of the tracker: ask for routes, report failed nodes."""
+    """The head's view of the trackers: ask for routes, report failed nodes.
 
-    def __init__(self, http: httpx.AsyncClient, tracker: str | None, secret: str, node_id: str) -> None:
+    With several trackers (``--tracker URL1,URL2``, one mesh on a shared
+    store) a request goes to the one that answered last, and on to the next
+    when it cannot be reached or says its store is away
+    (:data:`STORE_UNAVAILABLE`); any other answer is the mesh's answer.
+    """
+
+    def __init__(self, http: httpx.AsyncClient, trackers: Sequence[str] | None, secret: str, node_id: str) -> None:
         self._http = http
-        self._tracker = tracker
+        self._trackers = tuple(trackers or ())
+        self._current = 0
         self._secret = secret
         self._node_id = node_id
 
     @property
     def available(self) -> bool:
-        return self._tracker is not None
+        return bool(self._trackers)
+
+    async def _call(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
+        """``method path`` on the first tracker that answers for the mesh; :class:`NoRoute` when none does."""
+        if not self._trackers:
+            raise NoRoute("this node does not hold every layer and has no tracker to ask for a route")
+        failures: list[str] = []
+        for attempt in range(len(self._trackers)):
+            index = (self._current + attempt) % len(self._trackers)
+            tracker = self._trackers[index]
+            try:
+                response = await self._http.request(method, f"{tracker}{path}", headers=bearer_headers(self._secret),
+                                                    timeout=TRACKER_TIMEOUT_S, **kwargs)
+            except httpx.HTTPError as exc:
+                failures.append(f"tracker {tracker} unreachable: {exc}")
+                continue
+            if response.status_code == 503 and _error_code(response) == STORE_UNAVAILABLE:
+                failures.append(f"tracker {tracker}: its store is away")
+                continue
+            if index != self._current:
+                logger.info("trackers: %s answers now", tracker)
+                self._current = index
+            return response
+        raise NoRoute("; ".join(failures))
 
     async def fetch(self, model: str, exclude: Iterable[str] = ()) -> SignedRoute:
         """``GET /v1/route?model=M&exclude=a,b``: a fresh signed route, or :class:`NoRoute`."""
-        if self._tracker is None:
-            raise NoRoute("this node does not hold every layer and has no tracker to ask for a route")
         params = {"model": model}
         excluded = ",".join(sorted(set(exclude)))
         if excluded:
             params["exclude"] = excluded
-        try:
-            response = await self._http.get(f"{self._tracker}{ROUTE_PATH}", params=params,
-                                            headers=bearer_headers(self._secret), timeout=TRACKER_TIMEOUT_S)
-        except httpx.HTTPError as exc:
-            raise NoRoute(f"tracker {self._tracker} unreachable: {exc}") from exc
+        response = await self._call("GET", ROUTE_PATH, params=params)
         if response.status_code != 200:
             raise NoRoute(f"tracker has no route for {model}: {_error_message(response)}",
                           status=response.status_code if response.status_code in (404, 503) else 503)
@@ -157,14 +182,21 @@ class TrackerRoutes:
 
     async def report_failure(self, node_id: str, reason: str) -> None:
         """``POST /v1/nodes/{id}/failures``, best effort: the tracker backs the node off."""
-        if self._tracker is None:
+        if not self._trackers:
             return
         try:
             report = {"reason": reason[:MAX_REASON_CHARS] or "failed", "reporter": self._node_id}
-            await self._http.post(f"{self._tracker}/v1/nodes/{node_id}/failures", json=report,
-                                  headers=bearer_headers(self._secret), timeout=TRACKER_TIMEOUT_S)
-        except httpx.HTTPError as exc:
-            logger.warning("could not report failed node %s to the tracker: %s", node_id, exc)
+            await self._call("POST", f"/v1/nodes/{node_id}/failures", json=report)
+        except NoRoute as exc:
+            logger.warning("could not report failed node %s to a tracker: %s", node_id, exc)
+
+
+def _error_code(response: httpx.Response) -> str | None:
+    try:
+        code = response.json()["error"]["code"]
+    except (ValueError, KeyError, TypeError):
+        return None
+    return code if isinstance(code, str) else None
 
 
 def _error_message(response: httpx.Response) -> str:

@@ -119,7 +119,7 @@ class TrackerState:
 def store_unavailable(reason: str, retry_after_s: float) -> HTTPError:
     """The 503 every request that needs the store gets while it is away (with ``Retry-After``)."""
     return HTTPError(503, f"The tracker's store is unavailable: {reason[:300]}. Retry shortly.",
-                     errors.UNAVAILABLE, "store_unavailable", None,
+                     errors.UNAVAILABLE, errors.STORE_UNAVAILABLE, None,
                      headers={"Retry-After": str(max(math.ceil(retry_after_s), 1))})
 
 
