@@ -186,11 +186,12 @@ def wait_for(condition: Callable[[], bool], what: str, timeout_s: float = SETTLE
     raise AssertionError(f"timed out after {timeout_s:.0f} s waiting for {what}")
 
 
-def start_mesh(model_dir: Path, layers: Mapping[str, tuple[int, int]]) -> FailoverMesh:
+def start_mesh(model_dir: Path, layers: Mapping[str, tuple[int, int]],
+               node_env: Mapping[str, str] | None = None) -> FailoverMesh:
     """A tracker and one node per entry of ``layers`` (node id -> inclusive layer range), all registered."""
     tracker = start_service("tracker", TRACKER_ENV)
     common = {"MESHNET_MODEL": str(model_dir), "MESHNET_DTYPE": "float32", "MESHNET_DEVICE": "cpu",
-              "MESHNET_TRACKER": tracker.url, "MESHNET_THREADS": "1"}
+              "MESHNET_TRACKER": tracker.url, "MESHNET_THREADS": "1", **(node_env or {})}
     specs = {name: {**common, "MESHNET_NODE_ID": name, "MESHNET_LAYERS": f"{start}-{end}",
                     **({"MESHNET_PREFILL_CHUNK_TOKENS": str(HEAD_CHUNK_TOKENS)} if start == 0 else {})}
              for name, (start, end) in layers.items()}
@@ -212,7 +213,8 @@ def start_mesh(model_dir: Path, layers: Mapping[str, tuple[int, int]]) -> Failov
     return mesh
 
 
-def mesh_fixtures(layers: Mapping[str, tuple[int, int]]) -> tuple[Callable[..., Any], Callable[..., Any]]:
+def mesh_fixtures(layers: Mapping[str, tuple[int, int]],
+                  node_env: Mapping[str, str] | None = None) -> tuple[Callable[..., Any], Callable[..., Any]]:
     """The two fixtures a failover test module needs, for a mesh of ``layers``.
 
     ``mesh`` (module scope) runs the tracker and nodes; ``whole`` (autouse)
@@ -222,7 +224,7 @@ def mesh_fixtures(layers: Mapping[str, tuple[int, int]]) -> tuple[Callable[..., 
 
     @pytest.fixture(scope="module", name="mesh")
     def mesh(tiny_model_dir: Path) -> Iterator[FailoverMesh]:
-        running = start_mesh(tiny_model_dir, layers)
+        running = start_mesh(tiny_model_dir, layers, node_env)
         try:
             yield running
         finally:

@@ -38,6 +38,8 @@ RESERVE: Final = "X-Meshnet-Reserve"
 CONTROL: Final = "X-Meshnet-Control"
 SAMPLE_DRAWS: Final = "X-Meshnet-Sample-Draws"
 LEASE: Final = "X-Meshnet-Lease"
+PROGRESS: Final = "X-Meshnet-Progress"
+"""From the tracker to a head: add the token ids behind each stream event (see :mod:`meshwire.resume`)."""
 
 ALL: Final[tuple[str, ...]] = (
     WIRE, SHAPE, DTYPE, SESSION, CHUNK_INDEX, CHUNK_TOTAL, ENCODING, HOP_INDEX, START_LAYER,

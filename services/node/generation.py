@@ -78,6 +78,9 @@ class GenerationRequest:
     max_tokens: int
     stop: tuple[str, ...]
     sampling: SamplingParams
+    resume: tuple[int, ...] = ()
+    """Tokens of this answer already generated and relayed by a head that died (``meshwire.resume``):
+    they are replayed, not sent again, and the answer goes on after them."""
 
 
 @dataclass(frozen=True)
@@ -98,6 +101,8 @@ class TextDelta:
 
     text: str
     tokens: tuple[TokenInfo, ...] = ()
+    ids: tuple[int, ...] = ()
+    """Every token fed since the previous delta (whose text this one completes)."""
 
 
 @dataclass(frozen=True)
@@ -321,11 +326,15 @@ class Generator:
 
     async def generate(self, request: GenerationRequest, hop: RoutedHop | None) -> AsyncIterator[GenerationEvent]:
         """Generate the answer to ``request`` along ``hop``'s route (``None``: alone), as events."""
-        history = History(prompt=request.prompt_ids)
+        history = History(prompt=request.prompt_ids, generated=list(request.resume))
         run = _Run(chain=self._chain(hop, request, history),
                    failover=Failover(self._failover, self._routes, model=self._model_id, shard=self._runner.shard))
         detok = self.tokenizer.detokenizer()
         stops = StopMatcher(request.stop)
+        for token in request.resume:  # rebuild the text state of what was already sent, sending none of it
+            stops.feed(detok.push(token))
+        fed: list[int] = []
+        """Tokens fed since the last delta."""
         reason: FinishReason = "length"
         stopped = False
         upcoming: asyncio.Task[Pick] | None = None
@@ -342,6 +351,7 @@ class Generator:
                     break
                 if pick.logprobs is not None:
                     pending.append(TokenInfo(token, pick.logprobs))
+                fed.append(token)
                 out = stops.feed(detok.push(token))
                 if not out.stopped and len(history.generated) < request.max_tokens:
                     # The next step starts before this token's text goes out: sending it (SSE, the
@@ -349,8 +359,9 @@ class Generator:
                     upcoming = asyncio.create_task(self._next_token(run, request, history))
                     await asyncio.sleep(0)  # let it reach the compute thread first
                 if out.text:
-                    yield TextDelta(out.text, tuple(pending))
+                    yield TextDelta(out.text, tuple(pending), tuple(fed))
                     pending.clear()
+                    fed.clear()
                 if out.stopped:
                     reason, stopped = "stop", True
                     break
@@ -364,7 +375,7 @@ class Generator:
                 if out.stopped:
                     reason = "stop"
                 if rest or pending:
-                    yield TextDelta(rest, tuple(pending))
+                    yield TextDelta(rest, tuple(pending), tuple(fed))
             yield Finished(finish_reason=reason, prompt_tokens=len(request.prompt_ids),
                            completion_tokens=len(history.generated))
         finally:

@@ -39,8 +39,9 @@ from starlette.responses import Response, StreamingResponse
 from meshwire import errors, sse
 from meshwire import headers as h
 from meshwire import openai as oa
-from meshwire.auth import check_bearer_any
+from meshwire.auth import check_bearer, check_bearer_any
 from meshwire.responses_api import ResponseEvents, ResponsesRequest, usage_of
+from meshwire.resume import RESUME_KEY, Progress, Resume, take_resume, with_progress
 from meshwire.sampling_params import SamplingParams
 from services.node.bodies import BodyIncomplete, BodyTooLarge, read_bounded
 from services.node.generation import (
@@ -128,8 +129,9 @@ class OpenAIService:
         failure = check_bearer_any(request.headers.get("authorization"), (settings.secret, *settings.api_keys))
         if failure is not None:  # before anything is read: only the mesh (the tracker) or a client key may ask
             return ApiError(failure.status, failure.message, failure.code).response()
+        from_mesh = check_bearer(request.headers.get("authorization"), settings.secret) is None
         try:
-            prepared = await self._prepare(request, schema, chat=chat)
+            prepared = await self._prepare(request, schema, chat=chat, from_mesh=from_mesh)
             response_id = oa.new_id("chatcmpl" if chat else "cmpl")
             events = self._events(prepared)
             first = await _first_event(events)  # errors before the first token are plain HTTP errors
@@ -140,7 +142,9 @@ class OpenAIService:
         tokenizer = self._node.generator.tokenizer if prepared.logprobs and self._node.generator else None
         if prepared.stream:
             render = ChatStream if chat else CompletionStream
-            stream = render(response_id, self._node.model_id, prepared.include_usage, tokenizer)
+            progress = from_mesh and request.headers.get(h.PROGRESS) == "1"
+            stream = render(response_id, self._node.model_id, prepared.include_usage, tokenizer,
+                            seed=prepared.generation.sampling.seed if progress else None)
             return StreamingResponse(stream.events(first, events), media_type=sse.MEDIA_TYPE,
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         try:
@@ -209,20 +213,33 @@ class OpenAIService:
 
     async def _read(self, request: Request, schema: type[BaseModel]) -> BaseModel:
         """The request body, validated against ``schema`` (400 naming the field)."""
-        body = await _read_json_body(request, self._node.settings.max_body_bytes)
+        return self._validate(await _read_json_body(request, self._node.settings.max_body_bytes), schema)
+
+    @staticmethod
+    def _validate(body: bytes, schema: type[BaseModel]) -> BaseModel:
         try:
             return schema.model_validate_json(body)
         except ValidationError as exc:
             raise ApiError(400, oa.validation_error_message(exc), "invalid_request",
                            oa.validation_error_param(exc)) from None
 
-    async def _prepare(self, request: Request, schema: type[oa.SamplingRequest], *, chat: bool) -> Prepared:
+    async def _prepare(self, request: Request, schema: type[oa.SamplingRequest], *, chat: bool,
+                       from_mesh: bool) -> Prepared:
         self._check_head()
-        parsed = await self._read(request, schema)
+        body = await _read_json_body(request, self._node.settings.max_body_bytes)
+        resume = None
+        if from_mesh:  # only the tracker continues a stream whose head died (meshwire.resume)
+            try:
+                body, resume = take_resume(body)
+            except ValueError as exc:
+                raise ApiError(400, f"{RESUME_KEY} is not a stream to continue: {str(exc)[:200]}",
+                               "invalid_request", RESUME_KEY) from None
+        parsed = self._validate(body, schema)
         assert isinstance(parsed, oa.SamplingRequest)
-        return await self._prepare_parsed(request, parsed, chat=chat)
+        return await self._prepare_parsed(request, parsed, chat=chat, resume=resume)
 
-    async def _prepare_parsed(self, request: Request, parsed: oa.SamplingRequest, *, chat: bool) -> Prepared:
+    async def _prepare_parsed(self, request: Request, parsed: oa.SamplingRequest, *, chat: bool,
+                              resume: Resume | None = None) -> Prepared:
         node = self._node
         generator = node.generator
         assert generator is not None
@@ -238,7 +255,7 @@ class OpenAIService:
                 prompt = await asyncio.to_thread(generator.tokenizer.encode_text, parsed.prompt)
         except TemplateError as exc:
             raise ApiError(400, str(exc), "invalid_request", "messages") from None
-        generation = self._generation_request(parsed, prompt, chat=chat)
+        generation = self._generation_request(parsed, prompt, chat=chat, resume=resume)
         return Prepared(generation=generation, hop=hop, stream=parsed.stream, include_usage=parsed.include_usage)
 
     def _check_model_name(self, model: str) -> None:
@@ -247,7 +264,8 @@ class OpenAIService:
             raise ApiError(404, f"model {model!r} is not served here; this node serves {node.model_id!r}",
                            "model_not_found", "model")
 
-    def _generation_request(self, parsed: oa.SamplingRequest, prompt: list[int], *, chat: bool) -> GenerationRequest:
+    def _generation_request(self, parsed: oa.SamplingRequest, prompt: list[int], *, chat: bool,
+                            resume: Resume | None = None) -> GenerationRequest:
         node = self._node
         assert node.shard is not None
         context = int(getattr(node.shard.config, "max_position_embeddings", 0) or 0) or None
@@ -269,12 +287,19 @@ class OpenAIService:
             temperature=float(defaults.temperature if parsed.temperature is None else parsed.temperature),
             top_p=float(defaults.top_p if parsed.top_p is None else parsed.top_p),
             top_k=defaults.top_k if parsed.top_k is None else parsed.top_k,
-            seed=pick_seed(parsed.seed),
+            seed=resume.seed if resume is not None else pick_seed(parsed.seed),
             logit_bias=bias,
             logprobs=parsed.top_logprobs_wanted,
         )
+        resumed = () if resume is None else resume.ids
+        if any(token >= node.shard.vocab_size for token in resumed):
+            raise ApiError(400, f"{RESUME_KEY} names a token outside this model's vocabulary", "invalid_request",
+                           RESUME_KEY)
+        if len(resumed) >= max_tokens:
+            raise ApiError(400, f"{RESUME_KEY} holds {len(resumed)} tokens: the answer is already complete",
+                           "invalid_request", RESUME_KEY)
         return GenerationRequest(prompt_ids=tuple(prompt), max_tokens=max_tokens, stop=parsed.stop_sequences,
-                                 sampling=sampling)
+                                 sampling=sampling, resume=tuple(resumed))
 
     async def _route(self, request: Request) -> RoutedHop | None:
         """The route to run along: the tracker's (verified), none (alone), or one asked of the tracker."""
@@ -365,8 +390,10 @@ class _Stream:
     """Server-sent events of one answer; subclasses say how a chunk looks."""
 
     def __init__(self, response_id: str, model: str, include_usage: bool,
-                 tokenizer: HeadTokenizer | None = None) -> None:
+                 tokenizer: HeadTokenizer | None = None, *, seed: int | None = None) -> None:
         self.response_id = response_id
+        self.progress_seed = seed
+        """Set when the tracker asked for progress (meshwire.resume): each event carries its token ids."""
         self.model = model
         self.include_usage = include_usage
         self.tokenizer = tokenizer
@@ -378,10 +405,10 @@ class _Stream:
         try:
             opening = self.opening()
             if opening is not None:
-                yield sse.sse_event(opening)
+                yield self._event(opening, ())
             event = first
             while not isinstance(event, Finished):
-                yield sse.sse_event(self.text_chunk(event))
+                yield self._event(self.text_chunk(event), event.ids)
                 event = await anext(rest)
             yield sse.sse_event(self.finish_chunk(event))
             if self.include_usage:
@@ -393,6 +420,16 @@ class _Stream:
             yield sse.DONE  # the stream still ends as every OpenAI stream does
         finally:
             await rest.aclose()  # type: ignore[attr-defined]
+
+    def _event(self, chunk: BaseModel, ids: tuple[int, ...]) -> bytes:
+        """One stream event; with progress asked for, the ids of its tokens (and, once, the seed) added."""
+        if self.progress_seed is None:
+            return sse.sse_event(chunk)
+        progress = Progress(ids=ids, seed=self.progress_seed if not self._told_seed else None)
+        self._told_seed = True
+        return sse.sse_event(with_progress(chunk.model_dump(mode="json", exclude_none=False), progress))
+
+    _told_seed = False
 
     def opening(self) -> Any | None:
         return None

@@ -21,6 +21,7 @@ from __future__ import annotations
 import logging
 from typing import Final, Literal
 
+import httpx
 import orjson
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
@@ -37,7 +38,9 @@ from meshwire.openai import (
     validation_error_param,
 )
 from meshwire.responses_api import ResponsesRequest
+from meshwire.routes import SignedRoute
 
+from .continuation import ContinuedStream
 from .proxy import HeadError, HeadRefused, ProxiedResponse, first_byte_timer, open_head
 from .registry import UnknownNode
 from .responses import HTTPError, read_body, require_api_key
@@ -82,7 +85,7 @@ async def _front_door(request: Request, endpoint: Endpoint) -> Response:
         model = state.resolve_model(parsed.model)
         if model != parsed.model:
             body = _with_model(body, model)
-        response = await _proxy(state, model, path, body)
+        response = await _proxy(state, model, path, body, stream=parsed.stream and endpoint != "responses")
         status = response.status_code
         return response
     except HTTPError as exc:
@@ -92,8 +95,13 @@ async def _front_door(request: Request, endpoint: Endpoint) -> Response:
         state.metrics.requests.labels(endpoint, str(status)).inc()
 
 
-async def _proxy(state: TrackerState, model: str, path: str, body: bytes) -> Response:
-    """Send ``body`` along a route, and along a second one if the first head fails to answer."""
+async def _proxy(state: TrackerState, model: str, path: str, body: bytes, *, stream: bool = False) -> Response:
+    """Send ``body`` along a route, and along a second one if the first head fails to answer.
+
+    A streamed chat or completion asks the head for progress, so that if the
+    head dies mid-answer the stream goes on from another head
+    (:mod:`.continuation`).
+    """
     exclude: set[str] = set()
     refused: HeadRefused | None = None
     for attempt in range(ROUTE_ATTEMPTS):
@@ -106,7 +114,7 @@ async def _proxy(state: TrackerState, model: str, path: str, body: bytes) -> Res
         node_ids = [hop.node_id for hop in route.nodes]
         state.registry.begin_request(node_ids)
         elapsed = first_byte_timer()
-        outcome = await open_head(state.http(), route, path, body, state.settings.secret)
+        outcome = await open_head(state.http(), route, path, body, state.settings.secret, progress=stream)
         if isinstance(outcome, HeadError):
             state.registry.end_request(node_ids)
             raise outcome.error
@@ -120,6 +128,8 @@ async def _proxy(state: TrackerState, model: str, path: str, body: bytes) -> Res
             def on_close(node_ids: list[str] = node_ids) -> None:
                 state.registry.end_request(node_ids)
 
+            if stream:
+                return _continued(state, model, path, body, route, outcome)
             return ProxiedResponse(outcome, on_broken=on_broken, on_close=on_close)
         state.registry.end_request(node_ids)
         refused = outcome
@@ -133,6 +143,34 @@ async def _proxy(state: TrackerState, model: str, path: str, body: bytes) -> Res
             state.metrics.proxy_retries.inc()
     assert refused is not None
     raise refused.error
+
+
+def _continued(state: TrackerState, model: str, path: str, body: bytes, route: SignedRoute,
+               upstream: httpx.Response) -> ProxiedResponse:
+    """The head's stream relayed with its history kept, continued on another head if this one dies."""
+    current = [hop.node_id for hop in route.nodes]
+
+    def on_route(new: SignedRoute | None) -> None:  # the request's load follows it from route to route
+        state.registry.end_request(current)
+        current[:] = [] if new is None else [hop.node_id for hop in new.nodes]
+        state.registry.begin_request(current)
+
+    def on_close() -> None:
+        state.registry.end_request(current)
+
+    def route_for(avoid: set[str]) -> SignedRoute:
+        return state.route_for(model, avoid)
+
+    async def reopen(new: SignedRoute, new_body: bytes) -> httpx.Response | HeadRefused | HeadError:
+        state.metrics.proxy_retries.inc()
+        return await open_head(state.http(), new, path, new_body, state.settings.secret, progress=True)
+
+    stream = ContinuedStream(body=body, route_for=route_for, open_head=reopen,
+                             on_failed=lambda node_id, reason: _report(state, node_id, reason), on_route=on_route,
+                             attempts=state.settings.continue_attempts,
+                             deadline_s=state.settings.continue_deadline_s)
+    return ProxiedResponse(upstream, on_broken=lambda _: None, on_close=on_close,
+                           body=stream.events(upstream, route))
 
 
 def _report(state: TrackerState, node_id: str, reason: str) -> None:

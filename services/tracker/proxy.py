@@ -81,18 +81,19 @@ class HeadError:
     error: HTTPError
 
 
-def head_request_headers(route: SignedRoute, secret: str) -> dict[str, str]:
-    """The only headers a head receives from the tracker."""
+def head_request_headers(route: SignedRoute, secret: str, *, progress: bool = False) -> dict[str, str]:
+    """The only headers a head receives from the tracker (``progress``: token ids in every stream event)."""
     return {
         "Content-Type": "application/json",
         "Accept": "application/json, text/event-stream",
         headers.ROUTE: route.token,
         **bearer_headers(secret),
+        **({headers.PROGRESS: "1"} if progress else {}),
     }
 
 
 async def open_head(client: httpx.AsyncClient, route: SignedRoute, path: str, body: bytes,
-                    secret: str) -> httpx.Response | HeadRefused | HeadError:
+                    secret: str, *, progress: bool = False) -> httpx.Response | HeadRefused | HeadError:
     """Send ``body`` to the head's ``path``; return its streaming response, or why not to use it.
 
     A returned response is a relayable 2xx, open, and must be closed by the
@@ -103,7 +104,7 @@ async def open_head(client: httpx.AsyncClient, route: SignedRoute, path: str, bo
     """
     head = route.nodes[0]
     request = client.build_request("POST", head.endpoint.rstrip("/") + path, content=body,
-                                   headers=head_request_headers(route, secret))
+                                   headers=head_request_headers(route, secret, progress=progress))
     try:
         response = await client.send(request, stream=True)
     except httpx.HTTPError as exc:
@@ -184,11 +185,11 @@ class ProxiedResponse(StreamingResponse):
     """
 
     def __init__(self, upstream: httpx.Response, on_broken: Callable[[str], None],
-                 on_close: Callable[[], Awaitable[None] | None]) -> None:
+                 on_close: Callable[[], Awaitable[None] | None], body: AsyncIterator[bytes] | None = None) -> None:
         relayed: Mapping[str, str] = {k: v for k, v in upstream.headers.items()
                                       if k.lower() in RELAYED_RESPONSE_HEADERS}
         extra = STREAM_HEADERS if _is_event_stream(upstream) else {}
-        super().__init__(_relay(upstream, on_broken), status_code=upstream.status_code,
+        super().__init__(_relay(upstream, on_broken) if body is None else body, status_code=upstream.status_code,
                          headers={**relayed, **extra})
         self._upstream = upstream
         self._on_close = on_close

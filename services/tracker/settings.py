@@ -56,6 +56,12 @@ class TrackerSettings(BaseSettings):
     failure_reset_s: float = Field(120.0, gt=0, le=86400)
     """A node with no failure report for this long starts its next backoff from the beginning."""
 
+    # --- streams whose head dies -------------------------------------------------------
+    continue_attempts: int = Field(3, ge=0, le=16)
+    """New heads tried for a stream whose head died mid-answer (0: the stream ends with an error event)."""
+    continue_deadline_s: float = Field(120.0, gt=0, le=3600)
+    """Longest a stream may spend continuing after head failures before it ends with an error event."""
+
     # --- routes ----------------------------------------------------------------------
     route_ttl_s: float = Field(limits.ROUTE_TTL_S, gt=0, le=86400)
     """Lifetime of a signed route."""

@@ -1,0 +1,215 @@
+"""A streamed answer that outlives its head: the tracker relays it and, if the head dies, goes on elsewhere.
+
+The tracker asks the head for progress (``X-Meshnet-Progress``, see
+:mod:`meshwire.resume`): every stream event carries the ids of its tokens
+(and the first one the sampler seed). :class:`ContinuedStream` relays the
+events, stripping that extension, and keeps the history. When the head stops
+answering before the stream's end, it reports the head, asks for a route that
+avoids it, and sends the new head the same request with the history
+(``meshnet_resume``): the new head replays the tokens and streams only what
+follows. The client sees one stream: same id on every event, no second
+opening, no repeated or missing text (greedy: identical to an uninterrupted
+run; seeded sampling: the same draws). At most ``attempts`` new heads are
+tried within ``deadline_s``; when none can go on, the stream ends with an
+OpenAI error event and ``[DONE]``, never a silent cut.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any, Final
+
+import httpx
+import orjson
+from pydantic import ValidationError
+
+from meshwire import errors
+from meshwire.resume import PROGRESS_KEY, Progress, Resume, resume_body
+from meshwire.routes import SignedRoute
+from meshwire.sse import DONE, sse_error
+
+from .proxy import HeadError, HeadRefused
+from .responses import HTTPError
+
+logger = logging.getLogger(__name__)
+
+EVENT_END: Final = b"\n\n"
+MAX_EVENT_BYTES: Final = 4 << 20
+"""Longest single stream event accepted from a head (a chunk with 20 log-probabilities per token is far smaller)."""
+
+OpenHead = Callable[[SignedRoute, bytes], Awaitable["httpx.Response | HeadRefused | HeadError"]]
+"""Send a body to a route's head (with progress asked for): its open stream, or why not."""
+RouteFor = Callable[[set[str]], SignedRoute]
+"""A route avoiding the given node ids (raises :class:`HTTPError` when there is none)."""
+
+
+@dataclass
+class StreamHistory:
+    """What the client has been sent so far."""
+
+    ids: list[int] = field(default_factory=list)
+    seed: int | None = None
+    response_id: str | None = None
+    opened: bool = False
+    """An opening event (the role) went out: a new head's is dropped."""
+    finished: bool = False
+    """A finish (or an error) went out: nothing is left to continue."""
+    done: bool = False
+    """``[DONE]`` went out."""
+
+
+class ContinuedStream:
+    """The events of one streamed answer, across as many heads as it takes."""
+
+    def __init__(self, *, body: bytes, route_for: RouteFor, open_head: OpenHead,
+                 on_failed: Callable[[str, str], None], on_route: Callable[[SignedRoute | None], None],
+                 attempts: int, deadline_s: float) -> None:
+        self._body = body
+        self._route_for = route_for
+        self._open_head = open_head
+        self._on_failed = on_failed
+        self._on_route = on_route
+        self._attempts = attempts
+        self._deadline_s = deadline_s
+        self.history = StreamHistory()
+
+    async def events(self, upstream: httpx.Response, route: SignedRoute) -> AsyncIterator[bytes]:
+        """The client's stream: ``upstream``'s events, then a continuation's after each head that dies."""
+        continuations = 0
+        started = time.monotonic()
+        while True:
+            head = route.nodes[0].node_id
+            try:
+                async for event in self._relay(upstream, first_of_head=continuations > 0):
+                    yield event
+                return
+            except httpx.HTTPError as exc:
+                reason = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+            finally:
+                await upstream.aclose()
+            if self.history.finished:  # only the usage chunk or [DONE] was missing
+                if not self.history.done:
+                    yield DONE
+                return
+            self._on_failed(head, f"broke mid-answer: {reason}")
+            logger.warning("stream %s: head %s stopped answering after %d tokens (%s); continuing elsewhere",
+                           self.history.response_id, head, len(self.history.ids), reason)
+            avoid = {head}
+            opened = None
+            while opened is None:
+                continuations += 1
+                if continuations > self._attempts or time.monotonic() - started > self._deadline_s:
+                    yield self._give_up(f"the head node {head} stopped answering mid-stream and no other head could "
+                                        f"continue within {self._attempts} attempts")
+                    return
+                try:
+                    route = self._route_for(avoid)
+                except HTTPError as exc:
+                    yield self._give_up(f"the head node {head} stopped answering mid-stream and there is no "
+                                        f"route to continue on: {exc}")
+                    return
+                self._on_route(route)
+                outcome = await self._open_head(route, self._continuation_body())
+                if isinstance(outcome, httpx.Response):
+                    opened = outcome
+                    break
+                self._on_route(None)
+                if isinstance(outcome, HeadError):  # the new head refused the request itself: nothing to retry
+                    yield self._give_up(str(outcome.error))
+                    return
+                avoid.add(outcome.culprit)
+                if outcome.failed:
+                    self._on_failed(outcome.culprit, outcome.reason)
+            upstream = opened
+            logger.info("stream %s continues on %s after %d tokens", self.history.response_id,
+                        " -> ".join(node.node_id for node in route.nodes), len(self.history.ids))
+
+    def _continuation_body(self) -> bytes:
+        """The original request, with the history when there is one to continue from."""
+        if self.history.seed is None:  # nothing was relayed: the new head starts afresh
+            return self._body
+        return resume_body(self._body, Resume(ids=tuple(self.history.ids), seed=self.history.seed))
+
+    async def _relay(self, upstream: httpx.Response, *, first_of_head: bool) -> AsyncIterator[bytes]:
+        """``upstream``'s events as the client gets them; the history follows each one."""
+        buffer = b""
+        skip_opening = first_of_head and self.history.opened
+        async for chunk in upstream.aiter_bytes():
+            buffer += chunk
+            if len(buffer) > MAX_EVENT_BYTES and EVENT_END not in buffer:
+                raise httpx.ReadError("the head sent an event longer than the tracker accepts")
+            while EVENT_END in buffer:
+                raw, buffer = buffer.split(EVENT_END, 1)
+                out = self._event(raw, skip_opening)
+                skip_opening = skip_opening and out is None
+                if out is not None:
+                    yield out
+        if buffer.strip():
+            out = self._event(buffer, False)
+            if out is not None:
+                yield out
+        if not self.history.done:
+            raise httpx.RemoteProtocolError("the head's stream ended before its [DONE]")
+
+    def _event(self, raw: bytes, skip_opening: bool) -> bytes | None:
+        """One event for the client (``None``: dropped), recorded in the history."""
+        data = b"".join(line[5:].strip() for line in raw.split(b"\n") if line.startswith(b"data:"))
+        if not data:
+            return None
+        if data == DONE.strip()[5:].strip():
+            self.history.finished = self.history.done = True
+            return DONE
+        try:
+            event = orjson.loads(data)
+        except orjson.JSONDecodeError:
+            raise httpx.RemoteProtocolError("the head sent an event that is not JSON") from None
+        if not isinstance(event, dict):
+            raise httpx.RemoteProtocolError("the head sent an event that is not a JSON object")
+        progress = self._progress(event.pop(PROGRESS_KEY, None))
+        if "error" in event:  # the head's own error: it is alive and has ended the answer
+            self.history.finished = True
+            return b"data: " + orjson.dumps(event) + EVENT_END
+        if self._is_opening(event, progress):
+            if skip_opening:
+                return None
+            self.history.opened = True
+        if progress is not None:
+            self.history.ids.extend(progress.ids)
+            if progress.seed is not None and self.history.seed is None:
+                self.history.seed = progress.seed
+        choices = event.get("choices")
+        if isinstance(choices, list) and any(isinstance(c, dict) and c.get("finish_reason") for c in choices):
+            self.history.finished = True
+        if self.history.response_id is None:
+            self.history.response_id = event.get("id") if isinstance(event.get("id"), str) else None
+        elif "id" in event:
+            event["id"] = self.history.response_id
+        return b"data: " + orjson.dumps(event) + EVENT_END
+
+    @staticmethod
+    def _progress(raw: Any) -> Progress | None:
+        if raw is None:
+            return None
+        try:
+            return Progress.model_validate(raw)
+        except ValidationError:
+            raise httpx.RemoteProtocolError("the head sent malformed progress") from None
+
+    @staticmethod
+    def _is_opening(event: dict[str, Any], progress: Progress | None) -> bool:
+        """A chat stream's first event: the role, no text, no tokens."""
+        if progress is not None and progress.ids:
+            return False
+        choices = event.get("choices")
+        if not isinstance(choices, list) or len(choices) != 1 or not isinstance(choices[0], dict):
+            return False
+        delta = choices[0].get("delta")
+        return isinstance(delta, dict) and delta.get("role") == "assistant" and not delta.get("content")
+
+    def _give_up(self, message: str) -> bytes:
+        self.history.finished = self.history.done = True
+        logger.warning("stream %s ends with an error: %s", self.history.response_id, message)
+        return sse_error(orjson.dumps(errors.error_body(message, errors.SERVER_ERROR, "head_failed"))) + DONE

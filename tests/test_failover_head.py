@@ -1,0 +1,85 @@
+"""A stream survives the death of its head: the tracker continues it on another head (meshwire.resume).
+
+A tracker and three node processes (tests/failover_mesh.py): ``head-a`` and
+``head-b`` both hold layers 0-1, ``tail`` holds 2-3. A streamed chat goes
+through the tracker; after some tokens the test SIGKILLs whichever head
+serves it. The tracker, which kept the token ids behind every event, sends
+the request with that history to the other head, which replays it and goes
+on: the client's stream equals an uninterrupted run (greedy and seeded), one
+stream id, no second opening, no error event, the right finish and usage.
+"""
+
+from __future__ import annotations
+
+from typing import Final
+
+import httpx
+import orjson
+
+from meshwire.sse import parse_sse_line
+from tests.failover_mesh import FailoverMesh, mesh_fixtures
+
+HEADS: Final = ("head-a", "head-b")
+LAYERS: Final = {"head-a": (0, 1), "head-b": (0, 1), "tail": (2, 3)}
+MAX_TOKENS: Final = 200
+KILL_AFTER_CHUNKS: Final = 15
+SEEDED: Final = {"temperature": 0.8, "seed": 7}
+
+
+# A dead head cannot close its session on the tail: the tail's idle expiry frees it, soon enough for the
+# next test's wait for an idle mesh.
+mesh, whole = mesh_fixtures(LAYERS, {"MESHNET_IDLE_TIMEOUT_S": "5"})
+
+
+def test_a_greedy_stream_outlives_its_head_and_equals_the_uninterrupted_run(mesh: FailoverMesh) -> None:
+    whole_run = mesh.stream(MAX_TOKENS)
+    assert whole_run.finish_reason == "length" and whole_run.content_chunks > KILL_AFTER_CHUNKS
+
+    broken = mesh.stream(MAX_TOKENS, kill_one_of=HEADS, kill_after_chunks=KILL_AFTER_CHUNKS)
+
+    assert broken.killed in HEADS and broken.chunks_before_kill < whole_run.content_chunks
+    assert broken.errors == []
+    assert broken.text == whole_run.text
+    assert (broken.finish_reason, broken.completion_tokens, broken.done) == ("length", MAX_TOKENS, True)
+    assert mesh.node_view()[broken.killed]["failures"] >= 1, "the tracker reported the dead head"
+
+
+def test_a_seeded_stream_outlives_its_head_and_samples_the_same_tokens(mesh: FailoverMesh) -> None:
+    whole_run = mesh.stream(MAX_TOKENS, SEEDED)
+    broken = mesh.stream(MAX_TOKENS, SEEDED, kill_one_of=HEADS, kill_after_chunks=KILL_AFTER_CHUNKS)
+    assert broken.errors == [] and broken.killed in HEADS
+    assert broken.text == whole_run.text and broken.finish_reason == whole_run.finish_reason
+
+
+def test_the_continued_stream_keeps_one_id_and_one_opening(mesh: FailoverMesh) -> None:
+    ids: set[str] = set()
+    roles = 0
+    progress_keys = 0
+    killed = None
+    content = 0
+    with httpx.stream("POST", f"{mesh.tracker.url}/v1/chat/completions",
+                      json=mesh.body(MAX_TOKENS, None, True), timeout=120) as response:
+        for line in response.iter_lines():
+            data = parse_sse_line(line)
+            if data is None or data == "[DONE]":
+                continue
+            event = orjson.loads(data)
+            ids.add(event["id"])
+            progress_keys += "meshnet" in event
+            for choice in event.get("choices") or []:
+                roles += choice["delta"].get("role") == "assistant"
+                content += bool(choice["delta"].get("content"))
+            if killed is None and content >= KILL_AFTER_CHUNKS:
+                killed = mesh.serving(HEADS)
+                mesh.kill(killed)
+    assert killed is not None
+    assert len(ids) == 1 and roles == 1 and progress_keys == 0
+
+
+def test_when_no_other_head_exists_the_stream_ends_with_an_error_event(mesh: FailoverMesh) -> None:
+    mesh.kill("head-b")
+    broken = mesh.stream(MAX_TOKENS, kill_one_of=("head-a",), kill_after_chunks=KILL_AFTER_CHUNKS)
+    assert broken.killed == "head-a" and broken.done and broken.events_after_done == 0
+    assert len(broken.errors) == 1 and broken.errors[0]["code"] == "head_failed"
+    assert "head-a" in broken.errors[0]["message"]
+    assert broken.finish_reason is None
