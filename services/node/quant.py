@@ -74,6 +74,9 @@ KERNEL_MAX_ROWS: Final = 16
 """Products of up to this many rows run on the packed kernel; larger ones dequantize the matrix for the call."""
 KERNEL_DTYPE: Final = torch.bfloat16
 """Activation, scale and zero format of the CPU kernel's fast path."""
+QUANTIZED_DTYPE: Final = torch.float32
+"""What a quantized CPU shard computes in besides its products (``--dtype auto``): a bfloat16 residual stream
+made greedy answers of the default model drift (see services/node/runtime.py)."""
 NIBBLE_MID: Final = 8
 INT4_LEVELS: Final = 15
 INT8_MAX: Final = 127
