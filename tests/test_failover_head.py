@@ -11,13 +11,15 @@ stream id, no second opening, no error event, the right finish and usage.
 
 from __future__ import annotations
 
+import threading
 from typing import Final
 
 import httpx
 import orjson
+from prometheus_client.parser import text_string_to_metric_families
 
 from meshwire.sse import parse_sse_line
-from tests.failover_mesh import FailoverMesh, mesh_fixtures
+from tests.failover_mesh import FailoverMesh, mesh_fixtures, wait_for
 
 HEADS: Final = ("head-a", "head-b")
 LAYERS: Final = {"head-a": (0, 1), "head-b": (0, 1), "tail": (2, 3)}
@@ -83,3 +85,35 @@ def test_when_no_other_head_exists_the_stream_ends_with_an_error_event(mesh: Fai
     assert len(broken.errors) == 1 and broken.errors[0]["code"] == "head_failed"
     assert "head-a" in broken.errors[0]["message"]
     assert broken.finish_reason is None
+
+
+def tokens_generated(mesh: FailoverMesh, name: str) -> float:
+    """The head ``name``'s ``meshnet_node_tokens_generated_total``."""
+    text = httpx.get(f"{mesh.nodes[name].url}/metrics", timeout=10).text
+    return sum(sample.value for family in text_string_to_metric_families(text) for sample in family.samples
+               if sample.name == "meshnet_node_tokens_generated_total")
+
+
+def test_a_non_streamed_answer_outlives_its_head_and_equals_the_uninterrupted_one(mesh: FailoverMesh) -> None:
+    whole_run = mesh.chat(MAX_TOKENS)
+    assert whole_run.status_code == 200, whole_run.text
+    before = {name: tokens_generated(mesh, name) for name in HEADS}
+    killed: list[str] = []
+
+    def kill_when_under_way() -> None:
+        wait_for(lambda: any(tokens_generated(mesh, n) - before[n] >= KILL_AFTER_CHUNKS for n in HEADS),
+                 "the answer to be under way", timeout_s=120)
+        victim = next(n for n in HEADS if tokens_generated(mesh, n) - before[n] >= KILL_AFTER_CHUNKS)
+        mesh.kill(victim)
+        killed.append(victim)
+
+    killer = threading.Thread(target=kill_when_under_way)
+    killer.start()
+    answer = mesh.chat(MAX_TOKENS)
+    killer.join()
+    assert answer.status_code == 200, answer.text
+    assert killed and killed[0] in HEADS
+    body, whole = answer.json(), whole_run.json()
+    assert body["choices"][0]["message"]["content"] == whole["choices"][0]["message"]["content"]
+    assert body["choices"][0]["finish_reason"] == "length" and body["usage"] == whole["usage"]
+    assert body["object"] == "chat.completion"

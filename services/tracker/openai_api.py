@@ -40,6 +40,8 @@ from meshwire.openai import (
 from meshwire.responses_api import ResponsesRequest
 from meshwire.routes import SignedRoute
 
+from .collect import as_streamed
+from .collect import collect as collected
 from .continuation import ContinuedStream
 from .proxy import HeadError, HeadRefused, ProxiedResponse, first_byte_timer, open_head
 from .registry import UnknownNode
@@ -85,7 +87,11 @@ async def _front_door(request: Request, endpoint: Endpoint) -> Response:
         model = state.resolve_model(parsed.model)
         if model != parsed.model:
             body = _with_model(body, model)
-        response = await _proxy(state, model, path, body, stream=parsed.stream and endpoint != "responses")
+        continued = endpoint != "responses"  # chats and completions outlive their head (see .continuation)
+        if continued and not parsed.stream:
+            body = as_streamed(body)  # assembled back into one answer here, across heads if need be
+        response = await _proxy(state, model, path, body, stream=continued,
+                                collect=None if not continued or parsed.stream else endpoint == "chat")
         status = response.status_code
         return response
     except HTTPError as exc:
@@ -95,12 +101,14 @@ async def _front_door(request: Request, endpoint: Endpoint) -> Response:
         state.metrics.requests.labels(endpoint, str(status)).inc()
 
 
-async def _proxy(state: TrackerState, model: str, path: str, body: bytes, *, stream: bool = False) -> Response:
+async def _proxy(state: TrackerState, model: str, path: str, body: bytes, *, stream: bool = False,
+                 collect: bool | None = None) -> Response:
     """Send ``body`` along a route, and along a second one if the first head fails to answer.
 
     A streamed chat or completion asks the head for progress, so that if the
     head dies mid-answer the stream goes on from another head
-    (:mod:`.continuation`).
+    (:mod:`.continuation`). With ``collect`` set (``True``: a chat), the stream
+    is assembled into the non-streamed answer the client asked for.
     """
     exclude: set[str] = set()
     refused: HeadRefused | None = None
@@ -129,7 +137,7 @@ async def _proxy(state: TrackerState, model: str, path: str, body: bytes, *, str
                 state.registry.end_request(node_ids)
 
             if stream:
-                return _continued(state, model, path, body, route, outcome)
+                return await _continued(state, model, path, body, route, outcome, collect)
             return ProxiedResponse(outcome, on_broken=on_broken, on_close=on_close)
         state.registry.end_request(node_ids)
         refused = outcome
@@ -145,8 +153,8 @@ async def _proxy(state: TrackerState, model: str, path: str, body: bytes, *, str
     raise refused.error
 
 
-def _continued(state: TrackerState, model: str, path: str, body: bytes, route: SignedRoute,
-               upstream: httpx.Response) -> ProxiedResponse:
+async def _continued(state: TrackerState, model: str, path: str, body: bytes, route: SignedRoute,
+                     upstream: httpx.Response, collect: bool | None) -> Response:
     """The head's stream relayed with its history kept, continued on another head if this one dies."""
     current = [hop.node_id for hop in route.nodes]
 
@@ -169,6 +177,13 @@ def _continued(state: TrackerState, model: str, path: str, body: bytes, route: S
                              on_failed=lambda node_id, reason: _report(state, node_id, reason), on_route=on_route,
                              attempts=state.settings.continue_attempts,
                              deadline_s=state.settings.continue_deadline_s)
+    if collect is not None:
+        try:
+            return Response(await collected(stream.events(upstream, route), chat=collect),
+                            media_type="application/json")
+        finally:
+            await upstream.aclose()
+            on_close()
     return ProxiedResponse(upstream, on_broken=lambda _: None, on_close=on_close,
                            body=stream.events(upstream, route))
 
