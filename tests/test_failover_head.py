@@ -12,6 +12,7 @@ stream id, no second opening, no error event, the right finish and usage.
 from __future__ import annotations
 
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from typing import Final
 
 import httpx
@@ -19,7 +20,7 @@ import orjson
 from prometheus_client.parser import text_string_to_metric_families
 
 from meshwire.sse import parse_sse_line
-from tests.failover_mesh import FailoverMesh, mesh_fixtures, wait_for
+from tests.failover_mesh import FailoverMesh, StreamResult, mesh_fixtures, wait_for
 
 HEADS: Final = ("head-a", "head-b")
 LAYERS: Final = {"head-a": (0, 1), "head-b": (0, 1), "tail": (2, 3)}
@@ -117,3 +118,29 @@ def test_a_non_streamed_answer_outlives_its_head_and_equals_the_uninterrupted_on
     assert body["choices"][0]["message"]["content"] == whole["choices"][0]["message"]["content"]
     assert body["choices"][0]["finish_reason"] == "length" and body["usage"] == whole["usage"]
     assert body["object"] == "chat.completion"
+
+
+CONCURRENT_STREAMS: Final = 16
+
+
+def test_sixteen_streams_outlive_the_head_some_of_them_had_and_each_equals_its_solo_run(
+        mesh: FailoverMesh) -> None:
+    solo = mesh.stream(MAX_TOKENS)
+    progress = [0] * CONCURRENT_STREAMS
+
+    def follow(index: int) -> StreamResult:
+        return mesh.stream(MAX_TOKENS, on_chunk=lambda chunks: progress.__setitem__(index, chunks))
+
+    with ThreadPoolExecutor(CONCURRENT_STREAMS) as pool:
+        running = [pool.submit(follow, index) for index in range(CONCURRENT_STREAMS)]
+        wait_for(lambda: min(progress) >= KILL_AFTER_CHUNKS, "every stream to be under way", timeout_s=300)
+        view = mesh.node_view()
+        victim = max(HEADS, key=lambda name: view[name]["inflight_requests"])
+        assert view[victim]["inflight_requests"] > 0
+        mesh.kill(victim)
+        results = [future.result() for future in running]
+
+    for result in results:
+        assert result.errors == []
+        assert result.text == solo.text
+        assert (result.finish_reason, result.completion_tokens, result.done) == ("length", MAX_TOKENS, True)
