@@ -8,7 +8,7 @@ STAMP  := $(VENV)/.setup-done
 TORCH_VERSION := 2.13.0
 SMOLLM_VERSION := 0.1.2
 
-.PHONY: setup test test-fast mesh bench lint clean browser redis compose-smoke
+.PHONY: setup test test-fast mesh bench lint clean browser redis compose-smoke soak
 
 setup: $(STAMP)
 
@@ -56,6 +56,11 @@ mesh: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python -m benchmarks.run
+
+# Nodes killed and restarted under steady load for 10 minutes (MINUTES=2 for a short one): 0 lost, 0 different.
+MINUTES ?= 10
+soak: $(STAMP)
+	$(BIN)/python -m benchmarks.soak --minutes $(MINUTES)
 
 # `docker compose up` of deploy/docker-compose.yml for real, with its own dockerd, then down -v and a
 # check that nothing is left behind. Needs root and apt (installs the engine, Compose v2, debootstrap).
