@@ -24,6 +24,7 @@ from typing import Annotated, Any, Final, Literal
 
 from pydantic import (
     BaseModel,
+    BeforeValidator,
     ConfigDict,
     Field,
     SerializerFunctionWrapHandler,
@@ -134,14 +135,29 @@ MAX_METADATA_ENTRIES: Final = 16
 """OpenAI's bound on ``metadata``: 16 pairs, keys up to 64 characters, values up to 512."""
 
 
-def refused_field(name: str, reason: str, *, allowed: tuple[Any, ...] = ()) -> Any:
-    """A field validator refusing ``name`` whenever it asks for something: a value not ``None`` nor ``allowed``
-    (the values that ask for what this server does anyway, e.g. ``{"type": "text"}``)."""
+def refused(reason: str, *, allowed: tuple[Any, ...] = ()) -> Any:
+    """The type of a parameter this server does not implement: absent, ``null`` or one of ``allowed`` (the
+    values that ask for what it does anyway, e.g. ``{"type": "text"}``) passes; anything else is a 400
+    naming the parameter and saying ``reason``."""
     def check(value: Any) -> Any:
         if value is not None and value not in allowed:
-            raise ValueError(f"{name} is not supported: {reason}")
+            raise ValueError(f"not supported: {reason}")
         return value
-    return field_validator(name, mode="before")(classmethod(lambda cls, value: check(value)))
+    return Annotated[Any, BeforeValidator(check)]
+
+
+TextFormatOnly = refused("structured outputs (json_object, json_schema) are not implemented on this mesh yet",
+                         allowed=({"type": "text"},))
+NoTools = refused("this mesh has no tool calling yet")
+NoToolChoice = refused("this mesh has no tool calling yet", allowed=("none",))
+NoFunctions = refused("this mesh has no function calling")
+OneTier = refused("a mesh has one tier")
+TextModalityOnly = refused("this mesh answers text only", allowed=(["text"],))
+TextOnly = refused("this mesh answers text only")
+NoPrediction = refused("predicted outputs are not implemented")
+NoReasoning = refused("the served model has no reasoning settings")
+NoWebSearch = refused("this mesh has no web search")
+NoSuffix = refused("insertion (a suffix after the completion) is not implemented")
 
 
 class SamplingRequest(BaseModel):
@@ -204,21 +220,13 @@ class SamplingRequest(BaseModel):
         """``None``: no log-probabilities; else how many alternatives per token (subclasses read their fields)."""
         return None
 
-    _response_format = refused_field("response_format", "structured outputs (json_object, json_schema) are not "
-                                                   "implemented on this mesh yet", allowed=({"type": "text"},))
-    response_format: Any = None
-    _tools = refused_field("tools", "this mesh has no tool calling yet")
-    tools: Any = None
-    _tool_choice = refused_field("tool_choice", "this mesh has no tool calling yet", allowed=("none",))
-    tool_choice: Any = None
-    _parallel = refused_field("parallel_tool_calls", "this mesh has no tool calling yet")
-    parallel_tool_calls: Any = None
-    _functions = refused_field("functions", "this mesh has no function calling")
-    functions: Any = None
-    _function_call = refused_field("function_call", "this mesh has no function calling")
-    function_call: Any = None
-    _service_tier = refused_field("service_tier", "a mesh has one tier")
-    service_tier: Any = None
+    response_format: TextFormatOnly = None
+    tools: NoTools = None
+    tool_choice: NoToolChoice = None
+    parallel_tool_calls: NoTools = None
+    functions: NoFunctions = None
+    function_call: NoFunctions = None
+    service_tier: OneTier = None
 
     @field_validator("temperature")
     @classmethod
@@ -279,16 +287,11 @@ class ChatCompletionRequest(SamplingRequest):
     """Return each output token's log-probability."""
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
     """With ``logprobs``: also the most likely alternatives at each position (0-20)."""
-    _modalities = refused_field("modalities", "this mesh answers text only", allowed=(["text"],))
-    modalities: Any = None
-    _audio = refused_field("audio", "this mesh answers text only")
-    audio: Any = None
-    _prediction = refused_field("prediction", "predicted outputs are not implemented")
-    prediction: Any = None
-    _reasoning = refused_field("reasoning_effort", "the served model has no reasoning settings")
-    reasoning_effort: Any = None
-    _web_search = refused_field("web_search_options", "this mesh has no web search")
-    web_search_options: Any = None
+    modalities: TextModalityOnly = None
+    audio: TextOnly = None
+    prediction: NoPrediction = None
+    reasoning_effort: NoReasoning = None
+    web_search_options: NoWebSearch = None
 
     @model_validator(mode="after")
     def _top_logprobs_need_logprobs(self) -> ChatCompletionRequest:
@@ -321,8 +324,7 @@ class CompletionRequest(SamplingRequest):
     """Return each output token's log-probability and this many likeliest alternatives (0-5)."""
     echo: bool = False
     best_of: int | None = None
-    _suffix = refused_field("suffix", "insertion (a suffix after the completion) is not implemented")
-    suffix: Any = None
+    suffix: NoSuffix = None
 
     @field_validator("echo")
     @classmethod

@@ -32,8 +32,10 @@ from meshwire.openai import (
     REQUEST_MODEL,
     TOP_LEVEL_REQUEST,
     ChatCompletionRequest,
+    NoReasoning,
+    OneTier,
     TokenCount,
-    refused_field,
+    refused,
 )
 
 RESPONSE_MEDIA_EVENTS: Final = "text/event-stream"
@@ -73,6 +75,17 @@ class InputMessage(BaseModel):
         return self.content if isinstance(self.content, str) else "\n".join(part.text for part in self.content)
 
 
+NoStoredResponses = refused("this mesh stores no responses; send the whole conversation in input")
+NoResponseTools = refused("this mesh has no tool calling yet", allowed=((), []))
+NoResponseToolChoice = refused("this mesh has no tool calling yet", allowed=("none", "auto"))
+NoResponseParallel = refused("this mesh has no tool calling yet", allowed=(True, False))
+PlainTextOnly = refused("only plain text output is implemented", allowed=({"format": {"type": "text"}},))
+NothingIncluded = refused("nothing extra can be included", allowed=((), []))
+NoTruncation = refused("a prompt over the context is refused, never cut", allowed=("disabled",))
+NoBackground = refused("responses are not run in the background", allowed=(False,))
+NoResponseLogprobs = refused("use /v1/chat/completions for log-probabilities")
+
+
 class ResponsesRequest(BaseModel):
     """Body of ``POST /v1/responses`` (the text subset; the rest is refused by name)."""
 
@@ -91,30 +104,17 @@ class ResponsesRequest(BaseModel):
     metadata: Annotated[dict[Annotated[str, Field(max_length=64)], Annotated[str, Field(max_length=512)]],
                         Field(max_length=MAX_METADATA_ENTRIES)] | None = None
 
-    _previous = refused_field("previous_response_id", "this mesh stores no responses; send the whole conversation "
-                                                 "in input")
-    previous_response_id: Any = None
-    _tools = refused_field("tools", "this mesh has no tool calling yet", allowed=((), []))
-    tools: Any = None
-    _tool_choice = refused_field("tool_choice", "this mesh has no tool calling yet", allowed=("none", "auto"))
-    tool_choice: Any = None
-    _parallel = refused_field("parallel_tool_calls", "this mesh has no tool calling yet", allowed=(True, False))
-    parallel_tool_calls: Any = None
-    _text = refused_field("text", "only plain text output is implemented", allowed=({"format": {"type": "text"}},))
-    text: Any = None
-    _reasoning = refused_field("reasoning", "the served model has no reasoning settings")
-    reasoning: Any = None
-    _include = refused_field("include", "nothing extra can be included", allowed=((), []))
-    include: Any = None
-    _truncation = refused_field("truncation", "a prompt over the context is refused, never cut",
-                           allowed=("disabled",))
-    truncation: Any = None
-    _background = refused_field("background", "responses are not run in the background", allowed=(False,))
-    background: Any = None
-    _service_tier = refused_field("service_tier", "a mesh has one tier")
-    service_tier: Any = None
-    _top_logprobs = refused_field("top_logprobs", "use /v1/chat/completions for log-probabilities")
-    top_logprobs: Any = None
+    previous_response_id: NoStoredResponses = None
+    tools: NoResponseTools = None
+    tool_choice: NoResponseToolChoice = None
+    parallel_tool_calls: NoResponseParallel = None
+    text: PlainTextOnly = None
+    reasoning: NoReasoning = None
+    include: NothingIncluded = None
+    truncation: NoTruncation = None
+    background: NoBackground = None
+    service_tier: OneTier = None
+    top_logprobs: NoResponseLogprobs = None
 
     @model_validator(mode="after")
     def _bounded_prompt(self) -> ResponsesRequest:
