@@ -18,8 +18,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, P
 
 from meshwire.sampling_params import SamplingParams
 from services.node.sampling import Sampler
-from tests.procs import Service, start_service, wait_healthy
-from tests.test_tracker_openai import wait_until_servable
+from tests.procs import Service
+from tests.tiny_mesh import tiny_mesh
 
 PROMPT: Final = [{"role": "user", "content": "Where does the river run?"}]
 MAX_TOKENS: Final = 10
@@ -29,22 +29,8 @@ TOLERANCE: Final = 1e-4
 
 @pytest.fixture(scope="module")
 def mesh(tiny_model_dir: Path) -> Iterator[tuple[Service, str]]:
-    services: list[Service] = []
-    try:
-        tracker = start_service("tracker", {"MESHNET_HEARTBEAT_S": "1"})
-        services.append(tracker)
-        for node_id, layers in (("front", "0-1"), ("back", "2-3")):
-            services.append(start_service("node", {
-                "MESHNET_MODEL": str(tiny_model_dir), "MESHNET_LAYERS": layers, "MESHNET_TRACKER": tracker.url,
-                "MESHNET_NODE_ID": node_id, "MESHNET_DTYPE": "float32", "MESHNET_DEVICE": "cpu",
-                "MESHNET_HEARTBEAT_S": "1",
-            }, wait_ready=False))
-        for node in services[1:]:
-            wait_healthy(node)
-        yield tracker, wait_until_servable(tracker, tiny_model_dir.name)
-    finally:
-        for service in reversed(services):
-            service.stop()
+    with tiny_mesh(tiny_model_dir) as running:
+        yield running
 
 
 @pytest.fixture(scope="module")

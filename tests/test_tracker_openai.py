@@ -6,7 +6,6 @@ the wire itself is the point: ``[DONE]``, a forged route header).
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -16,10 +15,9 @@ import openai
 import pytest
 
 from meshwire.routes import Route, RouteNode, sign_route
-from tests.procs import Service, start_service, wait_healthy
+from tests.procs import Service
+from tests.tiny_mesh import tiny_mesh
 
-MESH_READY_TIMEOUT_S = 60.0
-NODE_HEARTBEAT_S = "1"
 PROMPT = [{"role": "user", "content": "Where does the river run?"}]
 MAX_TOKENS = 12
 
@@ -31,33 +29,8 @@ def mesh(tiny_model_dir: Path, request: pytest.FixtureRequest) -> Iterator[tuple
     Once with the memory store and once with a real Redis (``MESHNET_STORE``).
     """
     store = "memory" if request.param == "memory" else request.getfixturevalue("redis_url")
-    services: list[Service] = []
-    try:
-        tracker = start_service("tracker", {"MESHNET_HEARTBEAT_S": NODE_HEARTBEAT_S, "MESHNET_STORE": store})
-        services.append(tracker)
-        for node_id, layers in (("front-node", "0-1"), ("back-node", "2-3")):
-            services.append(start_service("node", {
-                "MESHNET_MODEL": str(tiny_model_dir), "MESHNET_LAYERS": layers, "MESHNET_TRACKER": tracker.url,
-                "MESHNET_NODE_ID": node_id, "MESHNET_DTYPE": "float32", "MESHNET_DEVICE": "cpu",
-                "MESHNET_HEARTBEAT_S": NODE_HEARTBEAT_S,
-            }, wait_ready=False))  # both load at once
-        for node in services[1:]:
-            wait_healthy(node)
-        yield tracker, wait_until_servable(tracker, tiny_model_dir.name)
-    finally:
-        for service in reversed(services):
-            service.stop()
-
-
-def wait_until_servable(tracker: Service, basename: str) -> str:
-    """Wait until ``/v1/models`` lists the model; answer the name its nodes registered it under."""
-    deadline = time.monotonic() + MESH_READY_TIMEOUT_S
-    while time.monotonic() < deadline:
-        listed = [card["id"] for card in httpx.get(f"{tracker.url}/v1/models").json()["data"]]
-        if (found := [name for name in listed if Path(name).name == basename]):
-            return found[0]
-        time.sleep(0.2)
-    raise AssertionError(f"the tracker never listed {basename}: {httpx.get(f'{tracker.url}/v1/nodes').text}")
+    with tiny_mesh(tiny_model_dir, store) as running:
+        yield running
 
 
 @pytest.fixture
