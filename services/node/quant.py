@@ -6,8 +6,9 @@ integers with one scale and one zero per group of :data:`GROUP_SIZE` inputs,
 and multiply them with ``torch.ops.aten._weight_int4pack_mm_for_cpu``; a
 layer is never dequantized whole for a decode step.
 
-What torch 2.13 offers on a CPU, measured on the development machine's Xeon
-(2 threads, one ``3072 x 576`` product, see ``benchmarks/README.md``):
+What torch 2.13 offers on a CPU, measured on the development machine (an
+AVX512-BF16/FP16 Xeon, 1 thread, one ``3072 x 576`` product, the fastest of
+repeated runs on a shared, loaded machine, so ratios rather than times):
 
 * ``_weight_int4pack_mm_for_cpu`` (group-wise scale and zero) and
   ``_weight_int8pack_mm`` (one scale per output channel only) are fast only
