@@ -36,6 +36,7 @@ from services.node.quant import (
     unpack,
 )
 from services.node.quant_load import resolve_format
+from services.node.settings import MAX_BATCH_LIMIT
 from services.node.shard import Shard, load_shard
 
 CPU = torch.device("cpu")
@@ -43,9 +44,12 @@ PRODUCT_RTOL = 2.0 ** -6
 """A product's largest error, relative to the largest value of the float result (bfloat16 has 8 significant bits)."""
 HIDDEN_RTOL = 1e-2
 """A quantized shard's hidden states against the bfloat16-rounding float reference, relative to their magnitude."""
-ROWS = (1, 2, 3, 4, 8, 16, 17, 40)
-"""Row counts a product sees: lone and batched decode steps (the kernel), prompt chunks (dequantized per call)."""
+ROWS = (1, 2, 3, 4, 8, 16, 17, 40, 257)
+"""Row counts a product sees: lone and batched decode steps and prompt chunks (the kernel), and a prompt chunk
+above :data:`KERNEL_MAX_ROWS` (the matrix dequantized for the call)."""
 PROMPT_IDS = [5, 17, 99, 300, 42, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22]
+LONG_PROMPT_IDS = [(7 * i) % 600 + 3 for i in range(300)]
+"""Longer than :data:`KERNEL_MAX_ROWS`: its products dequantize their matrices."""
 DECODE_STEPS = 6
 
 
@@ -98,8 +102,8 @@ def test_a_matrix_the_packed_format_cannot_hold_is_refused_with_its_reason() -> 
         groups_of(_weight(cols=40), "int4")
 
 
-def test_large_products_dequantize_only_above_the_kernel_row_bound() -> None:
-    assert KERNEL_MAX_ROWS == 16  # every decode batch at the default --max-batch takes the kernel
+def test_every_decode_batch_takes_the_kernel() -> None:
+    assert KERNEL_MAX_ROWS >= MAX_BATCH_LIMIT and KERNEL_MAX_ROWS + 1 in ROWS
 
 
 # --- GGUF blocks -------------------------------------------------------------------------------------------
@@ -175,14 +179,15 @@ def _close(a: torch.Tensor, b: torch.Tensor, rtol: float) -> bool:
     return bool((a.float() - b.float()).abs().max() <= rtol * b.float().abs().max())
 
 
+@pytest.mark.parametrize("prompt", [PROMPT_IDS, LONG_PROMPT_IDS], ids=["short", "long"])
 @pytest.mark.parametrize("fmt", ["int4", "int8"])
-def test_a_quantized_shard_equals_a_float_reference_of_its_dequantized_weights(tiny_model_dir: Path,
-                                                                               fmt: str) -> None:
+def test_a_quantized_shard_equals_a_float_reference_of_its_dequantized_weights(tiny_model_dir: Path, fmt: str,
+                                                                               prompt: list[int]) -> None:
     quantized = load_shard(tiny_model_dir, 0, 3, torch.float32, CPU, weights=fmt)  # type: ignore[arg-type]
     assert quantized.weights_format == fmt
     reference = _float_reference(tiny_model_dir, quantized)
     caches = quantized.new_cache(), reference.new_cache()
-    ids = torch.tensor([PROMPT_IDS])
+    ids = torch.tensor([prompt])
     hidden = [shard.run_layers(shard.embed(ids), cache, 0) for shard, cache in zip((quantized, reference), caches)]
     assert _close(hidden[0], hidden[1], HIDDEN_RTOL)
     for _ in range(DECODE_STEPS):
