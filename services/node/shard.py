@@ -19,6 +19,10 @@ shards on a CPU run their decode steps through
 :class:`~services.node.lean_decode.LeanDecoder`, the same arithmetic with far
 fewer operations (bit-identical results, about 30% faster).
 
+With ``--weights int8|int4`` (:mod:`services.node.quant_load`) the layers'
+products are held packed and exist only in the lean decoder, which then runs
+every step of the shard, prompts included (:meth:`LeanDecoder.run_chunk`).
+
 A half-precision shard on a CPU computes attention in float32 (torch's half
 SDPA there is ten times slower for a decode step's single query), and on a
 CPU without native kernels for its half format, multi-token chunks run their
