@@ -106,9 +106,10 @@ class TrackerRoutes:
     (:data:`STORE_UNAVAILABLE`); any other answer is the mesh's answer.
     """
 
-    def __init__(self, http: httpx.AsyncClient, trackers: Sequence[str] | None, secret: str, node_id: str) -> None:
+    def __init__(self, http: httpx.AsyncClient, trackers: str | Sequence[str] | None, secret: str,
+                 node_id: str) -> None:
         self._http = http
-        self._trackers = tuple(trackers or ())
+        self._trackers = (trackers,) if isinstance(trackers, str) else tuple(trackers or ())
         self._current = 0
         self._secret = secret
         self._node_id = node_id
