@@ -287,3 +287,11 @@ def test_a_model_is_found_by_its_exact_name_or_its_unique_basename() -> None:
     assert resolve_model_name("SmolLM2-135M-Instruct", known) == "HuggingFaceTB/SmolLM2-135M-Instruct"
     assert resolve_model_name("gpt-4", known) is None
     assert resolve_model_name("tiny", ["/a/tiny", "/b/tiny"]) is None
+
+
+def test_the_listing_shows_how_each_node_holds_its_weights_and_the_memory_they_take(registry: Registry) -> None:
+    registry.register(reg("a", weights="int4", weight_bytes=68_600_000, kv_bytes=4096), None, now=0.0)
+    registry.register(reg("b", port=9002), None, now=0.0)
+    listed = {info.node_id: info for info in registry.snapshot(1.0)}
+    assert (listed["a"].weights, listed["a"].weight_bytes, listed["a"].kv_bytes) == ("int4", 68_600_000, 4096)
+    assert (listed["b"].weights, listed["b"].weight_bytes) == (None, 0)

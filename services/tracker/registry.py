@@ -50,7 +50,7 @@ from pydantic import BaseModel
 
 from meshwire.fields import STRICT_MODEL, DType
 from meshwire.headers import LEASE as LEASE_HEADER
-from meshwire.registry import NodeRegistration, NodeState
+from meshwire.registry import NodeRegistration, NodeState, WeightsFormat
 
 from .planner import Candidate, LayerRange, layer_holders, missing_layers
 
@@ -132,6 +132,12 @@ class NodeInfo(BaseModel):
     relay_addr: str | None
     dtype: DType | None
     device: str | None
+    weights: WeightsFormat | None = None
+    """How the node holds its weights (``float``, ``int8``, ``int4``), as it registered."""
+    weight_bytes: int = 0
+    """Bytes its weights take in memory."""
+    kv_bytes: int = 0
+    """Bytes its KV caches take now."""
     state: NodeState
     routable: bool
     """Whether routes may use it: not offline, and its ``num_layers`` agrees with its model's."""
@@ -512,7 +518,8 @@ class Registry:
         return NodeInfo(
             node_id=reg.node_id, model=reg.model, endpoint=reg.endpoint, shard_start=reg.shard_start,
             shard_end=reg.shard_end, num_layers=reg.num_layers, relay_addr=reg.relay_addr, dtype=reg.dtype,
-            device=reg.device, state=state, routable=state != "offline" and agreed, num_layers_agreed=agreed,
+            device=reg.device, weights=reg.weights, weight_bytes=reg.weight_bytes, kv_bytes=reg.kv_bytes,
+            state=state, routable=state != "offline" and agreed, num_layers_agreed=agreed,
             active_sessions=reg.active_sessions,
             inflight_requests=entry.inflight, kv_free_tokens=reg.kv_free_tokens,
             kv_capacity_tokens=reg.kv_capacity_tokens, decode_tokens_per_s=reg.decode_tokens_per_s,
