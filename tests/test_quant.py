@@ -36,7 +36,7 @@ from services.node.quant import (
     unpack,
 )
 from services.node.quant_load import resolve_format
-from services.node.settings import MAX_BATCH_LIMIT
+from services.node.settings import DEFAULT_MAX_BATCH
 from services.node.shard import Shard, load_shard
 
 CPU = torch.device("cpu")
@@ -102,8 +102,8 @@ def test_a_matrix_the_packed_format_cannot_hold_is_refused_with_its_reason() -> 
         groups_of(_weight(cols=40), "int4")
 
 
-def test_every_decode_batch_takes_the_kernel() -> None:
-    assert KERNEL_MAX_ROWS >= MAX_BATCH_LIMIT and KERNEL_MAX_ROWS + 1 in ROWS
+def test_every_decode_batch_of_the_default_size_takes_the_kernel() -> None:
+    assert KERNEL_MAX_ROWS >= DEFAULT_MAX_BATCH and KERNEL_MAX_ROWS + 1 in ROWS
 
 
 # --- GGUF blocks -------------------------------------------------------------------------------------------

@@ -19,9 +19,13 @@ repeated runs on a shared, loaded machine, so ratios rather than times):
   product here converts its rows to bfloat16 and its result back.
 * Their cost grows with the rows (about 0.1 ms a row for that product) where
   a dense product's barely does: at 8 rows int4 and dense bfloat16 cost the
-  same, at 16 rows int4 costs 2-3x more, but dequantizing the matrix first
-  costs more still up to a few hundred rows. Up to :data:`KERNEL_MAX_ROWS`
-  rows (every decode batch, most prompt chunks) take the kernel; a larger
+  same, at 16 rows int4 costs 2-3x more; dequantizing the matrix first costs
+  more still up to a few hundred rows, but the kernel's results on prompt
+  chunks drift: with prompts through the kernel the default model's greedy
+  answers agreed with the float mesh on 17 of 20 test prompts and lost
+  "Paris" (``tests/test_quant_default.py``), against 19 of 20 through the
+  dequantized product. So only up to :data:`KERNEL_MAX_ROWS` rows (every
+  decode batch at the default ``--max-batch``) take the kernel; a larger
   product dequantizes this one matrix to float32 for the call and frees it, as :mod:`services.node.chunk_precision` does for
   float32 chunks, and computes what the kernel computes (bfloat16 rows,
   float32 weights and sums, a bfloat16 result). A dequantized bfloat16
@@ -71,10 +75,11 @@ GROUP_SIZE: Final = 32
 """Inputs sharing one scale and zero (GGUF's Q4_0/Q4_1/Q8_0 block size)."""
 ROW_BLOCK: Final = 64
 """Output rows of one block of the kernel's packed layout; a quantized matrix has a multiple of them."""
-KERNEL_MAX_ROWS: Final = 256
-"""Products of up to this many rows run on the packed kernel; larger ones dequantize the matrix for the call
-(measured on one ``3072 x 576`` int4 matrix, 1 thread: kernel 1.8 / 2.6 / 5.2 / 8.7 ms at 16 / 32 / 64 / 128
-rows, dequantizing and a float32 product 17-23 ms whatever the rows, so they cross near 300 rows)."""
+KERNEL_MAX_ROWS: Final = 16
+"""Products of up to this many rows run on the packed kernel; larger ones (prompt chunks) dequantize the matrix
+for the call. Speed alone would put the line near 300 rows (one ``3072 x 576`` int4 matrix, 1 thread: kernel
+1.8 / 2.6 / 5.2 / 8.7 ms at 16 / 32 / 64 / 128 rows, dequantizing and a float32 product 17-23 ms), but prompts
+through the kernel cost the default model greedy answers (see the module notes)."""
 KERNEL_DTYPE: Final = torch.bfloat16
 """Activation, scale and zero format of the CPU kernel's fast path."""
 QUANTIZED_DTYPE: Final = torch.float32
