@@ -26,15 +26,20 @@ READY_TIMEOUT_S = 30.0
 STOP_TIMEOUT_S = 10.0
 
 
-def require_redis_server() -> str:
-    """The path of ``redis-server``; skips the test (fails on CI) when it is missing."""
-    path = shutil.which("redis-server")
+def require_program(name: str, what: str) -> str:
+    """The path of the installed program ``name``; skips the test (fails on CI, where ``what`` must run)."""
+    path = shutil.which(name)
     if path is None:
-        reason = "redis-server is not installed (make setup installs it with apt where it runs as root)"
+        reason = f"{name} is not installed (make setup installs it with apt where it runs as root)"
         if os.environ.get("CI"):
-            pytest.fail(f"{reason}; CI must run the Redis store tests")
+            pytest.fail(f"{reason}; CI must run {what}")
         pytest.skip(reason)
     return path
+
+
+def require_redis_server() -> str:
+    """The path of ``redis-server``; skips the test (fails on CI) when it is missing."""
+    return require_program("redis-server", "the Redis store tests")
 
 
 @dataclass

@@ -11,8 +11,6 @@ SIGKILLed.
 
 from __future__ import annotations
 
-import os
-import shutil
 import subprocess
 import tempfile
 import time
@@ -26,7 +24,7 @@ import pytest
 import yaml
 
 from tests.procs import TEST_SECRET, Service, free_port, start_service
-from tests.redis_server import RedisServer, require_redis_server
+from tests.redis_server import RedisServer, require_program, require_redis_server
 
 ROOT = Path(__file__).resolve().parent.parent
 DEPLOY = ROOT / "deploy"
@@ -70,13 +68,7 @@ def test_the_gateway_sends_to_both_trackers_and_checks_their_health() -> None:
 
 
 def require_haproxy() -> str:
-    path = shutil.which("haproxy")
-    if path is None:
-        reason = "haproxy is not installed (make setup installs it with apt where it runs as root)"
-        if os.environ.get("CI"):
-            pytest.fail(f"{reason}; CI must run the gateway test")
-        pytest.skip(reason)
-    return path
+    return require_program("haproxy", "the gateway test")
 
 
 @pytest.fixture(scope="module")
