@@ -66,20 +66,6 @@ def with_progress(event: dict[str, Any], progress: Progress) -> bytes:
     return orjson.dumps({**event, PROGRESS_KEY: progress.model_dump(exclude_none=True)})
 
 
-def split_progress(payload: bytes) -> tuple[bytes, Progress | None]:
-    """A stream event's JSON without its progress, and the progress (``None`` when it has none).
-
-    Raises ``ValueError`` when the event is not JSON or its progress is malformed.
-    """
-    if PROGRESS_KEY.encode() not in payload:
-        return payload, None
-    event = orjson.loads(payload)
-    if not isinstance(event, dict) or PROGRESS_KEY not in event:
-        return payload, None
-    progress = Progress.model_validate(event.pop(PROGRESS_KEY))
-    return orjson.dumps(event), progress
-
-
 def resume_body(body: bytes, resume: Resume) -> bytes:
     """The request ``body`` with ``resume`` added (what the tracker sends a new head)."""
     payload = orjson.loads(body)

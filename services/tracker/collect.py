@@ -23,8 +23,6 @@ from .responses import HTTPError
 
 STREAMED_FOR_COLLECTION: Final = {"stream": True, "stream_options": {"include_usage": True}}
 """What the tracker adds to a non-streamed request before sending it to a head."""
-MAX_COLLECTED_EVENT_BYTES: Final = 4 << 20
-"""Longest single event the assembler reads (the relay already bounds them)."""
 
 
 def as_streamed(body: bytes) -> bytes:
@@ -47,20 +45,16 @@ class _Answer:
     error: dict[str, Any] | None = None
 
 
-async def collect(events: AsyncIterator[bytes], *, chat: bool) -> bytes:
-    """The JSON answer (``chat.completion`` or ``text_completion``) the stream ``events`` spells out.
+async def collect(events: AsyncIterator[dict[str, Any] | None], *, chat: bool) -> bytes:
+    """The JSON answer (``chat.completion`` or ``text_completion``) the stream's parsed ``events`` spell out
+    (``None`` is its ``[DONE]``, as :meth:`.continuation.ContinuedStream.payloads` yields them).
 
     Raises :class:`HTTPError` with the stream's error when it ended in one.
     """
     answer = _Answer()
-    buffer = b""
-    async for chunk in events:
-        buffer += chunk
-        while b"\n\n" in buffer:
-            raw, buffer = buffer.split(b"\n\n", 1)
-            _take(answer, raw, chat)
-    if buffer.strip():
-        _take(answer, buffer, chat)
+    async for event in events:
+        if event is not None:
+            _take(answer, event, chat)
     if answer.error is not None:
         status = 503 if answer.error.get("code") in ("no_route", "head_failed", "kv_budget") else 502
         raise HTTPError(status, str(answer.error.get("message", "the mesh failed mid-answer")),
@@ -83,13 +77,7 @@ async def collect(events: AsyncIterator[bytes], *, chat: bool) -> bytes:
     return body.model_dump_json().encode()
 
 
-def _take(answer: _Answer, raw: bytes, chat: bool) -> None:
-    data = b"".join(line[5:].strip() for line in raw.split(b"\n") if line.startswith(b"data:"))
-    if not data or data == b"[DONE]" or len(data) > MAX_COLLECTED_EVENT_BYTES:
-        return
-    event = orjson.loads(data)
-    if not isinstance(event, dict):
-        return
+def _take(answer: _Answer, event: dict[str, Any], chat: bool) -> None:
     if isinstance(event.get("error"), dict):
         answer.error = event["error"]
         return

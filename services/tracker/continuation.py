@@ -16,6 +16,7 @@ OpenAI error event and ``[DONE]``, never a silent cut.
 
 from __future__ import annotations
 
+import enum
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -29,7 +30,7 @@ from pydantic import ValidationError
 from meshwire import errors
 from meshwire.resume import PROGRESS_KEY, Progress, Resume, resume_body
 from meshwire.routes import SignedRoute
-from meshwire.sse import DONE, sse_error
+from meshwire.sse import DONE, sse_event
 
 from .proxy import HeadError, HeadRefused
 from .responses import HTTPError
@@ -39,6 +40,18 @@ logger = logging.getLogger(__name__)
 EVENT_END: Final = b"\n\n"
 MAX_EVENT_BYTES: Final = 4 << 20
 """Longest single stream event accepted from a head (a chunk with 20 log-probabilities per token is far smaller)."""
+
+Event = dict[str, Any]
+"""One stream event's JSON object."""
+
+
+class Dropped(enum.Enum):
+    """An event the client does not get (blank, or a new head's second opening)."""
+
+    DROPPED = "dropped"
+
+
+DROPPED: Final = Dropped.DROPPED
 
 OpenHead = Callable[[SignedRoute, bytes], Awaitable["httpx.Response | HeadRefused | HeadError"]]
 """Send a body to a route's head (with progress asked for): its open stream, or why not."""
@@ -77,14 +90,20 @@ class ContinuedStream:
         self.history = StreamHistory()
 
     async def events(self, upstream: httpx.Response, route: SignedRoute) -> AsyncIterator[bytes]:
-        """The client's stream: ``upstream``'s events, then a continuation's after each head that dies."""
+        """The client's stream as server-sent events (see :meth:`payloads`)."""
+        async for payload in self.payloads(upstream, route):
+            yield DONE if payload is None else sse_event(orjson.dumps(payload))
+
+    async def payloads(self, upstream: httpx.Response, route: SignedRoute) -> AsyncIterator[Event | None]:
+        """The client's stream as parsed events (``None``: ``[DONE]``): ``upstream``'s, then a continuation's
+        after each head that dies."""
         continuations = 0
         started = time.monotonic()
         while True:
             head = route.nodes[0].node_id
             try:
-                async for event in self._relay(upstream, first_of_head=continuations > 0):
-                    yield event
+                async for payload in self._relay(upstream, first_of_head=continuations > 0):
+                    yield payload
                 return
             except httpx.HTTPError as exc:
                 reason = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
@@ -92,7 +111,7 @@ class ContinuedStream:
                 await upstream.aclose()
             if self.history.finished:  # only the usage chunk or [DONE] was missing
                 if not self.history.done:
-                    yield DONE
+                    yield None
                 return
             self._on_failed(head, f"broke mid-answer: {reason}")
             logger.warning("stream %s: head %s stopped answering after %d tokens (%s); continuing elsewhere",
@@ -102,14 +121,16 @@ class ContinuedStream:
             while opened is None:
                 continuations += 1
                 if continuations > self._attempts or time.monotonic() - started > self._deadline_s:
-                    yield self._give_up(f"the head node {head} stopped answering mid-stream and no other head could "
-                                        f"continue within {self._attempts} attempts")
+                    for payload in self._give_up(f"the head node {head} stopped answering mid-stream and no other "
+                                                 f"head could continue within {self._attempts} attempts"):
+                        yield payload
                     return
                 try:
                     route = self._route_for(avoid)
                 except HTTPError as exc:
-                    yield self._give_up(f"the head node {head} stopped answering mid-stream and there is no "
-                                        f"route to continue on: {exc}")
+                    for payload in self._give_up(f"the head node {head} stopped answering mid-stream and there "
+                                                 f"is no route to continue on: {exc}"):
+                        yield payload
                     return
                 self._on_route(route)
                 outcome = await self._open_head(route, self._continuation_body())
@@ -118,7 +139,8 @@ class ContinuedStream:
                     break
                 self._on_route(None)
                 if isinstance(outcome, HeadError):  # the new head refused the request itself: nothing to retry
-                    yield self._give_up(str(outcome.error))
+                    for payload in self._give_up(str(outcome.error)):
+                        yield payload
                     return
                 avoid.add(outcome.culprit)
                 if outcome.failed:
@@ -133,8 +155,8 @@ class ContinuedStream:
             return self._body
         return resume_body(self._body, Resume(ids=tuple(self.history.ids), seed=self.history.seed))
 
-    async def _relay(self, upstream: httpx.Response, *, first_of_head: bool) -> AsyncIterator[bytes]:
-        """``upstream``'s events as the client gets them; the history follows each one."""
+    async def _relay(self, upstream: httpx.Response, *, first_of_head: bool) -> AsyncIterator[Event | None]:
+        """``upstream``'s events as the client gets them (``None``: ``[DONE]``); the history follows each one."""
         buffer = b""
         skip_opening = first_of_head and self.history.opened
         async for chunk in upstream.aiter_bytes():
@@ -144,24 +166,24 @@ class ContinuedStream:
             while EVENT_END in buffer:
                 raw, buffer = buffer.split(EVENT_END, 1)
                 out = self._event(raw, skip_opening)
-                skip_opening = skip_opening and out is None
-                if out is not None:
+                skip_opening = skip_opening and out is DROPPED
+                if out is not DROPPED:
                     yield out
         if buffer.strip():
             out = self._event(buffer, False)
-            if out is not None:
+            if out is not DROPPED:
                 yield out
         if not self.history.done:
             raise httpx.RemoteProtocolError("the head's stream ended before its [DONE]")
 
-    def _event(self, raw: bytes, skip_opening: bool) -> bytes | None:
-        """One event for the client (``None``: dropped), recorded in the history."""
+    def _event(self, raw: bytes, skip_opening: bool) -> Event | None | Dropped:
+        """One event for the client (``None``: ``[DONE]``; :data:`DROPPED`: nothing), recorded in the history."""
         data = b"".join(line[5:].strip() for line in raw.split(b"\n") if line.startswith(b"data:"))
         if not data:
-            return None
+            return DROPPED
         if data == DONE.strip()[5:].strip():
             self.history.finished = self.history.done = True
-            return DONE
+            return None
         try:
             event = orjson.loads(data)
         except orjson.JSONDecodeError:
@@ -171,10 +193,10 @@ class ContinuedStream:
         progress = self._progress(event.pop(PROGRESS_KEY, None))
         if "error" in event:  # the head's own error: it is alive and has ended the answer
             self.history.finished = True
-            return b"data: " + orjson.dumps(event) + EVENT_END
+            return event
         if self._is_opening(event, progress):
             if skip_opening:
-                return None
+                return DROPPED
             self.history.opened = True
         if progress is not None:
             self.history.ids.extend(progress.ids)
@@ -187,7 +209,7 @@ class ContinuedStream:
             self.history.response_id = event.get("id") if isinstance(event.get("id"), str) else None
         elif "id" in event:
             event["id"] = self.history.response_id
-        return b"data: " + orjson.dumps(event) + EVENT_END
+        return event
 
     @staticmethod
     def _progress(raw: Any) -> Progress | None:
@@ -209,7 +231,8 @@ class ContinuedStream:
         delta = choices[0].get("delta")
         return isinstance(delta, dict) and delta.get("role") == "assistant" and not delta.get("content")
 
-    def _give_up(self, message: str) -> bytes:
+    def _give_up(self, message: str) -> tuple[Event, None]:
+        """The stream's last events: the error (OpenAI's shape), then ``[DONE]``."""
         self.history.finished = self.history.done = True
         logger.warning("stream %s ends with an error: %s", self.history.response_id, message)
-        return sse_error(orjson.dumps(errors.error_body(message, errors.SERVER_ERROR, "head_failed"))) + DONE
+        return errors.error_body(message, errors.SERVER_ERROR, "head_failed"), None

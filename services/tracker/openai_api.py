@@ -179,7 +179,7 @@ async def _continued(state: TrackerState, model: str, path: str, body: bytes, ro
                              deadline_s=state.settings.continue_deadline_s)
     if collect is not None:
         try:
-            return Response(await collected(stream.events(upstream, route), chat=collect),
+            return Response(await collected(stream.payloads(upstream, route), chat=collect),
                             media_type="application/json")
         finally:
             await upstream.aclose()
