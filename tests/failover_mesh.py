@@ -15,6 +15,7 @@ from __future__ import annotations
 import signal
 import time
 from collections.abc import Callable, Iterator, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Final
@@ -160,6 +161,25 @@ class FailoverMesh:
         if killed_at is not None:
             result.seconds_from_kill_to_end = time.monotonic() - killed_at
         return result
+
+
+    def streams_with_a_kill(self, streams: int, max_tokens: int, candidates: tuple[str, ...],
+                            kill_after_chunks: int, timeout_s: float = SETTLE_TIMEOUT_S) -> tuple[list[StreamResult], str]:
+        """``streams`` streamed chats at once; once each has ``kill_after_chunks`` chunks, SIGKILL whichever of
+        ``candidates`` carries the most of them. Every stream's result, and the node killed."""
+        progress = [0] * streams
+
+        def follow(index: int) -> StreamResult:
+            return self.stream(max_tokens, on_chunk=lambda chunks: progress.__setitem__(index, chunks))
+
+        with ThreadPoolExecutor(streams) as pool:
+            running = [pool.submit(follow, index) for index in range(streams)]
+            wait_for(lambda: min(progress) >= kill_after_chunks, "every stream to be under way", timeout_s)
+            view = self.node_view()
+            victim = max(candidates, key=lambda name: view[name]["inflight_requests"])
+            assert view[victim]["inflight_requests"] > 0, f"none of {candidates} carries a stream"
+            self.kill(victim)
+            return [future.result() for future in running], victim
 
 
 def _take_event(result: StreamResult, event: dict[str, Any]) -> None:

@@ -13,10 +13,9 @@ layer 0, ``mid-a`` and ``mid-b`` both hold 1-2, ``tail`` alone holds 3.
 
 from __future__ import annotations
 
-from concurrent.futures import ThreadPoolExecutor
 from typing import Final
 
-from tests.failover_mesh import FailoverMesh, StreamResult, mesh_fixtures, wait_for
+from tests.failover_mesh import FailoverMesh, mesh_fixtures, wait_for
 
 MIDDLES: Final = ("mid-a", "mid-b")
 LAYERS: Final = {"head": (0, 0), "mid-a": (1, 2), "mid-b": (1, 2), "tail": (3, 3)}
@@ -50,18 +49,7 @@ def test_streams_batched_together_outlive_a_middle_node_and_each_equals_the_unin
         mesh: FailoverMesh) -> None:
     """Four streams share batched steps (and batched frames) on every node; a middle node dies under them."""
     whole_run = mesh.stream(MAX_TOKENS)
-    progress = [0] * BATCHED_STREAMS
-
-    def follow(index: int) -> StreamResult:
-        return mesh.stream(MAX_TOKENS, on_chunk=lambda chunks: progress.__setitem__(index, chunks))
-
-    with ThreadPoolExecutor(BATCHED_STREAMS) as pool:
-        running = [pool.submit(follow, index) for index in range(BATCHED_STREAMS)]
-        wait_for(lambda: min(progress) >= KILL_AFTER_CHUNKS, "every stream to be under way")
-        view = mesh.node_view()
-        victim = next(name for name in MIDDLES if view[name]["inflight_requests"] > 0)
-        mesh.kill(victim)
-        results = [future.result() for future in running]
+    results, victim = mesh.streams_with_a_kill(BATCHED_STREAMS, MAX_TOKENS, MIDDLES, KILL_AFTER_CHUNKS)
 
     assert mesh.node_view()[victim]["failures"] == 1, "the heads met the dead middle node and reported it"
     for result in results:

@@ -12,7 +12,6 @@ stream id, no second opening, no error event, the right finish and usage.
 from __future__ import annotations
 
 import threading
-from concurrent.futures import ThreadPoolExecutor
 from typing import Final
 
 import httpx
@@ -20,7 +19,7 @@ import orjson
 from prometheus_client.parser import text_string_to_metric_families
 
 from meshwire.sse import parse_sse_line
-from tests.failover_mesh import FailoverMesh, StreamResult, mesh_fixtures, wait_for
+from tests.failover_mesh import FailoverMesh, mesh_fixtures, wait_for
 
 HEADS: Final = ("head-a", "head-b")
 LAYERS: Final = {"head-a": (0, 1), "head-b": (0, 1), "tail": (2, 3)}
@@ -126,19 +125,7 @@ CONCURRENT_STREAMS: Final = 16
 def test_sixteen_streams_outlive_the_head_some_of_them_had_and_each_equals_its_solo_run(
         mesh: FailoverMesh) -> None:
     solo = mesh.stream(MAX_TOKENS)
-    progress = [0] * CONCURRENT_STREAMS
-
-    def follow(index: int) -> StreamResult:
-        return mesh.stream(MAX_TOKENS, on_chunk=lambda chunks: progress.__setitem__(index, chunks))
-
-    with ThreadPoolExecutor(CONCURRENT_STREAMS) as pool:
-        running = [pool.submit(follow, index) for index in range(CONCURRENT_STREAMS)]
-        wait_for(lambda: min(progress) >= KILL_AFTER_CHUNKS, "every stream to be under way", timeout_s=300)
-        view = mesh.node_view()
-        victim = max(HEADS, key=lambda name: view[name]["inflight_requests"])
-        assert view[victim]["inflight_requests"] > 0
-        mesh.kill(victim)
-        results = [future.result() for future in running]
+    results, _ = mesh.streams_with_a_kill(CONCURRENT_STREAMS, MAX_TOKENS, HEADS, KILL_AFTER_CHUNKS, timeout_s=300)
 
     for result in results:
         assert result.errors == []
