@@ -40,6 +40,25 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(sock.getsockname()[1])
 
 
+MAX_PORT_TRIES = 100
+
+
+def free_ports_in_a_row(count: int, host: str = "127.0.0.1") -> int:
+    """The first of ``count`` consecutive TCP ports that are all free right now (``meshnet up --node-port``
+    gives its nodes the ports that follow the first)."""
+    for _ in range(MAX_PORT_TRIES):
+        first = free_port(host)
+        with contextlib.ExitStack() as held:
+            try:
+                for port in range(first, first + count):
+                    sock = held.enter_context(socket.socket(socket.AF_INET, socket.SOCK_STREAM))
+                    sock.bind((host, port))
+            except OSError:
+                continue
+            return first
+    raise RuntimeError(f"no {count} consecutive free ports found in {MAX_PORT_TRIES} tries")
+
+
 @dataclass
 class Service:
     """A running service process and how to reach it."""

@@ -13,7 +13,7 @@ import httpx
 import pytest
 from openai import OpenAI
 
-from tests.procs import REPO_ROOT, free_port, service_env
+from tests.procs import REPO_ROOT, free_port, free_ports_in_a_row, service_env
 
 MESHNET = [sys.executable, "-m", "meshnet.cli"]
 UP_READY_TIMEOUT_S = 180.0
@@ -74,7 +74,7 @@ class UpProcess:
 
 @pytest.fixture(scope="module")
 def local_mesh(tiny_model_dir: Path):
-    ports = [free_port() for _ in range(4)]
+    ports = [free_port() for _ in range(3)] + [free_ports_in_a_row(2)]  # both nodes' ports must be free
     up = UpProcess(["--model", str(tiny_model_dir), "--nodes", "2", "--dtype", "float32",
                     "--port", str(ports[0]), "--relay-port", str(ports[1]), "--bootstrap-port", str(ports[2]),
                     "--node-port", str(ports[3])])
