@@ -37,7 +37,7 @@ from services.node.quant import (
 )
 from services.node.quant_load import resolve_format
 from services.node.settings import DEFAULT_MAX_BATCH
-from services.node.shard import Shard, load_shard
+from services.node.shard import Shard, ShardError, load_shard
 
 CPU = torch.device("cpu")
 PRODUCT_RTOL = 2.0 ** -6
@@ -220,6 +220,51 @@ def test_batched_rows_of_a_quantized_shard_equal_each_row_alone(tiny_model_dir: 
     together = shard.run_rows(rows, batched, [cache.seq_len for cache in batched], 0)
     for row, single in enumerate(alone):
         assert _close(together[row:row + 1], single, HIDDEN_RTOL)
+
+
+def test_prompt_chunks_and_decode_rows_of_a_quantized_shard_run_as_one_ragged_batch(tiny_model_dir: Path) -> None:
+    """A turn's chunks and rows laid end to end, one pass over the weights: each equals its step alone, and
+    every cache holds what it would alone, so the sessions decode on as if they had run alone."""
+    shard = load_shard(tiny_model_dir, 0, 3, torch.bfloat16, CPU, weights="int4")
+    assert shard.batches_chunks
+    opened = [[5, 6, 7], [40, 41, 42, 43, 44]]
+    steps = [LONG_PROMPT_IDS[:40], [3], PROMPT_IDS, [9]]  # a fresh chunk, a row, a fresh chunk, a row
+    solo, batched = [], []
+    for into in (solo, batched):
+        for index, step in enumerate(steps):
+            cache = shard.new_cache()
+            if len(step) == 1:  # a decode row continues a session opened with a prompt
+                shard.run_layers(shard.embed(torch.tensor([opened[index // 2]])), cache, 0)
+            into.append(cache)
+    alone = [shard.run_layers(shard.embed(torch.tensor([step])), cache, cache.seq_len)
+             for step, cache in zip(steps, solo, strict=True)]
+    ids = torch.tensor([[token for step in steps for token in step]])
+    together = shard.run_ragged(shard.embed(ids), batched, [cache.seq_len for cache in batched],
+                                [len(step) for step in steps], 0)
+    at = 0
+    for step, single in zip(steps, alone, strict=True):
+        assert _close(together[:, at:at + len(step)], single, HIDDEN_RTOL)
+        at += len(step)
+    assert [cache.seq_len for cache in batched] == [cache.seq_len for cache in solo]
+    token = torch.tensor([[11]])
+    for one, other in zip(solo, batched, strict=True):
+        assert _close(shard.run_layers(shard.embed(token), other, other.seq_len),
+                      shard.run_layers(shard.embed(token), one, one.seq_len), HIDDEN_RTOL)
+
+
+def test_a_ragged_batch_refuses_a_step_that_does_not_follow_its_cache_and_changes_nothing(
+        tiny_model_dir: Path) -> None:
+    shard = load_shard(tiny_model_dir, 0, 3, torch.bfloat16, CPU, weights="int4")
+    good, stale = shard.new_cache(), shard.new_cache()
+    shard.run_layers(shard.embed(torch.tensor([[5, 6]])), stale, 0)
+    ids = torch.tensor([[1, 2, 3, 4]])
+    with pytest.raises(ShardError, match="does not follow"):
+        shard.run_ragged(shard.embed(ids), [good, stale], [0, 0], [2, 2], 0)
+    assert (good.seq_len, stale.seq_len) == (0, 2)
+    assert shard.step_problem(stale, 0, 0) is not None and shard.step_problem(good, 0, 0) is None
+    float_shard = load_shard(tiny_model_dir, 0, 3, torch.float32, CPU)
+    with pytest.raises(ShardError, match="run alone"):
+        float_shard.run_ragged(float_shard.embed(ids), [float_shard.new_cache()] * 2, [0, 0], [2, 2], 0)
 
 
 def test_a_quantized_route_of_two_shards_equals_the_quantized_whole(tiny_model_dir: Path) -> None:

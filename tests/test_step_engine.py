@@ -13,7 +13,8 @@ import torch
 from meshwire.sampling_params import SamplingParams
 from services.node.compute import ComputeWorker, ShardRunner
 from services.node.sampling import Pick, Sampler, SamplingFailed
-from services.node.shard import ShardCache, load_shard
+from services.node.shard import ShardCache, ShardError, load_shard
+from services.node.step_engine import StepResult
 
 CPU: Final = torch.device("cpu")
 SESSIONS: Final = 5
@@ -135,3 +136,35 @@ def test_a_prompt_chunk_rides_along_with_decode_rows_within_the_token_budget(run
     # rows first (up to max_batch=4), then the oldest chunk even past the 8-token budget; the next chunk waits
     assert first == [1, 1, 1, 1, 6]
     assert second == [5]
+
+
+def test_prompts_arriving_together_on_a_quantized_shard_share_one_forward_and_a_bad_step_fails_alone(
+        tiny_model_dir: Path) -> None:
+    """Several sessions' prompt chunks (and a decode row) run as one ragged batch on a quantized head shard;
+    each hidden state equals its step alone; a step that does not follow its cache fails on its own."""
+    worker = ComputeWorker(threads=1)
+    try:
+        runner = ShardRunner(load_shard(tiny_model_dir, 0, 1, torch.bfloat16, CPU, weights="int4"), worker,
+                             max_batch=4, max_step_tokens=256)
+        prompts = [prompt(s, runner.shard.vocab_size) * 4 for s in range(3)]  # 8, 20 and 32 tokens
+
+        async def steps(caches: list[ShardCache], offsets: list[int]) -> list[object]:
+            return await asyncio.gather(*(
+                runner.step(cache, position_offset=offset, from_layer=0, ids=ids)
+                for cache, offset, ids in zip(caches, offsets, [*prompts, [7]], strict=True)),
+                return_exceptions=True)
+
+        opened = runner.new_cache()
+        asyncio.run(runner.step(opened, position_offset=0, from_layer=0, ids=[3, 4, 5]))
+        stale = runner.new_cache()
+        together = asyncio.run(steps([runner.new_cache(), runner.new_cache(), stale, opened], [0, 0, 5, 3]))
+        assert isinstance(together[2], ShardError) and stale.seq_len == 0
+        fresh = [runner.new_cache() for _ in range(2)]
+        alone = [asyncio.run(runner.step(cache, position_offset=0, from_layer=0, ids=ids))
+                 for cache, ids in zip(fresh, prompts[:2], strict=True)]
+        for batched, single in zip(together[:2], alone, strict=True):
+            assert isinstance(batched, StepResult) and batched.rows == 3
+            assert batched.hidden is not None and single.hidden is not None
+            assert (batched.hidden - single.hidden).abs().max() <= 1e-2 * single.hidden.abs().max()
+    finally:
+        worker.shutdown()

@@ -105,37 +105,13 @@ class LeanDecoder:
         :meth:`run` gives for that row alone, up to the rounding of a B-row
         matrix product (see ``docs/architecture.md``, batched steps).
         """
-        if hidden.shape[0] != len(caches) or hidden.shape[1] != 1:
+        rows = len(caches)
+        if hidden.shape[0] != rows or hidden.shape[1] != 1:
             raise ValueError(f"rows must be [B, 1, hidden] with one cache each, got {list(hidden.shape)} "
-                             f"and {len(caches)} caches")
-        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-        for index in range(first, last + 1):
-            hidden = self._rows_layer(index, hidden, cos, sin, caches)
-        return hidden
-
-    def _rows_layer(self, index: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                    caches: Sequence[Cache]) -> torch.Tensor:
-        w = self._layers[index]
-        rows = x.shape[0]
-        heads, kv_heads, dim = self._heads, self._kv_heads, self._head_dim
-        qkv = _product(_rms_norm(x, w.input_norm, w.input_eps), w.qkv, w.qkv_bias)
-        q, k, v = qkv.view(rows, 1, heads + 2 * kv_heads, dim).transpose(1, 2).split([heads, kv_heads, kv_heads], 1)
-        q = q * cos + _rotate_half(q) * sin
-        k = k * cos + _rotate_half(k) * sin
-        wide = _attention_dtype(x)
-        per_row = []
-        for row, cache in enumerate(caches):
-            keys, values = cache.layers[index].update(k[row:row + 1], v[row:row + 1])
-            per_row.append(F.scaled_dot_product_attention(q[row:row + 1].to(wide), keys.to(wide), values.to(wide),
-                                                          scale=w.scaling, enable_gqa=True))
-        attended = (per_row[0] if rows == 1 else torch.cat(per_row)).to(x.dtype)
-        x = x + _product(attended.transpose(1, 2).reshape(rows, 1, heads * dim), w.out, w.out_bias)
-        return self._mlp(w, x)
-
-    def _mlp(self, w: _LeanLayer, x: torch.Tensor) -> torch.Tensor:
-        gate, up = _product(_rms_norm(x, w.post_norm, w.post_eps), w.gate_up, w.gate_up_bias).split(
-            [self._intermediate, self._intermediate], -1)
-        return x + _product(F.silu(gate) * up, w.down, w.down_bias)
+                             f"and {rows} caches")
+        out = self.run_ragged(hidden.view(1, rows, -1), cos.view(1, rows, -1), sin.view(1, rows, -1),
+                              [(cache, 1) for cache in caches], first, last)
+        return out.view(rows, 1, -1)
 
     def run_chunk(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: Cache,
                   first: int, last: int) -> torch.Tensor:
@@ -147,29 +123,65 @@ class LeanDecoder:
         """
         if hidden.ndim != 3 or hidden.shape[0] != 1:
             raise ValueError(f"a chunk must be [1, n, hidden], got {list(hidden.shape)}")
+        return self.run_ragged(hidden, cos, sin, [(cache, int(hidden.shape[1]))], first, last)
+
+    def run_ragged(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                   segments: Sequence[tuple[Cache, int]], first: int, last: int) -> torch.Tensor:
+        """Layers ``first..last`` on the tokens of several sessions laid end to end: ``hidden`` ``[1, T, hidden]``.
+
+        ``segments`` are ``(cache, n)`` in order: the next ``n`` positions of
+        ``hidden`` are ``n`` consecutive tokens of that cache's session (a decode
+        row is ``n = 1``, a prompt chunk more), ``cos``/``sin`` (``[1, T,
+        head_dim]``) each position's own rotary embedding. Every product runs
+        once over all ``T`` positions (one pass over the weights for the whole
+        turn, which is what makes chunked prefill cheap beside decode rows);
+        attention runs per segment against its own cache, causally within a
+        chunk. Rows and chunks are this with one kind of segment.
+        """
+        total = sum(n for _, n in segments)
+        if hidden.ndim != 3 or hidden.shape[0] != 1 or hidden.shape[1] != total or min(n for _, n in segments) < 1:
+            raise ValueError(f"ragged positions must be [1, T, hidden] with T the sum of the segments "
+                             f"{[n for _, n in segments]}, got {list(hidden.shape)}")
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
         for index in range(first, last + 1):
-            hidden = self._chunk_layer(index, hidden, cos, sin, cache)
+            hidden = self._layer(index, hidden, cos, sin, segments)
         return hidden
 
-    def _chunk_layer(self, index: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                     cache: Cache) -> torch.Tensor:
+    def _layer(self, index: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+               segments: Sequence[tuple[Cache, int]]) -> torch.Tensor:
         w = self._layers[index]
-        n = x.shape[1]
+        total = x.shape[1]
         heads, kv_heads, dim = self._heads, self._kv_heads, self._head_dim
         qkv = _product(_rms_norm(x, w.input_norm, w.input_eps), w.qkv, w.qkv_bias)
-        q, k, v = qkv.view(1, n, heads + 2 * kv_heads, dim).transpose(1, 2).split([heads, kv_heads, kv_heads], 1)
+        q, k, v = qkv.view(1, total, heads + 2 * kv_heads, dim).transpose(1, 2).split([heads, kv_heads, kv_heads], 1)
         q = q * cos + _rotate_half(q) * sin
         k = k * cos + _rotate_half(k) * sin
-        keys, values = cache.layers[index].update(k, v)
-        total = keys.shape[2]
-        visible = torch.arange(total, device=x.device).unsqueeze(0) <= (
-            torch.arange(total - n, total, device=x.device).unsqueeze(1))
         wide = _attention_dtype(x)
-        attended = F.scaled_dot_product_attention(q.to(wide), keys.to(wide), values.to(wide), attn_mask=visible,
-                                                  scale=w.scaling, enable_gqa=True).to(x.dtype)
-        x = x + _product(attended.transpose(1, 2).reshape(1, n, heads * dim), w.out, w.out_bias)
+        attended = []
+        at = 0
+        for cache, n in segments:
+            keys, values = cache.layers[index].update(k[:, :, at:at + n], v[:, :, at:at + n])
+            attended.append(F.scaled_dot_product_attention(
+                q[:, :, at:at + n].to(wide), keys.to(wide), values.to(wide), attn_mask=_causal(n, keys.shape[2], x),
+                scale=w.scaling, enable_gqa=True))
+            at += n
+        joined = (attended[0] if len(attended) == 1 else torch.cat(attended, 2)).to(x.dtype)
+        x = x + _product(joined.transpose(1, 2).reshape(1, total, heads * dim), w.out, w.out_bias)
         return self._mlp(w, x)
+
+    def _mlp(self, w: _LeanLayer, x: torch.Tensor) -> torch.Tensor:
+        gate, up = _product(_rms_norm(x, w.post_norm, w.post_eps), w.gate_up, w.gate_up_bias).split(
+            [self._intermediate, self._intermediate], -1)
+        return x + _product(F.silu(gate) * up, w.down, w.down_bias)
+
+
+def _causal(n: int, total: int, x: torch.Tensor) -> torch.Tensor | None:
+    """The mask of ``n`` new positions attending to a cache of ``total`` (theirs included): each sees the
+    ones before it. ``None`` for one position, which sees the whole cache."""
+    if n == 1:
+        return None
+    return torch.arange(total, device=x.device).unsqueeze(0) <= torch.arange(total - n, total,
+                                                                           device=x.device).unsqueeze(1)
 
 
 def _product(x: torch.Tensor, weight: torch.Tensor | QuantMatrix, bias: torch.Tensor | None) -> torch.Tensor:

@@ -258,37 +258,75 @@ class Shard:
         """Whether decode rows of several sessions run as one batch here (a known layer structure)."""
         return self.lean is not None
 
+    @property
+    def batches_chunks(self) -> bool:
+        """Whether prompt chunks join a turn's batch too (:meth:`run_ragged`): shards whose every step runs
+        through the lean decoder (quantized weights), where a chunk alone would take the same path, so
+        several sessions' prompts and decode rows cost one pass over the weights."""
+        return self.lean is not None and self.weights_format != "float"
+
+    def step_problem(self, cache: ShardCache, position_offset: int, from_layer: int) -> str | None:
+        """Why a step of ``cache``'s session at ``position_offset`` entering at ``from_layer`` cannot run
+        here, or ``None``: the checks :meth:`run_layers` makes, for keeping a bad step out of a batch."""
+        if from_layer not in self.layer_range:
+            return f"from_layer {from_layer} is outside this shard's layers {self.start}-{self.end}"
+        if cache.entry_layer not in (None, from_layer):
+            return f"a session entered this shard at layer {cache.entry_layer}, not {from_layer}"
+        if position_offset != cache.seq_len:
+            return f"position offset {position_offset} does not follow the {cache.seq_len} tokens in the KV cache"
+        return None
+
     @torch.inference_mode()
     def run_rows(self, hidden: torch.Tensor, caches: Sequence[ShardCache], offsets: Sequence[int],
                  from_layer: int) -> torch.Tensor:
         """One decode step of B sessions at once: ``hidden`` is ``[B, 1, hidden]``, row ``i`` the next
         token of the session of ``caches[i]``, at position ``offsets[i]``; returns ``[B, 1, hidden]``.
 
-        The products run once over all rows, attention per row against its own
-        cache (:meth:`LeanDecoder.run_rows`); only shards that :attr:`batches_rows`
-        can. As in :meth:`run_layers`, each offset must equal the tokens its cache
-        holds. If the step fails, every cache is left as it was.
+        :meth:`run_ragged` with one position per session.
+        """
+        rows = len(caches)
+        if hidden.ndim != 3 or hidden.shape[0] != rows or hidden.shape[1] != 1 or hidden.shape[2] != self.hidden_size:
+            raise ShardError(f"decode rows must have shape [{rows}, 1, {self.hidden_size}], got {list(hidden.shape)}")
+        out = self.run_ragged(hidden.view(1, rows, self.hidden_size), caches, offsets, [1] * rows, from_layer)
+        return out.view(rows, 1, self.hidden_size)
+
+    @torch.inference_mode()
+    def run_ragged(self, hidden: torch.Tensor, caches: Sequence[ShardCache], offsets: Sequence[int],
+                   lengths: Sequence[int], from_layer: int) -> torch.Tensor:
+        """One step of several sessions at once, laid end to end: ``hidden`` is ``[1, T, hidden]``, its next
+        ``lengths[i]`` positions the tokens of the session of ``caches[i]`` from position ``offsets[i]``
+        (1 for a decode row, more for a prompt chunk); returns ``[1, T, hidden]``.
+
+        The products run once over all ``T`` positions, attention per session
+        against its own cache (:meth:`LeanDecoder.run_ragged`); only shards that
+        :attr:`batches_rows` can, and prompt chunks only where
+        :attr:`batches_chunks`. As in :meth:`run_layers`, each offset must equal
+        the tokens its cache holds. If the step fails, every cache is left as it was.
         """
         if self.lean is None:
             raise ShardError("these layers' structure is not one the batched path knows: run each session's "
                              "step through run_layers")
-        rows = len(caches)
-        if hidden.ndim != 3 or hidden.shape[0] != rows or hidden.shape[1] != 1 or hidden.shape[2] != self.hidden_size:
-            raise ShardError(f"decode rows must have shape [{rows}, 1, {self.hidden_size}], got {list(hidden.shape)}")
-        if from_layer not in self.layer_range:
-            raise ShardError(f"from_layer {from_layer} is outside this shard's layers {self.start}-{self.end}")
+        total = sum(lengths)
+        if not (len(caches) == len(offsets) == len(lengths)) or min(lengths, default=0) < 1:
+            raise ShardError(f"a batch needs one offset and a positive length per cache, got {len(caches)} caches, "
+                             f"offsets {list(offsets)}, lengths {list(lengths)}")
+        if max(lengths) > 1 and not self.batches_chunks:
+            raise ShardError("prompt chunks of a float shard run alone, through run_layers")
+        if hidden.ndim != 3 or hidden.shape[0] != 1 or hidden.shape[1] != total or hidden.shape[2] != self.hidden_size:
+            raise ShardError(f"a batch of {total} positions must have shape [1, {total}, {self.hidden_size}], "
+                             f"got {list(hidden.shape)}")
+        for cache, offset in zip(caches, offsets, strict=True):
+            if (problem := self.step_problem(cache, offset, from_layer)) is not None:
+                raise ShardError(problem)
         held = [cache.seq_len for cache in caches]
-        for cache, offset, length in zip(caches, offsets, held, strict=True):
-            if cache.entry_layer not in (None, from_layer):
-                raise ShardError(f"a session entered this shard at layer {cache.entry_layer}, not {from_layer}")
-            _check_follows(offset, length)
         for cache in caches:
             cache.entry_layer = from_layer
         hidden = hidden.to(device=self.device, dtype=self.dtype)
-        position_ids = torch.tensor(held, device=self.device).unsqueeze(1)
-        cos, sin = self._rotary_emb(hidden, position_ids=position_ids)
+        position_ids = torch.cat([torch.arange(offset, offset + n) for offset, n in zip(held, lengths, strict=True)])
+        cos, sin = self._rotary_emb(hidden, position_ids=position_ids.to(self.device).unsqueeze(0))
         try:
-            return self.lean.run_rows(hidden, cos, sin, [cache.kv for cache in caches], from_layer, self.end)
+            return self.lean.run_ragged(hidden, cos, sin, [(cache.kv, n) for cache, n in zip(caches, lengths, strict=True)],
+                                        from_layer, self.end)
         except BaseException:
             for cache, length in zip(caches, held, strict=True):
                 cache.truncate(length)
@@ -301,6 +339,12 @@ class Shard:
             raise ShardError(f"layers {self.start}-{self.end} are not the tail: no LM head here")
         last = hidden[:, -1, :].to(device=self.device, dtype=self.dtype)
         return self._lm_head(self._norm(last)).to(dtype=torch.float32)
+
+    @torch.inference_mode()
+    def logits_at(self, hidden: torch.Tensor, positions: Sequence[int]) -> torch.Tensor:
+        """Final norm and LM head of ``positions`` of a ragged batch's ``hidden`` (``[1, T, hidden]``): float32
+        ``[len(positions), vocab]``; tail only."""
+        return self.logits_rows(hidden[0, list(positions)].unsqueeze(1))
 
     @torch.inference_mode()
     def logits_last(self, hidden: torch.Tensor) -> torch.Tensor:

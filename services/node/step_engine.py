@@ -11,11 +11,16 @@ node. The engine collects the steps that are ready and runs them together:
   are one product over all rows, attention runs per session against its own
   KV cache. At the tail each row is sampled with its own session's sampler,
   so a seeded stream draws exactly what it draws alone.
-* **Prompt chunks** (several tokens) run in the same compute turn, after the
-  decode rows: the oldest waiting chunk always, more while the turn's tokens
-  stay within ``max_step_tokens``. So a long prompt costs the streams already
-  decoding at most one chunk (``prefill_chunk_tokens``) per step, instead of
-  stalling them for the whole prompt.
+* **Prompt chunks** (several tokens) run in the same compute turn: the
+  oldest waiting chunk always, more while the turn's tokens stay within
+  ``max_step_tokens``. So a long prompt costs the streams already decoding at
+  most one chunk (``prefill_chunk_tokens``) per step, instead of stalling them
+  for the whole prompt. On a quantized shard (every step there runs through
+  the lean decoder) the turn's chunks and rows entering at the same layer are
+  one ragged batch, laid end to end (:meth:`~services.node.shard.Shard.run_ragged`):
+  one pass over the packed weights for all of them, where eight prompts
+  arriving together used to dequantize every matrix eight times. On a float
+  shard a chunk runs alone, through transformers' exact path.
 
 A step waiting alone is run at once (the engine never waits for company: a
 lone stream is as fast as before). Steps that arrive while a turn is on the
@@ -33,6 +38,7 @@ was, and fails those steps only.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import time
 from collections import deque
@@ -207,15 +213,21 @@ class StepEngine:
     # --- on the compute thread ----------------------------------------------------------
 
     def _turn_sync(self, turn: list[StepJob]) -> list[StepResult | BaseException]:
-        rows = [job for job in turn if job.is_row]
+        """Run a turn: each group of steps that can share a forward as one batch, the others alone."""
+        shard = self._shard
         outcomes: dict[int, StepResult | BaseException] = {}
-        if len(rows) > 1 and self._shard.batches_rows:
-            outcomes.update(self._rows_sync(rows))
-        else:
-            for job in rows:
-                outcomes[id(job)] = self._one(job)
+        if shard.batches_rows:
+            groups: dict[tuple[int, bool], list[StepJob]] = {}
+            for job in turn:
+                if job.is_row or shard.batches_chunks:
+                    groups.setdefault(job.group, []).append(job)
+            for jobs in groups.values():
+                runnable = [job for job in jobs
+                            if shard.step_problem(job.cache, job.position_offset, job.from_layer) is None]
+                if len(runnable) > 1:  # a step the shard would refuse runs alone below, to fail on its own
+                    outcomes.update(self._batch_sync(runnable))
         for job in turn:
-            if not job.is_row:
+            if id(job) not in outcomes:
                 outcomes[id(job)] = self._one(job)
         return [outcomes[id(job)] for job in turn]
 
@@ -225,41 +237,47 @@ class StepEngine:
         except Exception as exc:  # noqa: BLE001 - a step's failure is that step's outcome, for its caller to judge
             return exc
 
-    def _rows_sync(self, rows: list[StepJob]) -> dict[int, StepResult | BaseException]:
-        """One batched decode step over ``rows``; each row's own outcome."""
+    def _batch_sync(self, jobs: list[StepJob]) -> dict[int, StepResult | BaseException]:
+        """One forward over the steps of ``jobs`` (decode rows, and prompt chunks where the shard
+        :attr:`~services.node.shard.Shard.batches_chunks`), laid end to end; each step's own outcome."""
         began = time.perf_counter()
         shard = self._shard
+        lengths = [job.tokens for job in jobs]
         try:
             with torch.inference_mode():
-                if rows[0].ids is not None:
-                    states = shard.embed(torch.tensor([[job.ids[0] for job in rows if job.ids is not None]]))
-                    states = states.transpose(0, 1)
+                if jobs[0].ids is not None:
+                    states = shard.embed(torch.tensor([[token for job in jobs for token in job.ids or ()]]))
                 else:
-                    states = torch.cat([job.hidden for job in rows if job.hidden is not None])
-                out = shard.run_rows(states, [job.cache for job in rows], [job.position_offset for job in rows],
-                                     rows[0].from_layer)
-                logits = shard.logits_rows(out) if shard.is_tail else None
-        except Exception as exc:  # noqa: BLE001 - fails these rows only; the caches were restored
-            logger.warning("a batch of %d decode rows failed: %s", len(rows), exc)
-            return {id(job): exc for job in rows}
+                    states = torch.cat([job.hidden for job in jobs if job.hidden is not None], 1)
+                out = shard.run_ragged(states, [job.cache for job in jobs], [job.position_offset for job in jobs],
+                                       lengths, jobs[0].from_layer)
+                ends = list(itertools.accumulate(lengths))
+                sampled = [index for index, job in enumerate(jobs) if job.sampler is not None]
+                logits = shard.logits_at(out, [ends[index] - 1 for index in sampled]) \
+                    if shard.is_tail and sampled else None
+        except Exception as exc:  # noqa: BLE001 - fails these steps only; the caches were restored
+            logger.warning("a batch of %d steps (%d positions) failed: %s", len(jobs), sum(lengths), exc)
+            return {id(job): exc for job in jobs}
         outcomes: dict[int, StepResult | BaseException] = {}
-        hidden = None if logits is not None else out.to("cpu")
+        hidden = None if shard.is_tail else out.to("cpu")
         elapsed_ms = (time.perf_counter() - began) * 1000.0
-        for index, job in enumerate(rows):
+        row_of = {index: row for row, index in enumerate(sampled)}
+        for index, job in enumerate(jobs):
             try:
-                if logits is not None:
-                    pick = job.sampler.pick(logits[index]) if job.sampler is not None else None
-                    outcomes[id(job)] = StepResult(hidden=None, token=None if pick is None else pick.token,
-                                                   compute_ms=elapsed_ms, rows=len(rows),
-                                                   logprobs=None if pick is None else pick.logprobs)
-                else:
-                    assert hidden is not None
-                    outcomes[id(job)] = StepResult(hidden=hidden[index:index + 1].contiguous(), token=None,
-                                                   compute_ms=elapsed_ms, rows=len(rows))
+                if hidden is not None:
+                    outcomes[id(job)] = StepResult(hidden=hidden[:, ends[index] - lengths[index]:ends[index]].contiguous(),
+                                                   token=None, compute_ms=elapsed_ms, rows=len(jobs))
+                    continue
+                pick = None
+                if job.sampler is not None and logits is not None:
+                    pick = job.sampler.pick(logits[row_of[index]])
+                outcomes[id(job)] = StepResult(hidden=None, token=None if pick is None else pick.token,
+                                               compute_ms=elapsed_ms, rows=len(jobs),
+                                               logprobs=None if pick is None else pick.logprobs)
             except Exception as exc:  # noqa: BLE001 - this row's sampling: its session's fault, nobody else's
                 outcomes[id(job)] = exc
-        if self._on_turn is not None:
-            self._on_turn(len(rows), elapsed_ms / 1000.0)
+        if self._on_turn is not None and all(job.is_row for job in jobs):
+            self._on_turn(len(jobs), elapsed_ms / 1000.0)
         return outcomes
 
 
