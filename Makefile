@@ -8,7 +8,7 @@ STAMP  := $(VENV)/.setup-done
 TORCH_VERSION := 2.13.0
 SMOLLM_VERSION := 0.1.2
 
-.PHONY: setup test test-fast mesh bench lint clean browser redis compose-smoke soak
+.PHONY: setup test test-fast mesh bench lint clean browser redis compose-smoke soak llama-cpp
 
 setup: $(STAMP)
 
@@ -55,7 +55,17 @@ mesh: $(STAMP)
 	$(BIN)/meshnet up
 
 bench: $(STAMP)
+	-@$(MAKE) --no-print-directory llama-cpp
 	$(BIN)/python -m benchmarks.run
+
+# llama.cpp (llama-cpp-python, built from source: a few minutes the first time, then pip's wheel cache) for the
+# benchmarks' yardstick on the default model's own GGUF; not a dependency of meshnet. Best effort.
+LLAMA_CPP_VERSION := 0.3.36
+llama-cpp: $(STAMP)
+	@if $(BIN)/python -c 'import llama_cpp' 2>/dev/null; then echo ">>> llama-cpp-python present"; \
+	else echo ">>> building llama-cpp-python $(LLAMA_CPP_VERSION) from source for the benchmarks (a few minutes on 2 cores)"; \
+	  $(BIN)/python -m pip install --progress-bar on llama-cpp-python==$(LLAMA_CPP_VERSION) \
+	  || echo ">>> llama-cpp-python did not build: the benchmarks will say llama.cpp was not measured"; fi
 
 # Nodes killed and restarted under steady load for 10 minutes (MINUTES=2 for a short one): 0 lost, 0 different.
 MINUTES ?= 10

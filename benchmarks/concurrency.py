@@ -35,13 +35,14 @@ import itertools
 import os
 import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Final
 
 import httpx
 
+from benchmarks import llama_cpp
 from benchmarks.client import timed_chat, warm_up
 from benchmarks.harness import DEFAULT_MODEL, Harness, pick
 from benchmarks.mesh import Mesh, MeshSpec, num_layers_of, running_mesh
@@ -50,6 +51,7 @@ from benchmarks.prompts import DECODE_MESSAGES, prompt_token_ids
 from benchmarks.reference import SingleProcess
 from benchmarks.results import Outcome, Row
 from benchmarks.stats import Spread, spread
+from services.node.model_source import resolve_model
 
 TITLE: Final = "Many streams at once: aggregate tokens/s of 1 to 16 concurrent streams (2 nodes)"
 STREAMS: Final = (1, 2, 4, 8, 16)
@@ -126,6 +128,23 @@ def _variants() -> dict[str, tuple[dict[str, str], tuple[int, ...]]]:
     return variants
 
 
+def _llama_cpp_levels(prompt: list[int], max_tokens: int, rounds: int,
+                      log: Callable[[str], None]) -> dict[int, list[float]]:
+    """llama.cpp's aggregate tokens/s at every level of :data:`STREAMS` on the same GGUF, through its batched
+    API (:mod:`benchmarks.llama_cpp`); empty when llama-cpp-python is not installed."""
+    gguf = resolve_model(DEFAULT_MODEL).gguf
+    if not llama_cpp.available() or gguf is None:
+        log(llama_cpp.INSTALL_HINT + ": no llama.cpp rows")
+        return {}
+    levels: dict[int, list[float]] = {}
+    for streams in STREAMS:
+        for _ in range(rounds):
+            run = llama_cpp.run_streams(gguf, prompt, streams, max_tokens, llama_cpp.default_threads())
+            levels.setdefault(streams, []).append(run.aggregate)
+        log(f"llama.cpp, {streams} streams: {statistics.median(levels[streams]):.1f} tok/s aggregate")
+    return levels
+
+
 def run(harness: Harness) -> Outcome:
     log = harness.logger("concurrency").info
     rounds = pick(harness.quick, full=3, fast=2)
@@ -170,6 +189,7 @@ def run(harness: Harness) -> Outcome:
         single.close()
     log(f"single process float16: batch of {SINGLE_PROCESS_BATCH} {statistics.median(batched):.1f} tok/s, "
         f"one sequence {statistics.median(alone):.1f} tok/s")
+    llama = _llama_cpp_levels(prompt, max_tokens, rounds, log)
     rows: list[Row] = []
     for name in variants:
         for streams in STREAMS:
@@ -190,13 +210,24 @@ def run(harness: Harness) -> Outcome:
                     value=spread(batched), unit="tok/s", note="generate on 8 copies of the prompt, every core"))
     rows.append(Row(label="single-process transformers float16, one sequence", value=spread(alone), unit="tok/s",
                     note="the same call with a batch of 1"))
+    for streams, rates in llama.items():
+        plural = "s" if streams > 1 else ""
+        rows.append(Row(label=f"llama.cpp Q4_1 GGUF, batched API, {streams} stream{plural}: aggregate",
+                        value=spread(rates), unit="tok/s",
+                        note=f"{llama_cpp.default_threads()} threads, llama-cpp-python {llama_cpp.VERSION}"))
+    if llama:
+        one = statistics.median(llama[1])
+        for streams in STREAMS[1:]:
+            rows.append(Row(label=f"llama.cpp {streams} streams / 1 stream: aggregate",
+                            value=spread([a / one for a in llama[streams]]), unit="x"))
     series = {"max_tokens": max_tokens, "node_dtypes": dtypes, "streams": list(STREAMS), "variants": list(variants),
               "aggregate_tokens_per_s": {name: [aggregate[name, s] for s in STREAMS] for name in variants},
               "per_stream_tokens_per_s": {name: [per_stream[name, s] for s in STREAMS] for name in variants},
               "gap_p50_ms": {name: [percentile(gaps[name, s], 0.5) for s in STREAMS] for name in variants},
               "gap_p95_ms": {name: [percentile(gaps[name, s], 0.95) for s in STREAMS] for name in variants},
               "single_process_batch": SINGLE_PROCESS_BATCH, "single_process_batched_tokens_per_s": batched,
-              "single_process_alone_tokens_per_s": alone}
+              "single_process_alone_tokens_per_s": alone,
+              "llama_cpp_aggregate_tokens_per_s": {str(streams): rates for streams, rates in llama.items()}}
     notes = (f"rounds cut at the {ROUND_DEADLINE_S:.0f} s deadline (tokens that arrived by then counted): "
              + "; ".join(cut_rounds),) if cut_rounds else ()
     return Outcome(rows=tuple(rows), series=series, notes=notes)

