@@ -192,8 +192,13 @@ def main(argv: Sequence[str] | None = None) -> None:
     except Exception as exc:  # a clear one-line error for the user, the traceback under --log-level debug
         from pydantic import ValidationError
 
+        from meshwire.exposure import UnsafeSecret
+
         if isinstance(exc, ValidationError):
             print(f"meshnet {args.command}: invalid setting: {exc}", file=sys.stderr)
+            raise SystemExit(2) from None
+        if isinstance(exc, UnsafeSecret):
+            print(f"meshnet {args.command}: {exc}", file=sys.stderr)
             raise SystemExit(2) from None
         if isinstance(exc, OSError) and args.log_level != "debug":  # a taken port, an unknown host
             print(f"meshnet {args.command}: {exc}", file=sys.stderr)

@@ -36,7 +36,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from meshwire import errors
+from meshwire import errors, exposure
+from meshwire.body_guard import BodyGuard
 from meshwire.logs import configure_logging
 
 from . import mesh_api, openai_api
@@ -101,6 +102,7 @@ def create_app(settings: TrackerSettings | None = None, *, clock: Callable[[], f
     app.include_router(mesh_api.router)
     if state.store.kind != MEMORY:
         app.add_middleware(StoreFence, store=state.store, retry_after_s=settings.heartbeat_s)
+    app.add_middleware(BodyGuard, timeout_s=settings.body_timeout_s)
 
     @app.get("/health")
     async def health(request: Request) -> JSONResponse:
@@ -165,6 +167,8 @@ def __getattr__(name: str) -> FastAPI:
     """Build ``app`` from the environment on first access (``uvicorn services.tracker.app:app``)."""
     if name != "app":
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    app = create_app()
+    settings = TrackerSettings()
+    exposure.require_private_secret("the tracker", settings.host, settings.secret)
+    app = create_app(settings)
     globals()["app"] = app
     return app
