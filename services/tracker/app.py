@@ -36,7 +36,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from meshwire import errors, exposure
+from meshwire import errors, exposure, tls
 from meshwire.body_guard import BodyGuard
 from meshwire.logs import configure_logging
 
@@ -63,7 +63,8 @@ def _head_client(settings: TrackerSettings) -> httpx.AsyncClient:
                             write=settings.proxy_write_timeout_s, pool=POOL_TIMEOUT_S)
     limits = httpx.Limits(max_connections=settings.max_connections,
                           max_keepalive_connections=min(KEEPALIVE_CONNECTIONS, settings.max_connections))
-    return httpx.AsyncClient(timeout=timeout, limits=limits, trust_env=False)
+    return httpx.AsyncClient(timeout=timeout, limits=limits, trust_env=False,
+                             verify=tls.client_context(settings.tls_ca))
 
 
 def _text_page(settings: TrackerSettings) -> str:
