@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import contextlib
 import os
-import ssl
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import tempfile
