@@ -38,17 +38,22 @@ def tiny_mesh(model_dir: Path, store: str = "memory",
             }, wait_ready=False, launcher=launcher))  # both load at once
         for node in services[1:]:
             wait_healthy(node)
-        yield tracker, wait_until_servable(tracker, model_dir.name)
+        keys = [key for key in common.get("MESHNET_API_KEYS", "").split(",") if key]
+        yield tracker, wait_until_servable(tracker, model_dir.name,
+                                           {"Authorization": f"Bearer {keys[0]}"} if keys else None)
     finally:
         for service in reversed(services):
             service.stop()
 
 
-def wait_until_servable(tracker: Service, basename: str) -> str:
-    """Wait until ``/v1/models`` lists the model; answer the name its nodes registered it under."""
+def wait_until_servable(tracker: Service, basename: str, headers: Mapping[str, str] | None = None) -> str:
+    """Wait until ``/v1/models`` lists the model; answer the name its nodes registered it under.
+
+    ``headers`` carry a client API key where the tracker requires one.
+    """
     deadline = time.monotonic() + MESH_READY_TIMEOUT_S
     while time.monotonic() < deadline:
-        listed = [card["id"] for card in httpx.get(f"{tracker.url}/v1/models", verify=tracker.verify).json()["data"]]
+        listed = [card["id"] for card in httpx.get(f"{tracker.url}/v1/models", verify=tracker.verify, headers=headers).json()["data"]]
         if (found := [name for name in listed if Path(name).name == basename]):
             return found[0]
         time.sleep(0.2)

@@ -41,6 +41,7 @@ from meshwire.body_guard import BodyGuard
 from meshwire.logs import configure_logging
 
 from . import mesh_api, openai_api
+from .key_limits import KeyLimits
 from .metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from .responses import HTTPError, error_response
 from .settings import TrackerSettings
@@ -95,6 +96,8 @@ def create_app(settings: TrackerSettings | None = None, *, clock: Callable[[], f
                 yield
             finally:
                 state.client = None
+                if state.key_limiter is not None:
+                    await state.key_limiter.close()
                 await state.store.close()
 
     app = FastAPI(title="meshnet tracker", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
@@ -103,6 +106,9 @@ def create_app(settings: TrackerSettings | None = None, *, clock: Callable[[], f
     app.include_router(mesh_api.router)
     if state.store.kind != MEMORY:
         app.add_middleware(StoreFence, store=state.store, retry_after_s=settings.heartbeat_s)
+    if state.key_limiter is not None:
+        app.add_middleware(KeyLimits, api_keys=settings.api_keys, limiter=state.key_limiter,
+                           count=lambda kid, status: state.metrics.key_requests.labels(kid, str(status)).inc())
     app.add_middleware(BodyGuard, timeout_s=settings.body_timeout_s)
 
     @app.get("/health")

@@ -32,6 +32,10 @@ class TrackerSettings(BaseSettings):
     """The mesh's shared secret: authenticates nodes and signs routes."""
     api_keys: Annotated[tuple[str, ...], NoDecode, ApiKeyList] = ()
     """Client API keys for the OpenAI front door; empty means the front door is open."""
+    key_requests_per_minute: int = Field(0, ge=0, le=1_000_000)
+    """Requests one API key may make in any 60 s (429 with ``Retry-After`` beyond); 0: no limit."""
+    key_max_streams: int = Field(0, ge=0, le=65536)
+    """Requests (streamed or not) one API key may have in flight at once (429 beyond); 0: no limit."""
 
     store: str = Field("memory", min_length=1, max_length=limits.MAX_URL_CHARS)
     """Where the registry lives: ``memory`` (this process) or ``redis://host:port/db``, shared by several trackers."""
