@@ -26,7 +26,7 @@ class ChatSettings(BaseSettings):
     temperature: float = Field(0.0, ge=0.0, le=2.0, description="0 is greedy")
     api_key: str | None = Field(None, description="a client API key, when the tracker requires one")
     tls_ca: str | None = Field(None, description="PEM CA bundle an https tracker is verified with "
-                                                 "(default: the system's roots)")
+                                                 "(unset: the default trusted roots)")
 
 
 def _first_model(client: httpx.Client, base: str) -> str:
@@ -44,7 +44,7 @@ def run_chat(settings: ChatSettings, prompt: str) -> int:
     headers = {"Authorization": f"Bearer {settings.api_key}"} if settings.api_key else {}
     timeout = httpx.Timeout(READ_TIMEOUT_S, connect=CONNECT_TIMEOUT_S)
     try:
-        with httpx.Client(timeout=timeout, headers=headers, verify=tls.client_context(settings.tls_ca)) as client:
+        with httpx.Client(timeout=timeout, headers=headers, verify=tls.httpx_verify(settings.tls_ca)) as client:
             model = settings.model or _first_model(client, base)
             body = {
                 "model": model,

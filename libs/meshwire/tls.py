@@ -5,7 +5,7 @@
   serves HTTPS (and WSS) only (uvicorn's ``ssl_certfile`` / ``ssl_keyfile``).
 - ``tls_ca`` (``MESHNET_TLS_CA``): the PEM bundle a service's clients verify
   the services they call with (node to node, node to tracker, tracker to
-  node, relay links, the CLI). Unset: the system's trusted roots. A private
+  node, relay links, the CLI). Unset: each client's default roots. A private
   mesh with its own CA sets it everywhere.
 
 Clients always verify ``https://`` and ``wss://`` peers (certificate and
@@ -43,13 +43,19 @@ def server_options(cert: str | None, key: str | None) -> dict[str, Any]:
 
 
 @functools.cache
-def client_context(ca: str | None = None) -> ssl.SSLContext:
-    """A verifying client context: ``ca``'s roots, or the system's when ``ca`` is ``None``.
+def client_context(ca: str | None = None) -> ssl.SSLContext | None:
+    """A verifying client context trusting ``ca``'s roots; ``None`` without ``ca`` (each client's default:
+    the system's roots for sockets and websockets, certifi's for httpx).
 
     Cached per file: every client of a process shares one context (building
     one loads the bundle).
     """
-    return ssl.create_default_context(cafile=ca) if ca else ssl.create_default_context()
+    return ssl.create_default_context(cafile=ca) if ca else None
+
+
+def httpx_verify(ca: str | None = None) -> ssl.SSLContext | bool:
+    """httpx's ``verify=``: a context trusting ``ca``, else ``True`` (httpx's default verification)."""
+    return client_context(ca) or True
 
 
 def scheme(tls: bool, websocket: bool = False) -> str:

@@ -75,7 +75,7 @@ class NodeRuntime:
             http1=True, http2=False,
             limits=httpx.Limits(max_connections=HTTP_POOL_CONNECTIONS, max_keepalive_connections=HTTP_POOL_CONNECTIONS),
             timeout=httpx.Timeout(settings.hop_timeout_s, connect=CONNECT_TIMEOUT_S),
-            verify=tls.client_context(settings.tls_ca),
+            verify=tls.httpx_verify(settings.tls_ca),
         )
         self.hops = HopClient(self.http, settings.secret, settings.hop_timeout_s,
                               tls_context=tls.client_context(settings.tls_ca))

@@ -159,7 +159,7 @@ class NodeSettings(BaseSettings):
     tls_key: str | None = None
     """PEM private key of ``tls_cert``."""
     tls_ca: str | None = None
-    """PEM CA bundle this service's clients verify ``https://`` and ``wss://`` peers with; unset: the system's roots."""
+    """PEM CA bundle this service's clients verify ``https://`` and ``wss://`` peers with; unset: the default trusted roots."""
     head_timeout_s: float = Field(slow_clients.HEAD_TIMEOUT_S, gt=0, le=600)
     """Seconds a client connection has to send each request head (line and headers) before it is closed."""
     body_timeout_s: float = Field(slow_clients.BODY_TIMEOUT_S, gt=0, le=3600)

@@ -65,7 +65,7 @@ def _head_client(settings: TrackerSettings) -> httpx.AsyncClient:
     limits = httpx.Limits(max_connections=settings.max_connections,
                           max_keepalive_connections=min(KEEPALIVE_CONNECTIONS, settings.max_connections))
     return httpx.AsyncClient(timeout=timeout, limits=limits, trust_env=False,
-                             verify=tls.client_context(settings.tls_ca))
+                             verify=tls.httpx_verify(settings.tls_ca))
 
 
 def _text_page(settings: TrackerSettings) -> str:
