@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import secrets
 import signal
 import socket
 import ssl
@@ -33,7 +34,9 @@ ServiceKind = Literal["tracker", "node", "relay", "bootstrap"]
 Launcher = Literal["uvicorn", "meshnet"]
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-TEST_SECRET = "test-mesh-secret"
+TEST_SECRET = "test-" + secrets.token_urlsafe(24)
+"""The mesh secret of the test services: made per test run, so that services the tests bind beyond
+loopback (network namespaces) hold no published secret, which they would refuse."""
 READY_TIMEOUT_S = 120.0
 STOP_TIMEOUT_S = 10.0
 
