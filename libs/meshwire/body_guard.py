@@ -5,8 +5,9 @@ body a byte a minute holds a connection and a task for as long as it likes.
 :class:`BodyGuard` wraps the app's ``receive`` so that
 
 * once the app starts reading the body, all of it must arrive within
-  ``timeout_s``; past that the client is answered ``408`` (``Connection:
-  close``, so the server drops the connection) and the app's read raises
+  ``timeout_s`` (one timer per request, started by the first read); past
+  that the client is answered ``408`` (``Connection: close``, so the server
+  drops the connection) and the app's read raises
   :class:`BodyDeadlinePassed`, which the guard absorbs;
 * with ``max_bytes`` set, a ``Content-Length`` over it is answered ``413``
   at once, before anything is read, and a body growing past it as it arrives
@@ -107,6 +108,8 @@ class BodyGuard:
             if exchange.answered:
                 return  # the app failed on the read the guard cut short: the client has its answer
             raise
+        finally:
+            exchange.stop_clock()
 
     def _too_large(self) -> str:
         return f"request body over {self.max_bytes} bytes"
@@ -128,7 +131,10 @@ class _Exchange:
         self._guard = guard
         self._receive = receive
         self._send = send
-        self._deadline: float | None = None
+        self._timer: asyncio.TimerHandle | None = None
+        self._task: asyncio.Task[Any] | None = None
+        self._waiting = False
+        self._expired = False
         self._received = 0
         self.body_complete = False
         self.started = False
@@ -139,28 +145,55 @@ class _Exchange:
     async def receive(self) -> Message:
         if self.body_complete or self.answered:
             return await self._receive()  # after the body: the server's disconnect, with no deadline
-        loop = asyncio.get_running_loop()
-        if self._deadline is None:
-            self._deadline = loop.time() + self._guard.timeout_s
-        try:
-            async with asyncio.timeout_at(self._deadline):
+        if self._timer is None:  # the first read starts the clock: one timer per request, not one per read
+            self._task = asyncio.current_task()
+            self._timer = asyncio.get_running_loop().call_later(self._guard.timeout_s, self._expire)
+        if not self._expired:
+            self._waiting = True
+            try:
                 message = await self._receive()
-        except TimeoutError:
-            logger.warning("cut off a client that did not send its body within %g s", self._guard.timeout_s)
-            await self._answer(REQUEST_TIMEOUT, f"request body not received within {self._guard.timeout_s:g} s")
-            raise BodyDeadlinePassed from None
+            except asyncio.CancelledError:
+                if not self._expired or self._task is None or self._task.uncancel() > 0:
+                    raise  # a cancellation of the request itself, not the deadline
+            else:
+                self._waiting = False
+                return await self._took(message)
+            finally:
+                self._waiting = False
+        logger.warning("cut off a client that did not send its body within %g s", self._guard.timeout_s)
+        await self._answer(REQUEST_TIMEOUT, f"request body not received within {self._guard.timeout_s:g} s")
+        raise BodyDeadlinePassed
+
+    def _expire(self) -> None:
+        self._expired = True
+        if self._waiting and self._task is not None:
+            self._task.cancel()
+
+    async def _took(self, message: Message) -> Message:
+        """``message`` counted against the cap; the clock stops once the body is complete."""
         if message["type"] != "http.request":
-            self.body_complete = True  # a disconnect: nothing more will come
+            self._complete()  # a disconnect: nothing more will come
             return message
         self._received += len(message.get("body", b""))
         cap = self._guard.max_bytes
         if cap is not None and self._received > cap:
+            self._complete()
             logger.warning("refused a request body growing past %d bytes", cap)
             await self._answer(PAYLOAD_TOO_LARGE, self._guard._too_large())
             raise BodyOverCap
         if not message.get("more_body", False):
-            self.body_complete = True
+            self._complete()
         return message
+
+    def _complete(self) -> None:
+        self.body_complete = True
+        self.stop_clock()
+
+    def stop_clock(self) -> None:
+        """No deadline any more (the body is complete, or the request is over)."""
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
 
     async def send(self, message: Message) -> None:
         if self.answered:
