@@ -20,7 +20,7 @@ import httpx
 import orjson
 import pytest
 
-from tests.procs import Service, ServiceKind, start_service
+from tests.procs import Service, ServiceKind, running, start_service
 
 SHORT_DEADLINE_S = 1.0
 """The services' head and body deadlines here."""
@@ -151,3 +151,25 @@ def test_connections_over_the_bound_from_one_address_are_refused_while_another_i
                 return
         time.sleep(0.1)
     raise AssertionError("connections from 127.0.0.1 were still refused after the held ones closed")
+
+
+def test_websocket_links_to_the_relay_leave_the_http_guards_once_upgraded() -> None:
+    """Peers' links outlive the head deadline, and more of them than the per-address bound connect."""
+    from websockets.sync.client import connect
+
+    relay = _guarded("relay", SHORT_DEADLINE_S)
+    with running(relay):
+        headers = {"Authorization": f"Bearer {relay.env['MESHNET_SECRET']}"}
+        links = [connect(f"ws://{relay.host}:{relay.port}/peer/peer-{i}", additional_headers=headers,
+                         open_timeout=WAIT_BOUND_S) for i in range(PER_ADDRESS + 2)]
+        try:
+            deadline = time.monotonic() + WAIT_BOUND_S
+            while httpx.get(f"{relay.url}/health").json()["peers"] != len(links):
+                assert time.monotonic() < deadline, "the relay never listed every peer"
+                time.sleep(0.05)
+            time.sleep(3 * SHORT_DEADLINE_S)  # well past the head deadline a plain HTTP connection gets
+            for link in links:
+                assert link.ping().wait(timeout=WAIT_BOUND_S), "a peer's link was cut"
+        finally:
+            for link in links:
+                link.close()
