@@ -9,6 +9,8 @@ other with the test's CA (``MESHNET_TLS_CA``).
 from __future__ import annotations
 
 import ssl
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -16,9 +18,11 @@ import httpx
 import openai
 import pytest
 
-from tests.procs import Service
+from tests.procs import REPO_ROOT, Service, service_env
 from tests.tiny_mesh import tiny_mesh
 from tests.tls_pki import Pki, make_pki
+
+CHAT_TIMEOUT_S = 120.0
 
 
 @pytest.fixture(scope="module")
@@ -72,3 +76,15 @@ def test_plain_http_gets_no_answer_from_an_https_service(mesh: tuple[Service, st
     plain = tracker.url.replace("https://", "http://")
     with pytest.raises(httpx.HTTPError):
         httpx.get(f"{plain}/health", timeout=10)
+
+
+def test_meshnet_chat_verifies_an_https_tracker_with_its_ca(mesh: tuple[Service, str], pki: Pki) -> None:
+    tracker, _ = mesh
+    args = [sys.executable, "-m", "meshnet.cli", "chat", "--url", tracker.url, "--max-tokens", "4", "hello"]
+    trusted = subprocess.run([*args[:4], "--tls-ca", str(pki.ca), *args[4:]], cwd=REPO_ROOT, env=service_env(),
+                             capture_output=True, text=True, timeout=CHAT_TIMEOUT_S, check=False)
+    assert trusted.returncode == 0, trusted.stderr
+    assert trusted.stdout.strip()
+    untrusted = subprocess.run(args, cwd=REPO_ROOT, env=service_env(), capture_output=True, text=True,
+                               timeout=CHAT_TIMEOUT_S, check=False)
+    assert untrusted.returncode != 0
