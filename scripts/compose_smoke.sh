@@ -67,6 +67,11 @@ die() { log "FAILED: $*"; exit 1; }
 COMPOSE=(docker compose --ansi never -f "$ROOT/deploy/docker-compose.yml" -p "$PROJECT")
 compose() { "${COMPOSE[@]}" "$@"; }
 
+# The compose file requires MESHNET_SECRET (`${MESHNET_SECRET:?...}`) for every command, `build` and
+# `down` included: a secret made for this run, the way the README says to make one.
+MESHNET_SECRET=$(python3 -c 'import secrets; print(secrets.token_urlsafe(32))')
+export MESHNET_SECRET
+
 # A long command runs in the background and is waited for: bash runs a trap at once during `wait`,
 # but only after a foreground command ends, so an interrupted run cleans up now, not minutes later.
 # Give it an external command (not a shell function), so that $! is that command's own pid.
@@ -390,8 +395,6 @@ service_logs() {
 
 up_and_check() {
   export MESHNET_PUBLISH_ADDR=127.0.0.1 MESHNET_RESTART=no
-  MESHNET_SECRET=$("$PY" -c 'import secrets; print(secrets.token_urlsafe(32))')
-  export MESHNET_SECRET
   local var
   for var in TRACKER RELAY BOOTSTRAP NODE0 NODE1; do
     export "MESHNET_PUBLISH_$var=$(free_port 0)"

@@ -2,7 +2,10 @@
 
 Each service runs as `python -m uvicorn services.<kind>.app:app` on 127.0.0.1
 with an ephemeral port, configured only through `MESHNET_*` environment
-variables, exactly as a user runs it in production. `start_service` waits for
+variables, exactly as a user runs it in production; `launcher="meshnet"` runs
+`meshnet <kind>` instead (its `serve`: TLS from `MESHNET_TLS_CERT`/`KEY`, the
+slow-client guards). A service with a certificate is reached over https,
+verified with `MESHNET_TLS_CA`. `start_service` waits for
 `GET /health` to answer 200 and raises with the service's log when it does not.
 """
 
@@ -10,8 +13,10 @@ from __future__ import annotations
 
 import contextlib
 import os
+import secrets
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import tempfile
@@ -26,9 +31,12 @@ import httpx
 from services.node.openmp import OPENMP_DEFAULTS
 
 ServiceKind = Literal["tracker", "node", "relay", "bootstrap"]
+Launcher = Literal["uvicorn", "meshnet"]
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-TEST_SECRET = "test-mesh-secret"
+TEST_SECRET = "test-" + secrets.token_urlsafe(24)
+"""The mesh secret of the test services: made per test run, so that services the tests bind beyond
+loopback (network namespaces) hold no published secret, which they would refuse."""
 READY_TIMEOUT_S = 120.0
 STOP_TIMEOUT_S = 10.0
 
@@ -72,7 +80,14 @@ class Service:
 
     @property
     def url(self) -> str:
-        return f"http://{self.host}:{self.port}"
+        scheme = "https" if self.env.get("MESHNET_TLS_CERT") else "http"
+        return f"{scheme}://{self.host}:{self.port}"
+
+    @property
+    def verify(self) -> ssl.SSLContext | bool:
+        """What an httpx client reaching this service verifies it with (its ``MESHNET_TLS_CA``, else the default)."""
+        ca = self.env.get("MESHNET_TLS_CA")
+        return ssl.create_default_context(cafile=ca) if ca else True
 
     def log(self) -> str:
         """Everything the service wrote to stdout and stderr so far."""
@@ -134,6 +149,7 @@ def start_service(
     wrapper: Sequence[str] = (),
     ready_timeout_s: float = READY_TIMEOUT_S,
     wait_ready: bool = True,
+    launcher: Launcher = "uvicorn",
 ) -> Service:
     """Start `services.<kind>.app:app` under uvicorn and wait until `/health` is 200.
 
@@ -145,19 +161,22 @@ def start_service(
     full_env.setdefault("MESHNET_HOST", host)
     full_env["MESHNET_PORT"] = str(port)
     log_file = tempfile.NamedTemporaryFile(prefix=f"meshnet-{kind}-{port}-", suffix=".log", delete=False)
-    cmd = [
-        *wrapper,
-        sys.executable,
-        "-m",
-        "uvicorn",
-        f"services.{kind}.app:app",
-        "--host",
-        host,
-        "--port",
-        str(port),
-        "--log-level",
-        "warning",
-    ]
+    if launcher == "meshnet":
+        cmd = [*wrapper, sys.executable, "-m", "meshnet.cli", "--log-level", "warning", kind]
+    else:
+        cmd = [
+            *wrapper,
+            sys.executable,
+            "-m",
+            "uvicorn",
+            f"services.{kind}.app:app",
+            "--host",
+            host,
+            "--port",
+            str(port),
+            "--log-level",
+            "warning",
+        ]
     proc = subprocess.Popen(cmd, cwd=REPO_ROOT, env=full_env, stdout=log_file, stderr=subprocess.STDOUT)
     service = Service(kind=kind, port=port, proc=proc, log_path=Path(log_file.name), host=host, env=full_env)
     if wait_ready:
@@ -176,7 +195,7 @@ def wait_healthy(service: Service, timeout_s: float = READY_TIMEOUT_S) -> None:
         if not service.alive():
             raise RuntimeError(f"{service.kind} on port {service.port} exited early:\n{service.log()}")
         with contextlib.suppress(httpx.HTTPError):
-            if httpx.get(f"{service.url}/health", timeout=2.0).status_code == 200:
+            if httpx.get(f"{service.url}/health", timeout=2.0, verify=service.verify).status_code == 200:
                 return
         time.sleep(0.1)
     raise TimeoutError(f"{service.kind} on port {service.port} not healthy after {timeout_s}s:\n{service.log()}")

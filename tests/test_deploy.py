@@ -15,6 +15,7 @@ import pytest
 import yaml
 
 from meshnet.settings_doc import SETTINGS_CLASSES, _load, readme_block
+from meshwire.exposure import KNOWN_SECRETS
 from tests.procs import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -39,6 +40,17 @@ def test_the_compose_file_names_every_service_with_a_healthcheck() -> None:
         assert "healthcheck" in service, f"{name} has no healthcheck"
         if name not in NOT_MESHNET:
             assert "MESHNET_SECRET" in service["environment"], f"{name} does not take the mesh secret"
+
+
+def test_the_compose_file_requires_a_secret_and_ships_none() -> None:
+    services = yaml.safe_load(COMPOSE.read_text())["services"]
+    for name, service in services.items():
+        if name not in NOT_MESHNET:
+            assert service["environment"]["MESHNET_SECRET"].startswith("${MESHNET_SECRET:?"), name
+    shipped = COMPOSE.read_text() + (ROOT / "deploy" / ".env.example").read_text()
+    assert not [secret for secret in KNOWN_SECRETS if f"MESHNET_SECRET={secret}\n" in shipped
+                or f":-{secret}}}" in shipped]
+    assert re.search(r"^MESHNET_SECRET=$", (ROOT / "deploy" / ".env.example").read_text(), flags=re.MULTILINE)
 
 
 def test_the_two_nodes_split_the_default_model_and_share_a_model_cache_volume() -> None:

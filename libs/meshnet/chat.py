@@ -9,6 +9,8 @@ import orjson
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from meshwire import tls
+
 CONNECT_TIMEOUT_S = 5.0
 READ_TIMEOUT_S = 300.0
 
@@ -23,6 +25,8 @@ class ChatSettings(BaseSettings):
     max_tokens: int = Field(256, ge=1, description="most tokens to generate")
     temperature: float = Field(0.0, ge=0.0, le=2.0, description="0 is greedy")
     api_key: str | None = Field(None, description="a client API key, when the tracker requires one")
+    tls_ca: str | None = Field(None, description="PEM CA bundle an https tracker is verified with "
+                                                 "(unset: the default trusted roots)")
 
 
 def _first_model(client: httpx.Client, base: str) -> str:
@@ -40,7 +44,7 @@ def run_chat(settings: ChatSettings, prompt: str) -> int:
     headers = {"Authorization": f"Bearer {settings.api_key}"} if settings.api_key else {}
     timeout = httpx.Timeout(READ_TIMEOUT_S, connect=CONNECT_TIMEOUT_S)
     try:
-        with httpx.Client(timeout=timeout, headers=headers) as client:
+        with httpx.Client(timeout=timeout, headers=headers, verify=tls.httpx_verify(settings.tls_ca)) as client:
             model = settings.model or _first_model(client, base)
             body = {
                 "model": model,

@@ -168,6 +168,21 @@ def configure_logging(level: str) -> None:
     configure(level)
 
 
+def _invalid_settings(exc: Any) -> str:
+    """A pydantic ``ValidationError`` as lines naming each setting by its variable and flag."""
+    from meshwire.exposure import MAKE_A_SECRET
+
+    lines = []
+    for error in exc.errors():
+        field = str(error["loc"][0]) if error.get("loc") else ""
+        name = f"{ENV_PREFIX}{field.upper()} ({_flag(field)})" if field else "settings"
+        line = f"invalid setting {name}: {error['msg']}"
+        if field == "secret":
+            line += f"; make one with `{MAKE_A_SECRET}`"
+        lines.append(line)
+    return "\n".join(lines)
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -192,8 +207,13 @@ def main(argv: Sequence[str] | None = None) -> None:
     except Exception as exc:  # a clear one-line error for the user, the traceback under --log-level debug
         from pydantic import ValidationError
 
+        from meshwire.exposure import UnsafeSecret
+
         if isinstance(exc, ValidationError):
-            print(f"meshnet {args.command}: invalid setting: {exc}", file=sys.stderr)
+            print(f"meshnet {args.command}: {_invalid_settings(exc)}", file=sys.stderr)
+            raise SystemExit(2) from None
+        if isinstance(exc, UnsafeSecret):
+            print(f"meshnet {args.command}: {exc}", file=sys.stderr)
             raise SystemExit(2) from None
         if isinstance(exc, OSError) and args.log_level != "debug":  # a taken port, an unknown host
             print(f"meshnet {args.command}: {exc}", file=sys.stderr)

@@ -27,6 +27,9 @@ import httpx
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from meshwire import exposure
+from meshwire.auth import DEFAULT_SECRET
+
 log = logging.getLogger("meshnet.up")
 
 READY_TIMEOUT_S = 600.0
@@ -50,7 +53,7 @@ class UpSettings(BaseSettings):
     relay_port: int = Field(8001, ge=1, le=65535, description="the relay's port")
     bootstrap_port: int = Field(8002, ge=1, le=65535, description="the bootstrap registry's port")
     node_port: int = Field(8100, ge=1, le=65535, description="the first node's port; the others follow")
-    secret: str = Field("meshnet-dev-secret", description="the mesh's shared secret")
+    secret: str = Field(DEFAULT_SECRET, description="the mesh's shared secret (the default is refused off loopback)")
 
 
 @dataclass
@@ -150,6 +153,11 @@ def usage_banner(base_url: str, model: str) -> str:
 
 def run_up(settings: UpSettings, log_level: str = "info") -> int:
     """Start the mesh, wait until it serves, then until Ctrl-C. Answers the exit code."""
+    try:
+        exposure.require_private_secret("meshnet up", settings.host, settings.secret)
+    except exposure.UnsafeSecret as exc:
+        print(f"meshnet up: {exc}", file=sys.stderr)
+        return 2
     node_ports = [settings.node_port + i for i in range(settings.nodes)]
     wanted = {"--port": settings.port, "--relay-port": settings.relay_port,
               "--bootstrap-port": settings.bootstrap_port, **{f"node {i}": p for i, p in enumerate(node_ports)}}

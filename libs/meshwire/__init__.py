@@ -14,6 +14,12 @@ Modules, one concept each (none imports a web framework):
 - :mod:`meshwire.sse`      server-sent events framing
 - :mod:`meshwire.envelope` relay JSON envelope and binary mux codec
 - :mod:`meshwire.logs`     logging setup shared by the services
+- :mod:`meshwire.exposure` no service beyond loopback with an empty or published secret
+- :mod:`meshwire.tls`      certificate settings for servers, verifying contexts for clients
+- :mod:`meshwire.body_guard` a deadline (and a cap) on request bodies, as plain ASGI middleware
+- :mod:`meshwire.slow_clients` uvicorn's HTTP protocol with a request-head deadline and a bound
+  on connections per address (the one module that imports uvicorn, when it is used)
+- :mod:`meshwire.serving`  what every service passes uvicorn: those guards and TLS
 
 Import the submodule you need; this package imports nothing eagerly so that
 torch-free services (tracker, relay) do not pay for torch.

@@ -34,6 +34,8 @@ import httpx
 import orjson
 from pydantic import BaseModel, ConfigDict, Field, Strict, ValidationError
 
+from meshwire import tls
+
 DEFAULT_TIMEOUT_S: Final = 5.0
 """Timeout of one HTTP attempt (connect, and each read or write)."""
 MAX_ANSWER_BYTES: Final = 1 << 20
@@ -197,10 +199,13 @@ class BootstrapClient:
     """A blocking client of one bootstrap service (one connection pool; close it, or use ``with``)."""
 
     def __init__(self, base_url: str, *, timeout_s: float = DEFAULT_TIMEOUT_S,
-                 retry: RetryPolicy = RetryPolicy(), transport: httpx.BaseTransport | None = None) -> None:
+                 retry: RetryPolicy = RetryPolicy(), transport: httpx.BaseTransport | None = None,
+                 tls_ca: str | None = None) -> None:
+        """``tls_ca`` verifies an ``https://`` service (``MESHNET_TLS_CA``; default: the system's roots)."""
         self.base_url = base_url.rstrip("/")
         self.retry = retry
-        self._http = httpx.Client(base_url=self.base_url, timeout=timeout_s, transport=transport)
+        self._http = httpx.Client(base_url=self.base_url, timeout=timeout_s, transport=transport,
+                                  verify=tls.httpx_verify(tls_ca))
 
     def health(self) -> bool:
         """Whether the service answers ``GET /health`` with 200, in one attempt."""
@@ -282,10 +287,12 @@ class AsyncBootstrapClient:
 
     def __init__(self, base_url: str, *, timeout_s: float = DEFAULT_TIMEOUT_S,
                  retry: RetryPolicy = RetryPolicy(),
-                 transport: httpx.AsyncBaseTransport | None = None) -> None:
+                 transport: httpx.AsyncBaseTransport | None = None, tls_ca: str | None = None) -> None:
+        """``tls_ca`` verifies an ``https://`` service (``MESHNET_TLS_CA``; default: the system's roots)."""
         self.base_url = base_url.rstrip("/")
         self.retry = retry
-        self._http = httpx.AsyncClient(base_url=self.base_url, timeout=timeout_s, transport=transport)
+        self._http = httpx.AsyncClient(base_url=self.base_url, timeout=timeout_s, transport=transport,
+                                       verify=tls.httpx_verify(tls_ca))
 
     async def health(self) -> bool:
         """Whether the service answers ``GET /health`` with 200, in one attempt."""

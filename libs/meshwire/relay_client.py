@@ -50,8 +50,9 @@ import itertools
 import logging
 import random
 import re
+import ssl
 from collections.abc import Awaitable, Callable, Mapping
-from typing import Annotated, Final, Literal
+from typing import Annotated, Any, Final, Literal
 
 import orjson
 from pydantic import BaseModel, Field, TypeAdapter, ValidationError
@@ -257,6 +258,11 @@ def _refusal(exc: InvalidStatus) -> tuple[int, str]:
 # --- the peer behind NAT ---------------------------------------------------------------------
 
 
+def _tls_option(url: str, context: ssl.SSLContext | None) -> dict[str, Any]:
+    """``connect``'s ``ssl`` argument: ``context`` for a ``wss://`` URL (websockets refuses it for ``ws://``)."""
+    return {"ssl": context} if context is not None and url.startswith("wss://") else {}
+
+
 class RelayPeer:
     """Keeps one outbound connection to a relay and serves the requests that arrive over it.
 
@@ -270,7 +276,8 @@ class RelayPeer:
                  max_concurrency: int = DEFAULT_PEER_CONCURRENCY,
                  max_message_bytes: int = limits.RELAY_MAX_MESSAGE_BYTES,
                  open_timeout_s: float = DEFAULT_OPEN_TIMEOUT_S,
-                 backoff_initial_s: float = BACKOFF_INITIAL_S, backoff_max_s: float = BACKOFF_MAX_S) -> None:
+                 backoff_initial_s: float = BACKOFF_INITIAL_S, backoff_max_s: float = BACKOFF_MAX_S,
+                 ssl_context: ssl.SSLContext | None = None) -> None:
         if not re.fullmatch(r"[A-Za-z0-9._:\-]{1,128}", peer_id):
             raise ValueError(f"peer id must be 1-128 characters of [A-Za-z0-9._:-], got {peer_id[:200]!r}")
         base = ws_base(relay_url)
@@ -285,6 +292,7 @@ class RelayPeer:
         self._max_message_bytes = max_message_bytes
         self._open_timeout_s = open_timeout_s
         self._backoff = (backoff_initial_s, backoff_max_s)
+        self._ssl = ssl_context
         self._closing = False
         self._ws: ClientConnection | None = None
 
@@ -295,7 +303,7 @@ class RelayPeer:
             try:
                 async with connect(self._peer_url, additional_headers=bearer_headers(self._secret),
                                    max_size=self._max_message_bytes, open_timeout=self._open_timeout_s,
-                                   compression=None) as ws:
+                                   compression=None, **_tls_option(self._peer_url, self._ssl)) as ws:
                     self._ws = ws
                     attempt = 0
                     self.connected.set()
@@ -495,8 +503,11 @@ class RelayCaller:
     """
 
     def __init__(self, secret: str, *, open_timeout_s: float = DEFAULT_OPEN_TIMEOUT_S,
-                 max_message_bytes: int = limits.RELAY_MAX_MESSAGE_BYTES) -> None:
+                 max_message_bytes: int = limits.RELAY_MAX_MESSAGE_BYTES,
+                 ssl_context: ssl.SSLContext | None = None) -> None:
+        """``ssl_context`` verifies ``wss://`` relays (default: the system's roots)."""
         self._secret = secret
+        self._ssl = ssl_context
         self._open_timeout_s = open_timeout_s
         self._max_message_bytes = max_message_bytes
         self._links: dict[str, _MuxLink] = {}
@@ -545,7 +556,7 @@ class RelayCaller:
     async def _open(self, url: str, timeout_s: float) -> _MuxLink:
         try:
             ws = await connect(url, additional_headers=bearer_headers(self._secret), open_timeout=timeout_s,
-                               max_size=self._max_message_bytes, compression=None)
+                               max_size=self._max_message_bytes, compression=None, **_tls_option(url, self._ssl))
         except InvalidStatus as exc:
             status, message = _refusal(exc)
             code: RelayErrorCode = {404: "unknown_peer", 401: "unauthorized", 403: "unauthorized",

@@ -7,12 +7,14 @@ Rust server, ``reference/bootstrap.rs.txt``). Modules, one concept each:
 * :mod:`.layout`: the cache layout contract and stage placement checks;
 * :mod:`.integers`: integers and division exactly as the reference reads them;
 * :mod:`.refusals`: the refusal exception and the reference's texts;
-* :mod:`.body_guard`: every body read under a byte cap and a deadline;
-* :mod:`.head_deadline`: uvicorn's h11 protocol with a deadline on request heads;
 * :mod:`.metrics`: Prometheus collectors and their middleware;
 * :mod:`.app`: ``create_app(settings)``, the routes;
 * :mod:`.settings`: ``BootstrapSettings`` (``MESHNET_*``);
 * :mod:`.server`: ``serve(settings)`` (``meshnet bootstrap``) and ``BootstrapServer`` (on a thread).
+
+Every body is read under a byte cap and a deadline (:mod:`meshwire.body_guard`),
+every request head under a deadline, and connections are bounded per address
+(:mod:`meshwire.slow_clients`), as in the other services.
 
 Workers reach the service with :mod:`meshwire.bootstrap_client`.
 """

@@ -13,11 +13,12 @@ Routes (``reference/bootstrap-spec.md``):
 
 Every refusal is text/plain, as the reference's clients expect: FastAPI's
 JSON error bodies never leave this app. Every request body is read under a
-cap and a deadline before a route runs (:mod:`services.bootstrap.body_guard`).
+cap and a deadline (:mod:`meshwire.body_guard`).
 
 ``uvicorn services.bootstrap.app:app`` serves an app configured from the
 environment; :func:`services.bootstrap.server.serve` adds the deadline on
-request heads and the bind checks.
+request heads, the bound on connections per address (:mod:`meshwire.slow_clients`),
+TLS and the bind checks.
 """
 
 from __future__ import annotations
@@ -31,9 +32,9 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from meshwire.body_guard import BodyGuard, plain_text
 from meshwire.logs import configure_logging
 from services.bootstrap import refusals
-from services.bootstrap.body_guard import BodyGuard
 from services.bootstrap.metrics import METRICS_CONTENT_TYPE, BootstrapMetrics, MetricsMiddleware
 from services.bootstrap.refusals import Refusal
 from services.bootstrap.registry import BootstrapRegistry
@@ -105,7 +106,8 @@ def create_app(settings: BootstrapSettings | None = None) -> FastAPI:
     async def invalid(request: Request, error: RequestValidationError) -> PlainTextResponse:
         return text(refusals.BAD_REQUEST, "the request is invalid")
 
-    app.add_middleware(BodyGuard, max_bytes=settings.max_body_bytes, timeout_s=settings.read_timeout_s)
+    app.add_middleware(BodyGuard, max_bytes=settings.max_body_bytes, timeout_s=settings.read_timeout_s,
+                       render=plain_text)
     app.add_middleware(MetricsMiddleware, metrics=metrics)
     return app
 

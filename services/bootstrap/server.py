@@ -8,11 +8,13 @@ binds the listening socket itself before uvicorn starts, so that
 * port 0 binds an ephemeral port, and the log line
   ``bootstrap listening on http://HOST:PORT (registry=R)`` names the one bound.
 
-uvicorn runs its h11 protocol with a deadline on each request head
-(:mod:`services.bootstrap.head_deadline`); the app bounds the body
-(:mod:`services.bootstrap.body_guard`). Together no client, however slow,
-holds a connection for more than about twice ``read_timeout_s`` per request,
-and ``max_connections`` bounds how many it can hold at once.
+uvicorn runs its h11 protocol with a deadline on each request head and a
+bound on connections per client address (:mod:`meshwire.slow_clients`); the
+app bounds the body (:mod:`meshwire.body_guard`). Together no client, however
+slow, holds a connection for more than about twice ``read_timeout_s`` per
+request, ``max_connections_per_address`` bounds how many one address holds
+at once, and ``max_connections`` how many all do. With ``tls_cert`` and
+``tls_key`` it serves HTTPS.
 
 :class:`BootstrapServer` runs the same service on a background thread, for a
 process that embeds it (and for tests).
@@ -31,9 +33,10 @@ from typing import Any, Final, Self
 
 import uvicorn
 from fastapi import FastAPI
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
+from meshwire import slow_clients, tls
 from services.bootstrap.app import create_app
-from services.bootstrap.head_deadline import with_head_deadline
 from services.bootstrap.settings import BootstrapSettings
 
 logger = logging.getLogger(__name__)
@@ -86,24 +89,28 @@ def bind_listener(host: str, port: int) -> socket.socket:
     return sock
 
 
-def _http_url(host: str, port: int) -> str:
-    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+def _http_url(host: str, port: int, scheme: str = "http") -> str:
+    return f"{scheme}://[{host}]:{port}" if ":" in host else f"{scheme}://{host}:{port}"
 
 
-def listening_url(sock: socket.socket) -> str:
-    """``http://HOST:PORT`` a socket is bound to, IPv6 hosts in brackets."""
+def listening_url(sock: socket.socket, scheme: str = "http") -> str:
+    """``http(s)://HOST:PORT`` a socket is bound to, IPv6 hosts in brackets."""
     host, port = sock.getsockname()[:2]
-    return _http_url(host, port)
+    return _http_url(host, port, scheme)
 
 
-def local_url(sock: socket.socket) -> str:
+def local_url(sock: socket.socket, scheme: str = "http") -> str:
     """The URL a client on this machine uses: a wildcard address becomes loopback."""
     host, port = sock.getsockname()[:2]
-    return _http_url(_LOOPBACK_FOR_WILDCARD.get(host, host), port)
+    return _http_url(_LOOPBACK_FOR_WILDCARD.get(host, host), port, scheme)
 
 
 def _announce(sock: socket.socket, settings: BootstrapSettings) -> None:
-    logger.info("bootstrap listening on %s (registry=%s)", listening_url(sock), settings.registry)
+    logger.info("bootstrap listening on %s (registry=%s)", listening_url(sock, _scheme(settings)), settings.registry)
+
+
+def _scheme(settings: BootstrapSettings) -> str:
+    return tls.scheme(settings.tls_cert is not None)
 
 
 def _log_config() -> dict[str, Any] | None:
@@ -119,7 +126,8 @@ def uvicorn_server(settings: BootstrapSettings, app: FastAPI) -> uvicorn.Server:
     """A uvicorn server for ``app`` with the service's limits."""
     config = uvicorn.Config(
         app,
-        http=with_head_deadline(settings.read_timeout_s),
+        http=slow_clients.guarded_http(settings.read_timeout_s, settings.max_connections_per_address,
+                                       base=H11Protocol),
         ws="none",
         lifespan="off",
         limit_concurrency=settings.max_connections,
@@ -127,6 +135,7 @@ def uvicorn_server(settings: BootstrapSettings, app: FastAPI) -> uvicorn.Server:
         timeout_graceful_shutdown=math.ceil(settings.shutdown_timeout_s),
         access_log=settings.access_log,
         log_config=_log_config(),
+        **tls.server_options(settings.tls_cert, settings.tls_key),
     )
     return uvicorn.Server(config)
 
@@ -173,7 +182,7 @@ class BootstrapServer:
             raise RuntimeError("the bootstrap server is already started")
         sock = bind_listener(self.settings.host, self.settings.port)
         self.port = sock.getsockname()[1]
-        self._url = local_url(sock)
+        self._url = local_url(sock, _scheme(self.settings))
         _announce(sock, self.settings)
         self._thread = threading.Thread(
             target=self._server.run, kwargs={"sockets": [sock]}, name=f"bootstrap-{self.port}", daemon=True)

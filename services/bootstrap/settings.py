@@ -11,11 +11,12 @@ prefill and decode workers configured for them find it unchanged.
 
 from __future__ import annotations
 
-from typing import Final
+from typing import Final, Self
 
-from pydantic import Field
+from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from meshwire import slow_clients, tls
 from services.bootstrap.registry import DEFAULT_MAX_RANKS, RegistryKind
 
 DEFAULT_HOST: Final = "0.0.0.0"
@@ -45,3 +46,12 @@ class BootstrapSettings(BaseSettings):
     max_connections: int = Field(DEFAULT_MAX_CONNECTIONS, ge=1, description="connections served at once")
     shutdown_timeout_s: float = Field(SHUTDOWN_TIMEOUT_S, ge=0, description="grace for requests in flight")
     access_log: bool = Field(True, description="log one line per request")
+    max_connections_per_address: int = Field(slow_clients.MAX_CONNECTIONS_PER_ADDRESS, ge=1,
+                                             description="connections served at once from one client address")
+    tls_cert: str | None = Field(None, description="PEM certificate (chain) to serve HTTPS with (with tls_key)")
+    tls_key: str | None = Field(None, description="PEM private key of tls_cert")
+
+    @model_validator(mode="after")
+    def _check_tls(self) -> Self:
+        tls.check_pair(self.tls_cert, self.tls_key)
+        return self

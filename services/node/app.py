@@ -26,11 +26,13 @@ from typing import Any
 import orjson
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from meshwire import errors
+from meshwire import errors, exposure
+from meshwire.body_guard import BodyGuard
 from meshwire.frames import DTYPE_NAMES
 from meshwire.logs import configure_logging
 from meshwire.row_batch import ROWS_PATH
@@ -57,7 +59,8 @@ def create_app(settings: NodeSettings | None = None) -> Starlette:
     hop of each token.
     """
     configure_logging()
-    node = NodeRuntime(settings or NodeSettings())
+    settings = settings or NodeSettings()
+    node = NodeRuntime(settings)
     api = OpenAIService(node)
 
     @asynccontextmanager
@@ -122,6 +125,7 @@ def create_app(settings: NodeSettings | None = None) -> Starlette:
             Route("/v1/responses", counted("responses", api.responses), methods=["POST"]),
         ],
         exception_handlers={StarletteHTTPException: http_error, Exception: internal_error},
+        middleware=[Middleware(BodyGuard, timeout_s=settings.body_timeout_s)],
         lifespan=lifespan,
     )
     app.state.node = node
@@ -136,7 +140,9 @@ def _app_from_env() -> Starlette:
             "%s not set: OpenMP threads wait torch's default way, which makes decode steps slower; start the "
             "node with %s (as `meshnet node` does)", ", ".join(unset),
             " ".join(f"{k}={v}" for k, v in openmp.OPENMP_DEFAULTS.items()))
-    return create_app(NodeSettings())
+    settings = NodeSettings()
+    exposure.require_private_secret("the node", settings.host, settings.secret)
+    return create_app(settings)
 
 
 def __getattr__(name: str) -> Any:

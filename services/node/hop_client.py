@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import ssl
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
@@ -135,13 +136,14 @@ class HopClient:
 
     def __init__(self, http: httpx.AsyncClient, secret: str, timeout_s: float, *,
                  connect_timeout_s: float = DIRECT_CONNECT_TIMEOUT_S, relay_only_ttl_s: float = RELAY_ONLY_TTL_S,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, tls_context: ssl.SSLContext | None = None) -> None:
         self._http = http
         self._secret = secret
         self._timeout_s = timeout_s
         self._timeout = httpx.Timeout(timeout_s, connect=min(connect_timeout_s, timeout_s))
-        self._frames = HopHttp(connect_timeout_s=min(connect_timeout_s, timeout_s), max_answer_bytes=MAX_ANSWER_BYTES)
-        self._relay = RelayCaller(secret) if RelayCaller is not None else None
+        self._frames = HopHttp(connect_timeout_s=min(connect_timeout_s, timeout_s), max_answer_bytes=MAX_ANSWER_BYTES,
+                               tls=tls_context)
+        self._relay = RelayCaller(secret, ssl_context=tls_context) if RelayCaller is not None else None
         self._paths = DirectPaths(relay_only_ttl_s, clock)
         self._probes: dict[str, asyncio.Task[None]] = {}
 

@@ -119,12 +119,13 @@ class _Answer:
 class HopHttp:
     """Keep-alive HTTP/1.1 requests to hops; safe for many concurrent requests (one connection each)."""
 
-    def __init__(self, *, connect_timeout_s: float, max_answer_bytes: int) -> None:
+    def __init__(self, *, connect_timeout_s: float, max_answer_bytes: int, tls: ssl.SSLContext | None = None) -> None:
+        """``tls`` verifies ``https://`` hops (default: the system's roots)."""
         self._connect_timeout_s = connect_timeout_s
         self._max_answer_bytes = max_answer_bytes
         self._endpoints: dict[str, _Endpoint] = {}
         self._idle: dict[_Endpoint, deque[_Connection]] = {}
-        self._tls: ssl.SSLContext | None = None
+        self._tls: ssl.SSLContext | None = tls
 
     async def request(self, method: str, base_url: str, path: str, headers: Mapping[str, str], body: bytes,
                       timeout_s: float) -> RawAnswer:

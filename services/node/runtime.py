@@ -24,6 +24,7 @@ try:  # written by the relay piece; without it a node is reached directly only
 except ImportError:  # pragma: no cover - depends on which pieces are installed
     RelayPeer = None  # type: ignore[assignment,misc]
 
+from meshwire import tls
 from meshwire.frames import DTYPE_NAMES, FrameLimits
 from meshwire.registry import NodeRegistration
 from services.node.compute import ComputeWorker, ShardRunner
@@ -74,8 +75,10 @@ class NodeRuntime:
             http1=True, http2=False,
             limits=httpx.Limits(max_connections=HTTP_POOL_CONNECTIONS, max_keepalive_connections=HTTP_POOL_CONNECTIONS),
             timeout=httpx.Timeout(settings.hop_timeout_s, connect=CONNECT_TIMEOUT_S),
+            verify=tls.httpx_verify(settings.tls_ca),
         )
-        self.hops = HopClient(self.http, settings.secret, settings.hop_timeout_s)
+        self.hops = HopClient(self.http, settings.secret, settings.hop_timeout_s,
+                              tls_context=tls.client_context(settings.tls_ca))
         self.tracker_routes = TrackerRoutes(self.http, settings.tracker, settings.secret, self.node_id)
         self.shard: Shard | None = None
         self.runner: ShardRunner | None = None
@@ -153,7 +156,8 @@ class NodeRuntime:
             logger.error("--relay given but meshwire.relay_client is not installed; serving directly only")
             return
         assert self.settings.relay is not None
-        peer = RelayPeer(self.settings.relay, self.node_id, self.settings.secret, asgi_handler(app))
+        peer = RelayPeer(self.settings.relay, self.node_id, self.settings.secret, asgi_handler(app),
+                         ssl_context=tls.client_context(self.settings.tls_ca))
         self._relay_peer = peer
         self.relay_addr = peer.relay_addr
         self._tasks.append(asyncio.create_task(peer.run(), name="relay-peer"))

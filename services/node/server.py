@@ -6,6 +6,7 @@ import logging
 
 import uvicorn
 
+from meshwire import exposure, serving
 from meshwire.auth import DEFAULT_SECRET
 from meshwire.logs import configure_logging
 from services.node import openmp
@@ -18,8 +19,11 @@ def serve(settings: NodeSettings) -> None:
     """Serve ``settings``' node until interrupted.
 
     The device and dtype are chosen (and logged, with the reason) when the
-    layers load; the ready line names both.
+    layers load; the ready line names both. Refuses
+    (:class:`~meshwire.exposure.UnsafeSecret`) to listen beyond loopback with
+    an empty or published secret.
     """
+    exposure.require_private_secret("the node", settings.host, settings.secret)
     openmp.configure()  # before torch loads: the node's modules import it
     from services.node.app import create_app
 
@@ -29,4 +33,7 @@ def serve(settings: NodeSettings) -> None:
     logger.info("starting node on %s:%d (model %s, layers %s, device %s, dtype %s)", settings.host, settings.port,
                 settings.model, settings.layers or "all", settings.device, settings.dtype)
     uvicorn.run(create_app(settings), host=settings.host, port=settings.port, log_level="warning",
-                timeout_graceful_shutdown=10)
+                timeout_graceful_shutdown=10,
+                **serving.uvicorn_options(tls_cert=settings.tls_cert, tls_key=settings.tls_key,
+                                          head_timeout_s=settings.head_timeout_s,
+                                          max_connections_per_address=settings.max_connections_per_address))

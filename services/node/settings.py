@@ -13,10 +13,10 @@ import uuid
 from pathlib import Path
 from typing import Annotated, Final, Literal
 
-from pydantic import BeforeValidator, Field, field_validator
+from pydantic import BeforeValidator, Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
-from meshwire import limits
+from meshwire import limits, slow_clients, tls
 from meshwire.auth import DEFAULT_SECRET
 from meshwire.fields import ApiKeyList
 from services.node.cpu_gate import DEFAULT_CPU_LOCK
@@ -153,6 +153,26 @@ class NodeSettings(BaseSettings):
     cpu_lock: str = Field(default=DEFAULT_CPU_LOCK, max_length=limits.MAX_URL_CHARS)
     """File CPU nodes on one machine lock so their forwards take turns on its cores; ``off`` disables."""
 
+    # --- TLS and slow clients ------------------------------------------------------
+    tls_cert: str | None = None
+    """PEM certificate (chain) this service presents; with ``tls_key`` set too it serves HTTPS only."""
+    tls_key: str | None = None
+    """PEM private key of ``tls_cert``."""
+    tls_ca: str | None = None
+    """PEM CA bundle this service's clients verify ``https://`` and ``wss://`` peers with; unset: the default trusted roots."""
+    head_timeout_s: float = Field(slow_clients.HEAD_TIMEOUT_S, gt=0, le=600)
+    """Seconds a client connection has to send each request head (line and headers) before it is closed."""
+    body_timeout_s: float = Field(slow_clients.BODY_TIMEOUT_S, gt=0, le=3600)
+    """Seconds a request has to deliver its whole body once the service reads it; then it is answered 408."""
+    max_connections_per_address: int = Field(slow_clients.MAX_CONNECTIONS_PER_ADDRESS, ge=1, le=65536)
+    """Connections served at once from one client address; one more is answered 503 and closed."""
+
+    @model_validator(mode="after")
+    def _check_tls(self) -> NodeSettings:
+        tls.check_pair(self.tls_cert, self.tls_key)
+        tls.check_ca(self.tls_ca)
+        return self
+
     @field_validator("layers")
     @classmethod
     def _check_layers(cls, value: str | None) -> str | None:
@@ -188,11 +208,11 @@ class NodeSettings(BaseSettings):
         return int(start), int(end)
 
     def public_url(self) -> str:
-        """The base URL this node registers: ``advertise``, else ``http://host:port``."""
+        """The base URL this node registers: ``advertise``, else ``http(s)://host:port``."""
         if self.advertise:
             return self.advertise
         host = "127.0.0.1" if self.host in ("0.0.0.0", "::", "") else self.host
-        return f"http://{host}:{self.port}"
+        return f"{tls.scheme(self.tls_cert is not None)}://{host}:{self.port}"
 
     def resolved_node_id(self) -> str:
         """``node_id``, or a fresh random one (callers keep the result)."""

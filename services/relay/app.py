@@ -21,6 +21,8 @@ from typing import Any
 
 from fastapi import FastAPI, Response, WebSocket
 
+from meshwire import exposure
+from meshwire.body_guard import BodyGuard
 from meshwire.logs import configure_logging
 from services.relay.caller_socket import serve_mux, serve_rpc
 from services.relay.metrics import CONTENT_TYPE
@@ -38,6 +40,7 @@ def create_app(settings: RelaySettings | None = None) -> FastAPI:
     state = RelayState.build(settings)
     app = FastAPI(title="meshnet relay", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.relay = state
+    app.add_middleware(BodyGuard, timeout_s=settings.body_timeout_s)
 
     @app.get("/health")
     async def health() -> dict[str, Any]:
@@ -66,7 +69,9 @@ def create_app(settings: RelaySettings | None = None) -> FastAPI:
 def __getattr__(name: str) -> FastAPI:
     """Build ``app`` from the environment on first access (``uvicorn services.relay.app:app``)."""
     if name == "app":
-        built = create_app()
+        settings = RelaySettings()
+        exposure.require_private_secret("the relay", settings.host, settings.secret)
+        built = create_app(settings)
         globals()["app"] = built
         return built
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -13,7 +13,7 @@ from typing import Final
 
 import uvicorn
 
-from meshwire import limits
+from meshwire import exposure, limits, serving
 from services.relay.app import create_app
 from services.relay.settings import RelaySettings
 
@@ -22,7 +22,11 @@ WS_MAX_SIZE_SLACK: Final = limits.MIB
 
 
 def serve(settings: RelaySettings | None = None) -> None:
-    """Serve a relay until interrupted."""
+    """Serve a relay until interrupted; refuses to listen beyond loopback with an empty or published secret."""
     settings = settings or RelaySettings()
+    exposure.require_private_secret("the relay", settings.host, settings.secret)
     uvicorn.run(create_app(settings), host=settings.host, port=settings.port, log_level=settings.log_level,
-                ws_max_size=settings.max_message_bytes + WS_MAX_SIZE_SLACK)
+                ws_max_size=settings.max_message_bytes + WS_MAX_SIZE_SLACK,
+                **serving.uvicorn_options(tls_cert=settings.tls_cert, tls_key=settings.tls_key,
+                                          head_timeout_s=settings.head_timeout_s,
+                                          max_connections_per_address=settings.max_connections_per_address))

@@ -36,10 +36,12 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from meshwire import errors
+from meshwire import errors, exposure, tls
+from meshwire.body_guard import BodyGuard
 from meshwire.logs import configure_logging
 
 from . import mesh_api, openai_api
+from .key_limits import KeyLimits
 from .metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from .responses import HTTPError, error_response
 from .settings import TrackerSettings
@@ -62,7 +64,8 @@ def _head_client(settings: TrackerSettings) -> httpx.AsyncClient:
                             write=settings.proxy_write_timeout_s, pool=POOL_TIMEOUT_S)
     limits = httpx.Limits(max_connections=settings.max_connections,
                           max_keepalive_connections=min(KEEPALIVE_CONNECTIONS, settings.max_connections))
-    return httpx.AsyncClient(timeout=timeout, limits=limits, trust_env=False)
+    return httpx.AsyncClient(timeout=timeout, limits=limits, trust_env=False,
+                             verify=tls.httpx_verify(settings.tls_ca))
 
 
 def _text_page(settings: TrackerSettings) -> str:
@@ -93,6 +96,8 @@ def create_app(settings: TrackerSettings | None = None, *, clock: Callable[[], f
                 yield
             finally:
                 state.client = None
+                if state.key_limiter is not None:
+                    await state.key_limiter.close()
                 await state.store.close()
 
     app = FastAPI(title="meshnet tracker", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
@@ -101,6 +106,10 @@ def create_app(settings: TrackerSettings | None = None, *, clock: Callable[[], f
     app.include_router(mesh_api.router)
     if state.store.kind != MEMORY:
         app.add_middleware(StoreFence, store=state.store, retry_after_s=settings.heartbeat_s)
+    if state.key_limiter is not None:
+        app.add_middleware(KeyLimits, api_keys=settings.api_keys, limiter=state.key_limiter,
+                           count=lambda kid, status: state.metrics.key_requests.labels(kid, str(status)).inc())
+    app.add_middleware(BodyGuard, timeout_s=settings.body_timeout_s)
 
     @app.get("/health")
     async def health(request: Request) -> JSONResponse:
@@ -165,6 +174,8 @@ def __getattr__(name: str) -> FastAPI:
     """Build ``app`` from the environment on first access (``uvicorn services.tracker.app:app``)."""
     if name != "app":
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    app = create_app()
+    settings = TrackerSettings()
+    exposure.require_private_secret("the tracker", settings.host, settings.secret)
+    app = create_app(settings)
     globals()["app"] = app
     return app

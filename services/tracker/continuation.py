@@ -72,6 +72,8 @@ class StreamHistory:
     """A finish (or an error) went out: nothing is left to continue."""
     done: bool = False
     """``[DONE]`` went out."""
+    usage: dict[str, Any] | None = None
+    """The usage chunk's ``usage``, when the stream carried one."""
 
 
 class ContinuedStream:
@@ -202,6 +204,8 @@ class ContinuedStream:
             self.history.ids.extend(progress.ids)
             if progress.seed is not None and self.history.seed is None:
                 self.history.seed = progress.seed
+        if isinstance(event.get("usage"), dict):
+            self.history.usage = event["usage"]
         choices = event.get("choices")
         if isinstance(choices, list) and any(isinstance(c, dict) and c.get("finish_reason") for c in choices):
             self.history.finished = True

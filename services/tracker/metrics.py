@@ -74,6 +74,13 @@ class TrackerMetrics:
         self.first_byte = Histogram("meshnet_tracker_head_first_byte_seconds",
                                     "Time from forwarding a request to the head's response headers",
                                     buckets=FIRST_BYTE_BUCKETS, registry=self.registry)
+        self.key_requests = Counter("meshnet_tracker_key_requests",
+                                    "Front-door requests by API key id (a hash, never the key) and HTTP status",
+                                    ["key", "status"], registry=self.registry)
+        self.key_tokens = Counter("meshnet_tracker_key_tokens",
+                                  "Tokens by API key id and kind: completion tokens of chats and completions; "
+                                  "prompt tokens where the answer carried usage (non-streamed, or include_usage)",
+                                  ["key", "kind"], registry=self.registry)
         self.registry.register(_MeshCollector(nodes, coverage, store_up))
 
     def render(self) -> bytes:

@@ -42,7 +42,8 @@ from meshwire.routes import SignedRoute
 
 from .collect import as_streamed
 from .collect import collect as collected
-from .continuation import ContinuedStream
+from .continuation import ContinuedStream, StreamHistory
+from .key_limits import SCOPE_KEY_ID
 from .proxy import HeadError, HeadRefused, ProxiedResponse, first_byte_timer, open_head
 from .registry import UnknownNode
 from .responses import HTTPError, read_body, require_api_key
@@ -91,7 +92,8 @@ async def _front_door(request: Request, endpoint: Endpoint) -> Response:
         if continued and not parsed.stream:
             body = as_streamed(body)  # assembled back into one answer here, across heads if need be
         response = await _proxy(state, model, path, body, stream=continued,
-                                collect=None if not continued or parsed.stream else endpoint == "chat")
+                                collect=None if not continued or parsed.stream else endpoint == "chat",
+                                key_id=request.scope.get(SCOPE_KEY_ID))
         status = response.status_code
         return response
     except HTTPError as exc:
@@ -102,13 +104,14 @@ async def _front_door(request: Request, endpoint: Endpoint) -> Response:
 
 
 async def _proxy(state: TrackerState, model: str, path: str, body: bytes, *, stream: bool = False,
-                 collect: bool | None = None) -> Response:
+                 collect: bool | None = None, key_id: str | None = None) -> Response:
     """Send ``body`` along a route, and along a second one if the first head fails to answer.
 
     A streamed chat or completion asks the head for progress, so that if the
     head dies mid-answer the stream goes on from another head
     (:mod:`.continuation`). With ``collect`` set (``True``: a chat), the stream
-    is assembled into the non-streamed answer the client asked for.
+    is assembled into the non-streamed answer the client asked for. With
+    ``key_id`` (an API key's id), the answer's tokens are counted under it.
     """
     exclude: set[str] = set()
     refused: HeadRefused | None = None
@@ -137,7 +140,7 @@ async def _proxy(state: TrackerState, model: str, path: str, body: bytes, *, str
                 state.registry.end_request(node_ids)
 
             if stream:
-                return await _continued(state, model, path, body, route, outcome, collect)
+                return await _continued(state, model, path, body, route, outcome, collect, key_id)
             return ProxiedResponse(outcome, on_broken=on_broken, on_close=on_close)
         state.registry.end_request(node_ids)
         refused = outcome
@@ -154,7 +157,7 @@ async def _proxy(state: TrackerState, model: str, path: str, body: bytes, *, str
 
 
 async def _continued(state: TrackerState, model: str, path: str, body: bytes, route: SignedRoute,
-                     upstream: httpx.Response, collect: bool | None) -> Response:
+                     upstream: httpx.Response, collect: bool | None, key_id: str | None) -> Response:
     """The head's stream relayed with its history kept, continued on another head if this one dies."""
     current = [hop.node_id for hop in route.nodes]
 
@@ -165,6 +168,8 @@ async def _continued(state: TrackerState, model: str, path: str, body: bytes, ro
 
     def on_close() -> None:
         state.registry.end_request(current)
+        if key_id is not None:
+            _count_tokens(state, key_id, stream.history)
 
     def route_for(avoid: set[str]) -> SignedRoute:
         return state.route_for(model, avoid)
@@ -186,6 +191,17 @@ async def _continued(state: TrackerState, model: str, path: str, body: bytes, ro
             on_close()
     return ProxiedResponse(upstream, on_broken=lambda _: None, on_close=on_close,
                            body=stream.events(upstream, route))
+
+
+def _count_tokens(state: TrackerState, key_id: str, history: StreamHistory) -> None:
+    """An answer's tokens under its API key: the usage when it came, else the tokens relayed."""
+    usage = history.usage or {}
+    completion = usage.get("completion_tokens")
+    completion = completion if isinstance(completion, int) and completion >= 0 else len(history.ids)
+    state.metrics.key_tokens.labels(key_id, "completion").inc(completion)
+    prompt = usage.get("prompt_tokens")
+    if isinstance(prompt, int) and prompt >= 0:
+        state.metrics.key_tokens.labels(key_id, "prompt").inc(prompt)
 
 
 def _report(state: TrackerState, node_id: str, reason: str) -> None:

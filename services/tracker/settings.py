@@ -13,7 +13,7 @@ from typing import Annotated, Final
 from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
-from meshwire import limits
+from meshwire import limits, slow_clients, tls
 from meshwire.auth import DEFAULT_SECRET
 from meshwire.fields import ApiKeyList
 
@@ -32,6 +32,10 @@ class TrackerSettings(BaseSettings):
     """The mesh's shared secret: authenticates nodes and signs routes."""
     api_keys: Annotated[tuple[str, ...], NoDecode, ApiKeyList] = ()
     """Client API keys for the OpenAI front door; empty means the front door is open."""
+    key_requests_per_minute: int = Field(0, ge=0, le=1_000_000)
+    """Requests one API key may make in any 60 s (429 with ``Retry-After`` beyond); 0: no limit."""
+    key_max_streams: int = Field(0, ge=0, le=65536)
+    """Requests (streamed or not) one API key may have in flight at once (429 beyond); 0: no limit."""
 
     store: str = Field("memory", min_length=1, max_length=limits.MAX_URL_CHARS)
     """Where the registry lives: ``memory`` (this process) or ``redis://host:port/db``, shared by several trackers."""
@@ -77,6 +81,20 @@ class TrackerSettings(BaseSettings):
     max_connections: int = Field(256, ge=1, le=65536)
     """Most simultaneous connections from the tracker to head nodes."""
 
+    # --- TLS and slow clients ------------------------------------------------------
+    tls_cert: str | None = None
+    """PEM certificate (chain) this service presents; with ``tls_key`` set too it serves HTTPS only."""
+    tls_key: str | None = None
+    """PEM private key of ``tls_cert``."""
+    tls_ca: str | None = None
+    """PEM CA bundle this service's clients verify ``https://`` and ``wss://`` peers with; unset: the default trusted roots."""
+    head_timeout_s: float = Field(slow_clients.HEAD_TIMEOUT_S, gt=0, le=600)
+    """Seconds a client connection has to send each request head (line and headers) before it is closed."""
+    body_timeout_s: float = Field(slow_clients.BODY_TIMEOUT_S, gt=0, le=3600)
+    """Seconds a request has to deliver its whole body once the service reads it; then it is answered 408."""
+    max_connections_per_address: int = Field(slow_clients.MAX_CONNECTIONS_PER_ADDRESS, ge=1, le=65536)
+    """Connections served at once from one client address; one more is answered 503 and closed."""
+
     @field_validator("store")
     @classmethod
     def _check_store(cls, value: str) -> str:
@@ -84,6 +102,12 @@ class TrackerSettings(BaseSettings):
         if value != "memory" and not value.startswith(("redis://", "rediss://", "unix://")):
             raise ValueError(f"store must be 'memory' or a redis://host:port/db URL, got {value[:100]!r}")
         return value
+
+    @model_validator(mode="after")
+    def _check_tls(self) -> TrackerSettings:
+        tls.check_pair(self.tls_cert, self.tls_key)
+        tls.check_ca(self.tls_ca)
+        return self
 
     @model_validator(mode="after")
     def _check_clocks(self) -> TrackerSettings:
@@ -105,4 +129,4 @@ class TrackerSettings(BaseSettings):
         host = "127.0.0.1" if self.host in ("0.0.0.0", "") else self.host
         if ":" in host and not host.startswith("["):
             host = f"[{host}]"
-        return f"http://{host}:{self.port}"
+        return f"{tls.scheme(self.tls_cert is not None)}://{host}:{self.port}"

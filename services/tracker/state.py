@@ -23,6 +23,7 @@ from fastapi import Request
 from meshwire import errors, limits
 from meshwire.routes import Route, SignedRoute, issue_signed_route
 
+from .key_limits import KeyLimiter
 from .metrics import TrackerMetrics
 from .planner import IncompleteCoverage, RouteTooLong, format_ranges, plan_route
 from .registry import Registry, RegistryPolicy, resolve_model_name
@@ -48,6 +49,8 @@ class TrackerState:
     clock: Callable[[], float] = time.monotonic
     client: httpx.AsyncClient | None = field(default=None)
     """The HTTP client to head nodes; opened and closed by the app's lifespan."""
+    key_limiter: KeyLimiter | None = None
+    """Counts each API key's requests against its limits (with ``MESHNET_API_KEYS`` set)."""
 
     @classmethod
     def create(cls, settings: TrackerSettings, clock: Callable[[], float] = time.monotonic) -> TrackerState:
@@ -59,7 +62,9 @@ class TrackerState:
         metrics = TrackerMetrics(nodes=lambda: store.registry.snapshot(clock()),
                                  coverage=lambda: store.registry.coverage(clock()),
                                  store_up=lambda: store.available)
-        return cls(settings=settings, store=store, metrics=metrics, clock=clock)
+        limiter = (store.key_limiter(settings.key_requests_per_minute, settings.key_max_streams)
+                   if settings.api_keys else None)
+        return cls(settings=settings, store=store, metrics=metrics, clock=clock, key_limiter=limiter)
 
     @property
     def registry(self) -> Registry:

@@ -25,6 +25,7 @@ from typing import Final, Protocol
 
 from meshwire.registry import NodeRegistration
 
+from .key_limits import KeyLimiter, MemoryKeyLimiter
 from .registry import Registered, Registry, RegistryPolicy
 
 MEMORY: Final = "memory"
@@ -82,6 +83,9 @@ class NodeStore(Protocol):
     async def health(self) -> StoreHealth:
         """Whether the store answers now."""
 
+    def key_limiter(self, requests_per_minute: int, max_streams: int) -> KeyLimiter:
+        """Where the API keys' limits are counted: this process (memory), or shared by every tracker (Redis)."""
+
 
 class MemoryStore:
     """The registry in this process: every operation is the registry's own, nothing can be away."""
@@ -115,6 +119,9 @@ class MemoryStore:
 
     async def health(self) -> StoreHealth:
         return StoreHealth(ok=True)
+
+    def key_limiter(self, requests_per_minute: int, max_streams: int) -> KeyLimiter:
+        return MemoryKeyLimiter(requests_per_minute, max_streams)
 
 
 def open_store(url: str, policy: RegistryPolicy, clock: Callable[[], float]) -> NodeStore:

@@ -59,6 +59,7 @@ from redis.exceptions import RedisError
 from meshwire.headers import LEASE as LEASE_HEADER
 from meshwire.registry import NodeRegistration
 
+from .key_limits import KeyLimiter, RedisKeyLimiter
 from .registry import (
     LEASE_BYTES,
     MAX_REASON_CHARS,
@@ -428,6 +429,10 @@ class RedisStore:
         while self._applied < version:
             delivered = self._delivered
             await delivered.wait()
+
+    def key_limiter(self, requests_per_minute: int, max_streams: int) -> KeyLimiter:
+        """The API keys' limits in this Redis, shared by every tracker of the mesh."""
+        return RedisKeyLimiter(self._redis, PREFIX, requests_per_minute, max_streams)
 
     async def health(self) -> StoreHealth:
         if self._down is not None:

@@ -1,0 +1,187 @@
+"""Limits per API key on the tracker: requests per minute, requests in flight, per-key counters.
+
+The counting rules are checked on the in-memory limiter with a clock the test
+moves; the behaviour a client sees (429 with ``Retry-After`` in OpenAI's shape,
+the others served, ``/metrics`` by key id) against a real tiny mesh with the
+official OpenAI client; and the sharing of a key's budget by two trackers on
+one Redis against real trackers. A request held in flight is one whose body
+the client has not finished sending: it stays in flight for as long as the
+test needs, with no timing involved.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from services.tracker.key_limits import MemoryKeyLimiter, Refused, key_id
+from tests.procs import Service, running, start_service
+from tests.redis_server import redis_server
+from tests.tiny_mesh import tiny_mesh
+
+KEY, OTHER_KEY = "sk-first-key-0123456789", "sk-second-key-9876543210"
+PER_MINUTE = 3
+WAIT_S = 60.0
+MESSAGES = [{"role": "user", "content": "hi"}]
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+# --- the counting rules ------------------------------------------------------------------------
+
+
+async def test_a_key_gets_its_requests_per_minute_then_waits_for_the_oldest_to_leave_the_window() -> None:
+    clock = Clock()
+    limiter = MemoryKeyLimiter(requests_per_minute=2, max_streams=0, clock=clock)
+    first = await limiter.admit(KEY)
+    clock.now += 20
+    second = await limiter.admit(KEY)
+    assert isinstance(first, str) and isinstance(second, str)
+    await limiter.release(KEY, first)  # finishing does not give back a request of the minute
+    refused = await limiter.admit(KEY)
+    assert isinstance(refused, Refused) and refused.retry_after_s == 40
+    assert isinstance(await limiter.admit(OTHER_KEY), str)  # another key has its own budget
+    clock.now += 40
+    assert isinstance(await limiter.admit(KEY), str)
+
+
+async def test_a_key_gets_its_streams_at_once_and_another_when_one_ends() -> None:
+    limiter = MemoryKeyLimiter(requests_per_minute=0, max_streams=2)
+    tickets = [await limiter.admit(KEY), await limiter.admit(KEY)]
+    refused = await limiter.admit(KEY)
+    assert isinstance(refused, Refused) and refused.retry_after_s == 1
+    await limiter.release(KEY, str(tickets[0]))
+    assert isinstance(await limiter.admit(KEY), str)
+
+
+def test_a_key_is_named_by_a_short_hash_never_by_itself() -> None:
+    assert key_id(KEY).startswith("key-") and len(key_id(KEY)) == 16
+    assert KEY not in key_id(KEY) and key_id(KEY) != key_id(OTHER_KEY)
+
+
+# --- what a client sees ------------------------------------------------------------------------
+
+
+def _client(tracker: Service, key: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{tracker.url}/v1", api_key=key, max_retries=0, timeout=120)
+
+
+@contextlib.contextmanager
+def _in_flight(tracker: Service, key: str) -> Iterator[socket.socket]:
+    """A chat request with ``key`` whose body is never finished: it holds one of the key's slots."""
+    head = (f"POST /v1/chat/completions HTTP/1.1\r\nHost: {tracker.host}\r\nAuthorization: Bearer {key}\r\n"
+            "Content-Type: application/json\r\nContent-Length: 1000\r\n\r\n{").encode()
+    with socket.create_connection((tracker.host, tracker.port), timeout=WAIT_S) as sock:
+        sock.sendall(head)
+        yield sock
+
+
+def _wait_for(condition: Callable[[], bool], what: str) -> None:
+    deadline = time.monotonic() + WAIT_S
+    while not condition():
+        assert time.monotonic() < deadline, f"not within {WAIT_S} s: {what}"
+        time.sleep(0.05)
+
+
+@pytest.fixture(scope="module")
+def limited_mesh(tiny_model_dir: Path) -> Iterator[tuple[Service, str]]:
+    env = {"MESHNET_API_KEYS": f"{KEY},{OTHER_KEY}", "MESHNET_KEY_REQUESTS_PER_MINUTE": str(PER_MINUTE),
+           "MESHNET_KEY_MAX_STREAMS": "1"}
+    with tiny_mesh(tiny_model_dir, env=env) as running_mesh:
+        yield running_mesh
+
+
+def test_the_request_over_the_minute_s_limit_gets_429_with_retry_after_and_the_others_succeed(
+        limited_mesh: tuple[Service, str]) -> None:
+    tracker, model = limited_mesh
+    client = _client(tracker, KEY)
+    answers = [client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=3, temperature=0)
+               for _ in range(PER_MINUTE)]
+    assert all(answer.choices[0].message.content for answer in answers)
+    with pytest.raises(openai.RateLimitError) as refused:
+        client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=3, temperature=0)
+    response = refused.value.response
+    assert response.status_code == 429
+    assert 1 <= int(response.headers["retry-after"]) <= 60
+    error = response.json()["error"]
+    assert (error["type"], error["code"]) == ("rate_limit_error", "rate_limit_exceeded")
+    assert "requests per minute" in error["message"]
+    other = _client(tracker, OTHER_KEY).chat.completions.create(model=model, messages=MESSAGES, max_tokens=3,
+                                                                  temperature=0)
+    assert other.choices[0].message.content
+
+    metrics = httpx.get(f"{tracker.url}/metrics").text
+    assert f'meshnet_tracker_key_requests_total{{key="{key_id(KEY)}",status="200"}} {PER_MINUTE}.0' in metrics
+    assert f'meshnet_tracker_key_requests_total{{key="{key_id(KEY)}",status="429"}} 1.0' in metrics
+    completion = sum(answer.usage.completion_tokens for answer in answers if answer.usage)
+    prompt = sum(answer.usage.prompt_tokens for answer in answers if answer.usage)
+    assert f'meshnet_tracker_key_tokens_total{{key="{key_id(KEY)}",kind="completion"}} {completion}.0' in metrics
+    assert f'meshnet_tracker_key_tokens_total{{key="{key_id(KEY)}",kind="prompt"}} {prompt}.0' in metrics
+    assert KEY not in metrics and OTHER_KEY not in metrics
+
+
+def test_a_second_request_in_flight_is_refused_until_the_first_ends(limited_mesh: tuple[Service, str]) -> None:
+    tracker, _ = limited_mesh
+    url = f"{tracker.url}/v1/chat/completions"
+    headers = {"Authorization": f"Bearer {OTHER_KEY}"}
+    with _in_flight(tracker, OTHER_KEY):
+        _wait_for(lambda: httpx.post(url, headers=headers, json={}).status_code == 429,
+                  "a second request of the key refused while the first is in flight")
+        second = httpx.post(url, headers=headers, json={})
+        assert second.headers["retry-after"] == "1"
+        assert "in flight" in second.json()["error"]["message"]
+    _wait_for(lambda: httpx.post(url, headers=headers, json={}).status_code == 400,
+              "the key's slot back once the first request ended")  # admitted: the empty body is then invalid
+
+
+def test_a_request_without_a_valid_key_is_401_and_not_counted(limited_mesh: tuple[Service, str]) -> None:
+    tracker, _ = limited_mesh
+    for headers in ({}, {"Authorization": "Bearer sk-not-a-key"}):
+        assert httpx.post(f"{tracker.url}/v1/chat/completions", headers=headers, json={}).status_code == 401
+    assert key_id("sk-not-a-key") not in httpx.get(f"{tracker.url}/metrics").text
+
+
+# --- several trackers, one budget ----------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def two_trackers() -> Iterator[tuple[Service, Service]]:
+    with redis_server() as redis:
+        env = {"MESHNET_STORE": redis.url, "MESHNET_API_KEYS": f"{KEY},{OTHER_KEY}",
+               "MESHNET_KEY_REQUESTS_PER_MINUTE": str(PER_MINUTE), "MESHNET_KEY_MAX_STREAMS": "1"}
+        first, second = start_service("tracker", env), start_service("tracker", env)
+        with running(first, second):
+            yield first, second
+
+
+def test_trackers_sharing_a_store_share_a_key_s_requests_in_flight(two_trackers: tuple[Service, Service]) -> None:
+    a, b = two_trackers
+    headers = {"Authorization": f"Bearer {KEY}"}
+    with _in_flight(a, KEY):
+        _wait_for(lambda: httpx.post(f"{b.url}/v1/chat/completions", headers=headers, json={}).status_code == 429,
+                  "tracker b refusing the key's second request while a holds its first")
+    _wait_for(lambda: httpx.post(f"{b.url}/v1/chat/completions", headers=headers, json={}).status_code != 429,
+              "tracker b admitting the key once a's request ended")
+
+
+def test_trackers_sharing_a_store_share_a_key_s_requests_per_minute(two_trackers: tuple[Service, Service]) -> None:
+    a, b = two_trackers
+    headers = {"Authorization": f"Bearer {OTHER_KEY}"}
+    statuses = [httpx.post(f"{tracker.url}/v1/chat/completions", headers=headers, json={}).status_code
+                for tracker in (a, b, a, b, a, b, a, b)]
+    assert 429 in statuses
+    assert statuses.count(429) == len(statuses) - PER_MINUTE  # the budget is the key's, whichever tracker is asked
+    assert all(status == 429 for status in statuses[PER_MINUTE:])
