@@ -18,6 +18,8 @@ share one definition, and no service carries a copy of it.
 
 from __future__ import annotations
 
+import base64
+import binascii
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import Annotated, Final, Literal
@@ -38,7 +40,7 @@ from meshwire.frames import (
     parse_position_ids,
 )
 from meshwire.limits import MAX_HEADER_VALUE_CHARS, MAX_LAYERS, MAX_ROUTE_HOPS
-from meshwire.sampling_params import SamplingParams, TokenLogprobs
+from meshwire.sampling_params import MAX_REPLAY_IDS_PER_FRAME, SamplingParams, TokenLogprobs
 
 ControlVerb = Literal["close"]
 CLOSE: Final[ControlVerb] = "close"
@@ -88,6 +90,8 @@ class StepInfo:
     """The ``X-Meshnet-Sampling`` JSON, passed along unread; only the tail parses it (:meth:`sampling_params`)."""
     sample_draws: int | None = None
     """On a failover replay: draws the session's sampler has already made."""
+    sample_ids: tuple[int, ...] | None = None
+    """On a replayed frame of a grammar-constrained session: the generated token ids among its positions."""
 
     def headers(self) -> dict[str, str]:
         """The headers that carry this step, besides the frame's own."""
@@ -104,6 +108,8 @@ class StepInfo:
             out[h.SAMPLING] = self.sampling
         if self.sample_draws is not None:
             out[h.SAMPLE_DRAWS] = str(self.sample_draws)
+        if self.sample_ids:
+            out[h.SAMPLE_IDS] = encode_ids(self.sample_ids)
         return out
 
     def for_next_hop(self, start_layer: int) -> StepInfo:
@@ -205,6 +211,7 @@ def _step_info(headers: Mapping[str, str], address: HopAddress, tokens: int) -> 
         raise FrameError("bad_header", f"{h.SAMPLING} is too long")
     reserve = get_header(headers, h.RESERVE)
     draws = get_header(headers, h.SAMPLE_DRAWS)
+    sample_ids = get_header(headers, h.SAMPLE_IDS)
     return StepInfo(
         route_token=address.route_token,
         hop_index=address.hop_index,
@@ -216,7 +223,31 @@ def _step_info(headers: Mapping[str, str], address: HopAddress, tokens: int) -> 
         sampling=sampling,
         sample_draws=None if draws is None else parse_int_header(h.SAMPLE_DRAWS, draws, minimum=0,
                                                                  maximum=MAX_SAMPLE_DRAWS),
+        sample_ids=None if sample_ids is None else decode_ids(sample_ids, tokens),
     )
+
+
+def encode_ids(ids: tuple[int, ...]) -> str:
+    """Token ids as ``X-Meshnet-Sample-Ids`` carries them: base64 of little-endian uint32."""
+    return base64.b64encode(b"".join(token.to_bytes(4, "little") for token in ids)).decode("ascii")
+
+
+def decode_ids(value: str, tokens: int) -> tuple[int, ...]:
+    """The ids of an ``X-Meshnet-Sample-Ids`` header on a frame of ``tokens`` positions (at most that many)."""
+    if len(value) > 4 * ((4 * MAX_REPLAY_IDS_PER_FRAME + 2) // 3):
+        raise FrameError("bad_header", f"{h.SAMPLE_IDS} holds more than {MAX_REPLAY_IDS_PER_FRAME} ids")
+    try:
+        raw = base64.b64decode(value.strip(), validate=True)
+    except (ValueError, binascii.Error):
+        raise FrameError("bad_header", f"{h.SAMPLE_IDS} is not base64") from None
+    if len(raw) % 4 or not raw:
+        raise FrameError("bad_header", f"{h.SAMPLE_IDS} is not a list of 4-byte token ids")
+    ids = tuple(int.from_bytes(raw[i:i + 4], "little") for i in range(0, len(raw), 4))
+    if len(ids) > tokens:
+        raise FrameError("bad_header", f"{h.SAMPLE_IDS} names {len(ids)} tokens, more than the frame's {tokens}")
+    if max(ids) >= 1 << 31:
+        raise FrameError("bad_header", f"{h.SAMPLE_IDS} names a token id out of range")
+    return ids
 
 
 def _check_reference_positions(headers: Mapping[str, str], offset: int, tokens: int) -> None:

@@ -17,6 +17,7 @@ stream chunks go out as server-sent events (:mod:`meshwire.sse`).
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from collections.abc import Mapping
@@ -121,6 +122,62 @@ class ChatMessage(BaseModel):
         return {"role": self.role, "content": self.text()}
 
 
+MAX_SCHEMA_CHARS: Final = 8 * 1024
+"""Longest ``response_format`` JSON schema (as compact JSON): its grammar travels to the tail in a header."""
+SCHEMA_NAME_PATTERN: Final = r"^[A-Za-z0-9_-]{1,64}$"
+"""OpenAI's rule for ``json_schema.name``."""
+
+
+class JsonSchemaSpec(BaseModel):
+    """``response_format.json_schema``: the schema every answer must match.
+
+    ``strict`` is accepted either way: the schema is always enforced as OpenAI's
+    ``strict: true`` enforces it, and a schema the engine cannot enforce is a 400.
+    """
+
+    model_config = ConfigDict(frozen=True, strict=True, extra="forbid", populate_by_name=True)
+
+    name: str = Field(pattern=SCHEMA_NAME_PATTERN)
+    description: str | None = Field(default=None, max_length=MAX_SCHEMA_CHARS)
+    json_schema: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+    @field_validator("json_schema")
+    @classmethod
+    def _bounded(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        if value is not None and len(json.dumps(value, separators=(",", ":"))) > MAX_SCHEMA_CHARS:
+            raise ValueError(f"the schema is longer than {MAX_SCHEMA_CHARS} characters as compact JSON")
+        return value
+
+
+class TextFormat(BaseModel):
+    """``{"type": "text"}``: free text (the default)."""
+
+    model_config = ConfigDict(frozen=True, strict=True, extra="forbid")
+
+    type: Literal["text"]
+
+
+class JsonObjectFormat(BaseModel):
+    """``{"type": "json_object"}``: the answer is one JSON object."""
+
+    model_config = ConfigDict(frozen=True, strict=True, extra="forbid")
+
+    type: Literal["json_object"]
+
+
+class JsonSchemaFormat(BaseModel):
+    """``{"type": "json_schema", "json_schema": {...}}``: the answer is JSON matching the schema."""
+
+    model_config = ConfigDict(frozen=True, strict=True, extra="forbid")
+
+    type: Literal["json_schema"]
+    json_schema: JsonSchemaSpec
+
+
+ResponseFormat = Annotated[TextFormat | JsonObjectFormat | JsonSchemaFormat, Field(discriminator="type")]
+
+
 class StreamOptions(BaseModel):
     """``stream_options``: ``include_usage`` adds a final chunk carrying usage."""
 
@@ -146,8 +203,6 @@ def refused(reason: str, *, allowed: tuple[Any, ...] = ()) -> Any:
     return Annotated[Any, BeforeValidator(check)]
 
 
-TextFormatOnly = refused("structured outputs (json_object, json_schema) are not implemented on this mesh yet",
-                         allowed=({"type": "text"},))
 NoTools = refused("this mesh has no tool calling yet")
 NoToolChoice = refused("this mesh has no tool calling yet", allowed=("none",))
 NoFunctions = refused("this mesh has no function calling")
@@ -220,7 +275,8 @@ class SamplingRequest(BaseModel):
         """``None``: no log-probabilities; else how many alternatives per token (subclasses read their fields)."""
         return None
 
-    response_format: TextFormatOnly = None
+    response_format: ResponseFormat | None = None
+    """Structured outputs: the tail constrains every token to a grammar compiled from it."""
     tools: NoTools = None
     tool_choice: NoToolChoice = None
     parallel_tool_calls: NoTools = None

@@ -46,9 +46,10 @@ from typing import Any, Final, Literal
 import orjson
 
 from meshwire.forward_step import StepInfo, close_headers
-from meshwire.sampling_params import MAX_SEED, SamplingParams, TokenLogprobs
+from meshwire.sampling_params import MAX_REPLAY_IDS_PER_FRAME, MAX_SEED, SamplingParams, TokenLogprobs
 from services.node.compute import ShardRunner
 from services.node.failover import Failover, FailoverGaveUp, FailoverPolicy
+from services.node.grammar import GrammarEngine, GrammarError
 from services.node.hop_client import INVALID_SAMPLING, ChainFailure, HopClient, send_along
 from services.node.metrics import NodeMetrics
 from services.node.route_step import Onward, RouteStepper
@@ -178,7 +179,8 @@ class SessionChain:
 
     def __init__(self, *, runner: ShardRunner, sessions: SessionTable, hops: HopClient, stepper: RouteStepper,
                  hop: RoutedHop | None, session_id: str, sampling: SamplingParams, reserve: int,
-                 sample_draws: int = 0) -> None:
+                 sample_draws: int = 0, replayed: tuple[int, ...] = (), prompt_tokens: int = 0,
+                 grammar: GrammarEngine | None = None) -> None:
         self._runner = runner
         self._sessions = sessions
         self._hops = hops
@@ -189,6 +191,10 @@ class SessionChain:
         self._sampling_json = orjson.dumps(sampling.model_dump()).decode()
         self._reserve = reserve
         self._sample_draws = sample_draws
+        self._replayed = replayed
+        """The generated ids this session's prefill replays (a grammar's state is rebuilt from them)."""
+        self._prompt_tokens = prompt_tokens
+        self._grammar = grammar
         self._session: Session | None = None
         self._step = 0
         self._closed = False
@@ -220,8 +226,9 @@ class SessionChain:
                     sampling=self._sampling_json if samples else None,
                     # On every frame of a replayed prefill: the tail creates its sampler on the last one.
                     sample_draws=self._sample_draws if self._sample_draws and not self.prefilled else None,
+                    sample_ids=self._replayed_in(offset, len(ids)),
                 ), chunk_index, chunk_total)
-            sampler = self._local_sampler(session) if self.solo and samples else None
+            sampler = (await self._local_sampler(session)) if self.solo and samples else None
             try:
                 answer = await self._stepper.run(session, position_offset=offset, from_layer=0, tokens=len(ids),
                                                  ids=ids, sampler=sampler, onward=onward)
@@ -246,9 +253,25 @@ class SessionChain:
             raise GenerationFailed(503, exc.code, str(exc), retry_after=str(exc.retry_after_s)) from None
         return self._session
 
-    def _local_sampler(self, session: Session) -> Sampler:
+    def _replayed_in(self, offset: int, tokens: int) -> tuple[int, ...] | None:
+        """The generated ids among positions ``offset..offset+tokens`` of a replayed grammar-constrained prefill."""
+        if self._sampling.grammar is None or self.prefilled or not self._replayed:
+            return None
+        start = max(offset - self._prompt_tokens, 0)
+        end = min(offset + tokens - self._prompt_tokens, len(self._replayed))
+        return self._replayed[start:end] if end > start else None
+
+    async def _local_sampler(self, session: Session) -> Sampler:
         if session.sampler is None:
-            session.sampler = Sampler(self._sampling)
+            constraint = None
+            if self._sampling.grammar is not None:
+                assert self._grammar is not None
+                try:
+                    constraint = await asyncio.to_thread(self._grammar.constraint, self._sampling.grammar,
+                                                         self._replayed)
+                except GrammarError as exc:
+                    raise GenerationFailed(400, INVALID_SAMPLING, str(exc)) from None
+            session.sampler = Sampler(self._sampling, constraint)
             session.sampler.skip(self._sample_draws)
         return session.sampler
 
@@ -311,7 +334,7 @@ class Generator:
     def __init__(self, *, runner: ShardRunner, sessions: SessionTable, hops: HopClient, tokenizer: HeadTokenizer,
                  stepper: RouteStepper, metrics: NodeMetrics, prefill_chunk_tokens: int,
                  routes: TrackerRoutes | None = None, model_id: str = "",
-                 failover: FailoverPolicy = DEFAULT_FAILOVER) -> None:
+                 failover: FailoverPolicy = DEFAULT_FAILOVER, grammar: GrammarEngine | None = None) -> None:
         self._runner = runner
         self._sessions = sessions
         self._hops = hops
@@ -322,6 +345,8 @@ class Generator:
         self._routes = routes
         self._model_id = model_id
         self._failover = failover
+        self.grammar = grammar
+        """Structured outputs' engine (``None``: requests with a grammar are refused)."""
         self._closing: set[asyncio.Task[None]] = set()
 
     async def generate(self, request: GenerationRequest, hop: RoutedHop | None) -> AsyncIterator[GenerationEvent]:
@@ -387,7 +412,8 @@ class Generator:
         return SessionChain(runner=self._runner, sessions=self._sessions, hops=self._hops, stepper=self._stepper,
                             hop=hop, session_id=new_session_id(), sampling=request.sampling,
                             reserve=len(request.prompt_ids) + request.max_tokens,
-                            sample_draws=history.draws)
+                            sample_draws=history.draws, replayed=tuple(history.generated),
+                            prompt_tokens=len(request.prompt_ids), grammar=self.grammar)
 
     async def _next_token(self, run: _Run, request: GenerationRequest, history: History) -> Pick:
         """The token that follows ``history``, moving the request to a new route while hops fail.
@@ -403,7 +429,8 @@ class Generator:
                         if chain.prefilled:
                             token = await self._decode(chain, history.generated[-1])
                         else:
-                            token = await self._prefill(chain, history.tokens())
+                            token = await self._prefill(chain, history.tokens(), grammar=request.sampling.grammar
+                                                        is not None and bool(history.generated))
                 except RouteFailed as exc:
                     assert exc.failed_node is not None
                     await self._move(run, request, history, exc.failed_node, str(exc), failed=True)
@@ -434,9 +461,14 @@ class Generator:
                        log_tag(run.chain.session_id),
                        " -> ".join(hop.node_ids), len(history.tokens()))
 
-    async def _prefill(self, chain: SessionChain, ids: list[int]) -> Pick:
-        """Run ``ids`` (the prompt, or a replayed history) through the route in chunks; the next token."""
-        chunks = [ids[i:i + self._chunk] for i in range(0, len(ids), self._chunk)]
+    async def _prefill(self, chain: SessionChain, ids: list[int], *, grammar: bool = False) -> Pick:
+        """Run ``ids`` (the prompt, or a replayed history) through the route in chunks; the next token.
+
+        A grammar-constrained replay sends frames of at most :data:`MAX_REPLAY_IDS_PER_FRAME` tokens: each
+        carries its generated ids to the tail in a header, which must stay small.
+        """
+        size = min(self._chunk, MAX_REPLAY_IDS_PER_FRAME) if grammar else self._chunk
+        chunks = [ids[i:i + size] for i in range(0, len(ids), size)]
         token: Pick | None = None
         for index, chunk in enumerate(chunks):
             token = await chain.step(chunk, chunk_index=index, chunk_total=len(chunks))

@@ -40,6 +40,7 @@ from meshwire import errors, sse
 from meshwire import headers as h
 from meshwire import openai as oa
 from meshwire.auth import check_bearer, check_bearer_any
+from meshwire.limits import MAX_HEADER_VALUE_CHARS
 from meshwire.responses_api import ResponseEvents, ResponsesRequest, usage_of
 from meshwire.resume import RESUME_KEY, Progress, Resume, take_resume, with_progress
 from meshwire.sampling_params import SamplingParams
@@ -53,6 +54,7 @@ from services.node.generation import (
     TokenInfo,
     pick_seed,
 )
+from services.node.grammar import GrammarError, grammar_for_schema
 from services.node.logprob_render import chat_logprobs, completion_logprobs
 from services.node.routing import NoRoute, RoutedHop, RouteRefused, verify_hop
 from services.node.runtime import NodeRuntime
@@ -255,8 +257,26 @@ class OpenAIService:
                 prompt = await asyncio.to_thread(generator.tokenizer.encode_text, parsed.prompt)
         except TemplateError as exc:
             raise ApiError(400, str(exc), "invalid_request", "messages") from None
-        generation = self._generation_request(parsed, prompt, chat=chat, resume=resume)
+        grammar = await self._grammar(parsed.response_format)
+        generation = self._generation_request(parsed, prompt, chat=chat, resume=resume, grammar=grammar)
         return Prepared(generation=generation, hop=hop, stream=parsed.stream, include_usage=parsed.include_usage)
+
+    async def _grammar(self, response_format: oa.ResponseFormat | None) -> str | None:
+        """The grammar a structured output asks for (``None``: free text), checked by the engine (400 if not)."""
+        if response_format is None or isinstance(response_format, oa.TextFormat):
+            return None
+        engine = self._node.grammar
+        if engine is None:
+            raise ApiError(503, "this node has no grammar engine yet", "not_ready", retry_after="2")
+        schema = response_format.json_schema.json_schema if isinstance(response_format, oa.JsonSchemaFormat) else None
+        param = "response_format.json_schema.schema" if isinstance(response_format, oa.JsonSchemaFormat) \
+            else "response_format"
+        try:
+            grammar = grammar_for_schema(schema)
+            await asyncio.to_thread(engine.check, grammar)
+        except GrammarError as exc:
+            raise ApiError(400, str(exc), "invalid_schema", param) from None
+        return grammar
 
     def _check_model_name(self, model: str) -> None:
         node = self._node
@@ -265,7 +285,7 @@ class OpenAIService:
                            "model_not_found", "model")
 
     def _generation_request(self, parsed: oa.SamplingRequest, prompt: list[int], *, chat: bool,
-                            resume: Resume | None = None) -> GenerationRequest:
+                            resume: Resume | None = None, grammar: str | None = None) -> GenerationRequest:
         node = self._node
         assert node.shard is not None
         context = int(getattr(node.shard.config, "max_position_embeddings", 0) or 0) or None
@@ -290,7 +310,12 @@ class OpenAIService:
             seed=resume.seed if resume is not None else pick_seed(parsed.seed),
             logit_bias=bias,
             logprobs=parsed.top_logprobs_wanted,
+            grammar=grammar,
         )
+        if grammar is not None and len(orjson.dumps(sampling.model_dump())) > MAX_HEADER_VALUE_CHARS:
+            raise ApiError(400, "the response_format schema is too large to send along the route with these "
+                                "sampling parameters; make it (or logit_bias) smaller", "invalid_schema",
+                           "response_format")
         resumed = () if resume is None else resume.ids
         if any(token >= node.shard.vocab_size for token in resumed):
             raise ApiError(400, f"{RESUME_KEY} names a token outside this model's vocabulary", "invalid_request",

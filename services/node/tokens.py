@@ -39,7 +39,7 @@ class HeadTokenizer:
     def from_folder(cls, path: Path, config: PretrainedConfig) -> HeadTokenizer:
         """Load the tokenizer in ``path`` and the EOS ids ``generate`` would use."""
         tokenizer = AutoTokenizer.from_pretrained(path)
-        eos = _eos_ids(path, config)
+        eos = eos_ids_of(path, config)
         if not eos:
             logger.warning("the model names no end-of-sequence token: answers end at max_tokens or a stop string")
         return cls(tokenizer, eos)
@@ -100,7 +100,8 @@ def _byte_level_alphabet() -> dict[str, int]:
 _BYTE_OF_CHAR: Final = _byte_level_alphabet()
 
 
-def _eos_ids(path: Path, config: PretrainedConfig) -> set[int]:
+def eos_ids_of(path: Path, config: PretrainedConfig) -> set[int]:
+    """The end-of-sequence ids ``generate`` would stop on for the model in ``path``."""
     eos: Any = None
     if (path / "generation_config.json").is_file():
         try:
