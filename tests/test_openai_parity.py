@@ -146,7 +146,6 @@ def test_logit_bias_bans_the_greedy_token_and_equals_transformers_with_the_same_
 
 @pytest.mark.parametrize(("extra", "param"), [
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]}, "tools"),
-    ({"response_format": {"type": "json_object"}}, "response_format"),
     ({"presence_penalty": 0.5}, "presence_penalty"),
     ({"frequency_penalty": 1.0}, "frequency_penalty"),
     ({"extra_body": {"guided_json": {}}}, "guided_json"),

@@ -71,7 +71,19 @@ def test_defaults_of_unsupported_features_and_the_no_effect_parameters_are_accep
     assert request.logit_bias_pairs == ((50256, -100.0),) and request.top_logprobs_wanted is None
 
 
-@pytest.mark.parametrize("name", ["tools", "response_format", "functions", "function_call", "parallel_tool_calls",
+def test_response_format_takes_text_json_object_and_json_schema_and_refuses_anything_else():
+    assert chat(response_format={"type": "json_object"}).response_format.type == "json_object"
+    spec = chat(response_format={"type": "json_schema", "json_schema": {
+        "name": "p", "schema": {"type": "object"}, "strict": True}}).response_format.json_schema
+    assert (spec.name, spec.json_schema, spec.strict) == ("p", {"type": "object"}, True)
+    message, param = chat_refusal({**BASE, "response_format": {"type": "something"}})
+    assert param == "response_format" and "json_schema" in message
+    message, param = chat_refusal({**BASE, "response_format": {"type": "json_schema", "json_schema": {
+        "name": "p", "schema": {"enum": ["x" * 10_000]}}}})
+    assert param == "response_format.json_schema.schema" and "8192 characters" in message
+
+
+@pytest.mark.parametrize("name", ["tools", "functions", "function_call", "parallel_tool_calls",
                                   "service_tier", "modalities", "audio", "prediction", "reasoning_effort",
                                   "web_search_options"])
 def test_each_unsupported_feature_is_a_400_naming_it(name):

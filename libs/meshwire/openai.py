@@ -27,8 +27,10 @@ from pydantic import (
     BaseModel,
     BeforeValidator,
     ConfigDict,
+    Discriminator,
     Field,
     SerializerFunctionWrapHandler,
+    Tag,
     ValidationError,
     field_validator,
     model_serializer,
@@ -175,7 +177,17 @@ class JsonSchemaFormat(BaseModel):
     json_schema: JsonSchemaSpec
 
 
-ResponseFormat = Annotated[TextFormat | JsonObjectFormat | JsonSchemaFormat, Field(discriminator="type")]
+def _format_type(value: Any) -> str | None:
+    kind = value.get("type") if isinstance(value, Mapping) else getattr(value, "type", None)
+    return f"[{kind}]" if kind in ("text", "json_object", "json_schema") else None
+
+
+ResponseFormat = Annotated[
+    Annotated[TextFormat, Tag("[text]")] | Annotated[JsonObjectFormat, Tag("[json_object]")]
+    | Annotated[JsonSchemaFormat, Tag("[json_schema]")],
+    Discriminator(_format_type, custom_error_type="invalid_response_format",
+                  custom_error_message="type must be 'text', 'json_object' or 'json_schema'")]
+"""``response_format``, chosen by its ``type`` (the tags are bracketed so an error's location skips them)."""
 
 
 class StreamOptions(BaseModel):
