@@ -141,7 +141,10 @@ class Constraint:
             raise GrammarError(f"the grammar failed: {_short(self._matcher.get_error())}")
         if not allowed.any():
             raise GrammarError("the grammar allows no next token")
-        return scores.masked_fill(torch.from_numpy(~allowed).unsqueeze(0), float("-inf"))
+        # numpy, one thread: torch's masked_fill fans a 50k-element fill out to the intra-op threads, which on
+        # a busy CPU costs tens of milliseconds instead of tens of microseconds.
+        kept = np.where(allowed, scores.detach().to("cpu").numpy(), np.float32(-np.inf))
+        return torch.from_numpy(kept.astype(np.float32, copy=False))
 
     def advance(self, token: int) -> None:
         """The session produced ``token``: move the grammar past it."""
