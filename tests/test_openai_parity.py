@@ -64,8 +64,8 @@ def reference_steps(reference: tuple[PreTrainedModel, PreTrainedTokenizerBase], 
 
 
 def chat(client: openai.OpenAI, model: str, **extra: Any) -> Any:
-    return client.chat.completions.create(model=model, messages=PROMPT, max_tokens=MAX_TOKENS, temperature=0,
-                                          **extra)
+    return client.chat.completions.create(model=model, messages=PROMPT, max_tokens=MAX_TOKENS,
+                                          **{"temperature": 0, **extra})
 
 
 # --- the sampler (no processes) -------------------------------------------------------------------
@@ -151,7 +151,8 @@ def test_logit_bias_bans_the_greedy_token_and_equals_transformers_with_the_same_
     ({"extra_body": {"guided_json": {}}}, "guided_json"),
     ({"top_logprobs": 2}, None),
     ({"logit_bias": {"999999": 5}}, "logit_bias"),
-    ({"n": 2}, "n"),
+    ({"n": 17}, "n"),
+    ({"n": 0}, "n"),
 ])
 def test_what_the_mesh_does_not_do_is_a_400_naming_it(client: openai.OpenAI, mesh: tuple[Service, str],
                                                       extra: dict[str, Any], param: str | None) -> None:
@@ -176,6 +177,51 @@ def test_user_store_and_metadata_are_accepted_without_effect(client: openai.Open
     plain = chat(client, mesh[1]).choices[0].message.content
     tagged = chat(client, mesh[1], user="u-1", store=False, metadata={"team": "a"}).choices[0].message.content
     assert plain == tagged
+
+
+# --- n > 1 -----------------------------------------------------------------------------------------
+
+
+def test_n_choices_are_each_the_one_choice_answer_with_seed_plus_index(client: openai.OpenAI,
+                                                                     mesh: tuple[Service, str]) -> None:
+    several = chat(client, mesh[1], n=3, temperature=0.9, seed=5)
+    singles = [chat(client, mesh[1], temperature=0.9, seed=5 + index) for index in range(3)]
+    assert [choice.index for choice in several.choices] == [0, 1, 2]
+    assert [choice.message.content for choice in several.choices] == \
+        [single.choices[0].message.content for single in singles]
+    assert len({choice.message.content for choice in several.choices}) > 1, "each choice draws its own tokens"
+    assert several.usage.prompt_tokens == singles[0].usage.prompt_tokens
+    assert several.usage.completion_tokens == sum(single.usage.completion_tokens for single in singles)
+    assert chat(client, mesh[1], n=3, temperature=0.9, seed=5).choices == several.choices, "reproducible"
+
+
+def test_n_streamed_choices_carry_their_index_under_one_id_and_equal_the_whole_answer(
+        client: openai.OpenAI, mesh: tuple[Service, str]) -> None:
+    whole = chat(client, mesh[1], n=2, temperature=0.9, seed=8, logprobs=True)
+    chunks = list(chat(client, mesh[1], n=2, temperature=0.9, seed=8, logprobs=True, stream=True,
+                       stream_options={"include_usage": True}))
+    texts = ["", ""]
+    finishes: list[str | None] = [None, None]
+    tokens: list[list[str]] = [[], []]
+    for chunk in chunks:
+        for choice in chunk.choices:
+            texts[choice.index] += choice.delta.content or ""
+            finishes[choice.index] = choice.finish_reason or finishes[choice.index]
+            tokens[choice.index] += [item.token for item in (choice.logprobs.content or ())] if choice.logprobs else []
+    assert len({chunk.id for chunk in chunks}) == 1
+    assert texts == [choice.message.content for choice in whole.choices]
+    assert finishes == [choice.finish_reason for choice in whole.choices]
+    assert tokens == [[item.token for item in choice.logprobs.content] for choice in whole.choices]
+    usage_chunks = [chunk for chunk in chunks if chunk.usage is not None]
+    assert len(usage_chunks) == 1 and chunks[-1].usage == whole.usage and chunks[-1].choices == []
+
+
+def test_completions_take_n_too(client: openai.OpenAI, mesh: tuple[Service, str]) -> None:
+    answer = client.completions.create(model=mesh[1], prompt="The river", max_tokens=6, n=2, temperature=0.9,
+                                       seed=2)
+    single = client.completions.create(model=mesh[1], prompt="The river", max_tokens=6, temperature=0.9, seed=3)
+    assert [choice.index for choice in answer.choices] == [0, 1]
+    assert answer.choices[1].text == single.choices[0].text
 
 
 # --- the Responses API -------------------------------------------------------------------------------

@@ -59,6 +59,22 @@ MAX_COMPLETION_LOGPROBS: Final = 5
 """OpenAI's bound on ``logprobs`` of ``/v1/completions``."""
 """OpenAI's default ``max_tokens`` for ``/v1/completions``."""
 
+MAX_CHOICES: Final = 16
+"""Largest ``n``: each choice is a session of its own on the mesh (KV cache on every hop)."""
+
+
+def choice_seed(seed: int | None, index: int) -> int | None:
+    """The seed of choice ``index`` of a request with ``seed``: ``seed + index`` (``None``: random, per choice).
+
+    Choice 0 is the request with ``n=1``; choice ``i`` equals ``n=1`` with ``seed + i``. A sum past
+    :data:`SEED_MAX` wraps round 2**64, as torch wraps a seed it is given.
+    """
+    if seed is None:
+        return None
+    out = seed + index
+    return out - (1 << 64) if out > SEED_MAX else out
+
+
 StopSequence = Annotated[str, Field(min_length=1, max_length=limits.MAX_STOP_CHARS)]
 Penalty = Annotated[float, Field(ge=-2.0, le=2.0, allow_inf_nan=False)]
 TokenCount = Annotated[int, Field(ge=1, le=limits.MAX_TOKENS_LIMIT)]
@@ -243,7 +259,8 @@ class SamplingRequest(BaseModel):
     temperature: float | None = Field(default=None, ge=0.0, le=2.0, allow_inf_nan=False)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0, allow_inf_nan=False)
     top_k: int | None = Field(default=None, ge=0, le=limits.MAX_TOP_K)
-    n: int | None = None
+    n: int | None = Field(default=None, ge=1, le=MAX_CHOICES)
+    """Choices to generate, each its own session; choice ``i`` is sampled with :func:`choice_seed` (``seed``, ``i``)."""
     stream: bool = False
     stream_options: StreamOptions | None = None
     """Only read when ``stream`` is true."""
@@ -303,12 +320,10 @@ class SamplingRequest(BaseModel):
             raise ValueError(f"temperature must be 0 (greedy) or at least {limits.MIN_TEMPERATURE}, got {value!r}")
         return value
 
-    @field_validator("n")
-    @classmethod
-    def _only_one_choice(cls, value: int | None) -> int | None:
-        if value is not None and value != 1:
-            raise ValueError(f"only n=1 is supported, got {value}")
-        return value
+    @property
+    def choices(self) -> int:
+        """How many choices the request asks for (``n``, 1 when absent)."""
+        return self.n or 1
 
     @field_validator("stop", mode="before")
     @classmethod

@@ -247,6 +247,9 @@ class OpenAIService:
         assert generator is not None
         if request.headers.get(h.ROUTE) is None:  # with a route, the tracker has matched the name already
             self._check_model_name(parsed.model)
+        if parsed.choices > 1:
+            raise ApiError(400, f"n={parsed.choices}: a head serves one choice a request; the tracker's front door "
+                                "serves n > 1, as one session per choice", "invalid_request", "n")
         hop = await self._route(request)
         try:
             if isinstance(parsed, oa.ChatCompletionRequest):
