@@ -11,6 +11,7 @@ from pydantic import ValidationError
 from meshwire import limits
 from meshwire.errors import error_body
 from meshwire.openai import (
+    SEED_MAX,
     AssistantMessage,
     ChatChoice,
     ChatCompletion,
@@ -26,6 +27,7 @@ from meshwire.openai import (
     ModelCard,
     ModelList,
     Usage,
+    choice_seed,
     new_id,
     validation_error_message,
     validation_error_param,
@@ -150,7 +152,8 @@ def test_a_completion_prompt_may_be_a_string_or_a_list_of_one_string():
     ({"top_p": 0}, "top_p"),
     ({"top_p": 1.5}, "top_p"),
     ({"top_k": -1}, "top_k"),
-    ({"n": 2}, "n"),
+    ({"n": 0}, "n"),
+    ({"n": 17}, "n"),
     ({"stream": "yes"}, "stream"),
     ({"stop": ["a", "b", "c", "d", "e"]}, "stop"),
     ({"stop": 7}, "stop"),
@@ -173,9 +176,12 @@ def test_a_bad_field_is_refused_with_a_sentence_naming_it(fields, param):
     assert f"'{param}'" in message
 
 
-def test_n_other_than_one_says_only_one_is_supported():
-    message, _ = chat_refusal({**BASE, "n": 3})
-    assert "only n=1 is supported" in message
+def test_n_is_bounded_and_each_choice_has_its_own_seed():
+    assert chat(n=16).choices == 16 and chat().choices == 1
+    message, _ = chat_refusal({**BASE, "n": 17})
+    assert "16" in message
+    assert [choice_seed(7, index) for index in range(3)] == [7, 8, 9] and choice_seed(None, 2) is None
+    assert choice_seed(SEED_MAX, 1) == 0, "past the largest seed it wraps round 2**64, as torch does"
 
 
 def test_a_missing_field_is_named():
