@@ -18,6 +18,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, P
 
 from meshwire.sampling_params import SamplingParams
 from services.node.sampling import Sampler
+from services.node.tokens import HeadTokenizer
 from tests.procs import Service
 from tests.tiny_mesh import tiny_mesh
 
@@ -177,6 +178,37 @@ def test_user_store_and_metadata_are_accepted_without_effect(client: openai.Open
     plain = chat(client, mesh[1]).choices[0].message.content
     tagged = chat(client, mesh[1], user="u-1", store=False, metadata={"team": "a"}).choices[0].message.content
     assert plain == tagged
+
+
+# --- tools ------------------------------------------------------------------------------------------
+
+WEATHER: Final = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+
+
+def test_tools_for_a_template_without_tool_support_are_a_400_that_says_so(
+        client: openai.OpenAI, mesh: tuple[Service, str]) -> None:
+    for choice in (None, "auto", "required", {"type": "function", "function": {"name": "get_weather"}}):
+        extra = {} if choice is None else {"tool_choice": choice}
+        with pytest.raises(openai.BadRequestError) as refused:
+            chat(client, mesh[1], tools=[WEATHER], **extra)
+        error = refused.value.body
+        assert isinstance(error, dict) and error["param"] == "tools", error
+        assert "chat template has no tool support" in error["message"], error
+
+
+def test_tool_choice_none_answers_as_if_no_tools_were_offered(client: openai.OpenAI, mesh: tuple[Service, str]) -> None:
+    plain = chat(client, mesh[1])
+    answer = chat(client, mesh[1], tools=[WEATHER], tool_choice="none")
+    assert answer.choices[0].message.content == plain.choices[0].message.content
+    assert answer.choices[0].message.tool_calls is None
+
+
+def test_a_template_supports_tools_when_it_renders_them(tiny_model_dir: Path) -> None:
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    assert not HeadTokenizer(tokenizer, (2,)).supports_tools
+    tokenizer.chat_template = "{% if tools %}{{ tools | tojson }}{% endif %}" + str(tokenizer.chat_template)
+    assert HeadTokenizer(tokenizer, (2,)).supports_tools
 
 
 # --- n > 1 -----------------------------------------------------------------------------------------

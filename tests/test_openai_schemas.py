@@ -85,7 +85,26 @@ def test_response_format_takes_text_json_object_and_json_schema_and_refuses_anyt
     assert param == "response_format.json_schema.schema" and "8192 characters" in message
 
 
-@pytest.mark.parametrize("name", ["tools", "functions", "function_call", "parallel_tool_calls",
+TOOL: dict = {"type": "function", "function": {"name": "get_weather", "description": "The weather in a city.",
+                                              "parameters": {"type": "object", "properties": {
+                                                  "city": {"type": "string"}}, "required": ["city"]}}}
+
+
+def test_tools_and_tool_choice_are_read_and_checked_against_each_other():
+    request = chat(tools=[TOOL], tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    assert request.wants_tools and request.tools[0].function.name == "get_weather"
+    assert not chat(tools=[TOOL], tool_choice="none").wants_tools
+    assert chat(tools=[TOOL]).wants_tools and not chat().wants_tools
+    message, param = chat_refusal({**BASE, "tools": [TOOL], "tool_choice": {
+        "type": "function", "function": {"name": "other"}}})
+    assert "'other'" in message and "not among the tools" in message
+    message, _ = chat_refusal({**BASE, "tool_choice": "required"})
+    assert "needs tools" in message
+    message, param = chat_refusal({**BASE, "tools": [{"type": "function", "function": {"name": "a b"}}]})
+    assert param == "tools[0].function.name"
+
+
+@pytest.mark.parametrize("name", ["functions", "function_call",
                                   "service_tier", "modalities", "audio", "prediction", "reasoning_effort",
                                   "web_search_options"])
 def test_each_unsupported_feature_is_a_400_naming_it(name):

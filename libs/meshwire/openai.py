@@ -168,6 +168,55 @@ class JsonSchemaSpec(BaseModel):
         return value
 
 
+MAX_TOOLS: Final = 128
+"""Most tools one request may declare (OpenAI's bound)."""
+
+
+class FunctionSpec(BaseModel):
+    """A function a model may call: its name, what it does, its arguments' JSON schema."""
+
+    model_config = ConfigDict(frozen=True, strict=True, extra="forbid")
+
+    name: str = Field(pattern=SCHEMA_NAME_PATTERN)
+    description: str | None = Field(default=None, max_length=MAX_SCHEMA_CHARS)
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+    @field_validator("parameters")
+    @classmethod
+    def _bounded(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        if value is not None and len(json.dumps(value, separators=(",", ":"))) > MAX_SCHEMA_CHARS:
+            raise ValueError(f"the parameters schema is longer than {MAX_SCHEMA_CHARS} characters as compact JSON")
+        return value
+
+
+class ToolSpec(BaseModel):
+    """One entry of ``tools``: ``{"type": "function", "function": {...}}``."""
+
+    model_config = ConfigDict(frozen=True, strict=True, extra="forbid")
+
+    type: Literal["function"]
+    function: FunctionSpec
+
+
+class FunctionName(BaseModel):
+    model_config = ConfigDict(frozen=True, strict=True, extra="forbid")
+
+    name: str = Field(pattern=SCHEMA_NAME_PATTERN)
+
+
+class NamedToolChoice(BaseModel):
+    """``tool_choice`` naming the function the model must call."""
+
+    model_config = ConfigDict(frozen=True, strict=True, extra="forbid")
+
+    type: Literal["function"]
+    function: FunctionName
+
+
+ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
+
+
 class TextFormat(BaseModel):
     """``{"type": "text"}``: free text (the default)."""
 
@@ -231,8 +280,6 @@ def refused(reason: str, *, allowed: tuple[Any, ...] = ()) -> Any:
     return Annotated[Any, BeforeValidator(check)]
 
 
-NoTools = refused("this mesh has no tool calling yet")
-NoToolChoice = refused("this mesh has no tool calling yet", allowed=("none",))
 NoFunctions = refused("this mesh has no function calling")
 OneTier = refused("a mesh has one tier")
 TextModalityOnly = refused("this mesh answers text only", allowed=(["text"],))
@@ -306,9 +353,26 @@ class SamplingRequest(BaseModel):
 
     response_format: ResponseFormat | None = None
     """Structured outputs: the tail constrains every token to a grammar compiled from it."""
-    tools: NoTools = None
-    tool_choice: NoToolChoice = None
-    parallel_tool_calls: NoTools = None
+    tools: Annotated[tuple[ToolSpec, ...], AsTuple, Field(max_length=MAX_TOOLS)] | None = None
+    """Functions the model may call. Served only where the model's chat template renders tools (the head
+    answers a 400 saying so otherwise); with ``tool_choice: "none"`` they are not offered and the answer is text."""
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+
+    @model_validator(mode="after")
+    def _tool_choice_names_a_tool(self) -> SamplingRequest:
+        names = {tool.function.name for tool in self.tools or ()}
+        if isinstance(self.tool_choice, NamedToolChoice) and self.tool_choice.function.name not in names:
+            raise ValueError(f"tool_choice names the function {self.tool_choice.function.name!r}, which is not "
+                             "among the tools")
+        if self.tool_choice in ("auto", "required") and not names:
+            raise ValueError(f"tool_choice {self.tool_choice!r} needs tools")
+        return self
+
+    @property
+    def wants_tools(self) -> bool:
+        """True when the answer may (or must) be a tool call: tools given, and ``tool_choice`` is not ``none``."""
+        return bool(self.tools) and self.tool_choice != "none"
     functions: NoFunctions = None
     function_call: NoFunctions = None
     service_tier: OneTier = None

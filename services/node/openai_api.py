@@ -247,6 +247,8 @@ class OpenAIService:
         assert generator is not None
         if request.headers.get(h.ROUTE) is None:  # with a route, the tracker has matched the name already
             self._check_model_name(parsed.model)
+        if parsed.wants_tools:
+            self._check_tools(generator.tokenizer)
         if parsed.choices > 1:
             raise ApiError(400, f"n={parsed.choices}: a head serves one choice a request; the tracker's front door "
                                 "serves n > 1, as one session per choice", "invalid_request", "n")
@@ -280,6 +282,15 @@ class OpenAIService:
         except GrammarError as exc:
             raise ApiError(400, str(exc), "invalid_schema", param) from None
         return grammar
+
+    def _check_tools(self, tokenizer: HeadTokenizer) -> None:
+        """Refuse (400) a request that offers tools the served model cannot be shown."""
+        if not tokenizer.supports_tools:
+            raise ApiError(400, f"tools cannot be used with {self._node.model_id}: the model's chat template has no "
+                                "tool support (it never renders a tools list); send tool_choice 'none' or no tools",
+                           "unsupported_parameter", "tools")
+        raise ApiError(400, "tool calls are not implemented on this mesh yet (the model's chat template supports "
+                            "tools); send tool_choice 'none' or no tools", "unsupported_parameter", "tools")
 
     def _check_model_name(self, model: str) -> None:
         node = self._node

@@ -13,6 +13,7 @@ config (``generation_config.json``, else the model config), which may be a list.
 from __future__ import annotations
 
 import logging
+import re
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any, Final
@@ -48,6 +49,12 @@ class HeadTokenizer:
     def has_chat_template(self) -> bool:
         return bool(getattr(self._tokenizer, "chat_template", None))
 
+    @property
+    def supports_tools(self) -> bool:
+        """True when the chat template renders a ``tools`` list (as tool-calling models' templates do)."""
+        template = getattr(self._tokenizer, "chat_template", None)
+        return isinstance(template, str) and _TOOLS_IN_TEMPLATE.search(template) is not None
+
     def encode_chat(self, messages: Sequence[dict[str, str]]) -> list[int]:
         """Ids of ``messages`` rendered with the chat template and the generation prompt."""
         if not self.has_chat_template:
@@ -82,6 +89,10 @@ class HeadTokenizer:
     def detokenizer(self) -> IncrementalDetokenizer:
         """A fresh incremental detokeniser for one answer."""
         return IncrementalDetokenizer(self._tokenizer)
+
+
+_TOOLS_IN_TEMPLATE: Final = re.compile(r"\btools\b")
+"""A template that reads the ``tools`` variable (Jinja) is one that can show the model its tools."""
 
 
 def _byte_level_alphabet() -> dict[str, int]:
