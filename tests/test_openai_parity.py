@@ -167,8 +167,8 @@ def test_what_the_mesh_does_not_do_is_a_400_naming_it(client: openai.OpenAI, mes
         assert error.get("param") == param, error
 
 
-def test_completions_refuse_echo_and_suffix(client: openai.OpenAI, mesh: tuple[Service, str]) -> None:
-    for extra, name in (({"echo": True}, "echo"), ({"suffix": "end"}, "suffix"), ({"best_of": 2}, "best_of")):
+def test_completions_refuse_suffix_and_best_of(client: openai.OpenAI, mesh: tuple[Service, str]) -> None:
+    for extra, name in (({"suffix": "end"}, "suffix"), ({"best_of": 2}, "best_of")):
         with pytest.raises(openai.BadRequestError) as refused:
             client.completions.create(model=mesh[1], prompt="The river", max_tokens=4, **extra)
         assert name in str(refused.value.body), refused.value.body
@@ -178,6 +178,45 @@ def test_user_store_and_metadata_are_accepted_without_effect(client: openai.Open
     plain = chat(client, mesh[1]).choices[0].message.content
     tagged = chat(client, mesh[1], user="u-1", store=False, metadata={"team": "a"}).choices[0].message.content
     assert plain == tagged
+
+
+# --- echo ----------------------------------------------------------------------------------------
+
+ECHO_PROMPT: Final = "The river runs past the old mill and under the stone bridge"
+
+
+def test_echo_gives_the_prompt_back_before_the_completion(client: openai.OpenAI, mesh: tuple[Service, str]) -> None:
+    plain = client.completions.create(model=mesh[1], prompt=ECHO_PROMPT, max_tokens=6, temperature=0)
+    echoed = client.completions.create(model=mesh[1], prompt=ECHO_PROMPT, max_tokens=6, temperature=0, echo=True)
+    assert echoed.choices[0].text == ECHO_PROMPT + plain.choices[0].text
+    assert echoed.usage == plain.usage
+
+
+def test_echoed_prompt_logprobs_equal_transformers_and_streamed_equals_whole(
+        client: openai.OpenAI, mesh: tuple[Service, str],
+        reference: tuple[PreTrainedModel, PreTrainedTokenizerBase]) -> None:
+    model, tokenizer = reference
+    prompt = tokenizer(ECHO_PROMPT, return_tensors="pt").input_ids
+    with torch.inference_mode():
+        expected = torch.log_softmax(model(prompt).logits[0].float(), dim=-1)
+    whole = client.completions.create(model=mesh[1], prompt=ECHO_PROMPT, max_tokens=4, temperature=0, echo=True,
+                                      logprobs=2)
+    logprobs = whole.choices[0].logprobs
+    count = prompt.shape[1]
+    assert logprobs.token_logprobs[0] is None and logprobs.top_logprobs[0] is None
+    for position in range(1, count):
+        token = int(prompt[0, position])
+        assert abs(logprobs.token_logprobs[position] - float(expected[position - 1, token])) <= TOLERANCE
+        assert len(logprobs.top_logprobs[position]) == 2
+    assert len(logprobs.tokens) == count + whole.usage.completion_tokens
+    assert "".join(logprobs.tokens[:count]) == ECHO_PROMPT
+    assert logprobs.text_offset[count] == len(ECHO_PROMPT)
+    streamed = list(client.completions.create(model=mesh[1], prompt=ECHO_PROMPT, max_tokens=4, temperature=0,
+                                              echo=True, logprobs=2, stream=True))
+    assert "".join(chunk.choices[0].text for chunk in streamed if chunk.choices) == whole.choices[0].text
+    tokens = [token for chunk in streamed if chunk.choices and chunk.choices[0].logprobs
+              for token in chunk.choices[0].logprobs.tokens]
+    assert tokens == logprobs.tokens
 
 
 # --- tools ------------------------------------------------------------------------------------------

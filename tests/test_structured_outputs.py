@@ -43,6 +43,8 @@ SCHEMA: Final = {
 JSON_SCHEMA_FORMAT: Final = {"type": "json_schema", "json_schema": {"name": "person", "schema": SCHEMA, "strict": True}}
 MAX_TOKENS: Final = 200
 RUNS: Final = 20
+SOLO_CHUNK_TOKENS: Final = 4
+"""The lone node's prompt frames: a prompt spans several, and so does an echoed prompt's scoring."""
 EOS: Final = 2
 """The tiny model's ``<|im_end|>``."""
 
@@ -108,9 +110,9 @@ def client(mesh: tuple[Service, str]) -> openai.OpenAI:
 
 @pytest.fixture(scope="module")
 def solo(tiny_model_dir: Path) -> Iterator[openai.OpenAI]:
-    """One node holding every layer, serving alone (its head is its tail)."""
+    """One node holding every layer, serving alone (its head is its tail), sending prompts in small chunks."""
     node = start_service("node", {"MESHNET_MODEL": str(tiny_model_dir), "MESHNET_DTYPE": "float32",
-                                  "MESHNET_DEVICE": "cpu"})
+                                  "MESHNET_DEVICE": "cpu", "MESHNET_PREFILL_CHUNK_TOKENS": str(SOLO_CHUNK_TOKENS)})
     try:
         yield openai.OpenAI(base_url=f"{node.url}/v1", api_key=TEST_SECRET, max_retries=0, timeout=120)
     finally:
@@ -200,3 +202,15 @@ def test_text_format_is_free_text(client: openai.OpenAI, mesh: tuple[Service, st
     plain = client.chat.completions.create(model=mesh[1], messages=PROMPT, max_tokens=8, temperature=0)
     text = ask(client, mesh[1], {"type": "text"}, temperature=0)
     assert text.choices[0].message.content.startswith(plain.choices[0].message.content)
+
+
+def test_an_echoed_prompt_scored_in_small_chunks_by_one_node_equals_the_two_node_mesh(
+        client: openai.OpenAI, mesh: tuple[Service, str], solo: openai.OpenAI) -> None:
+    prompt = "The baker opens her shop before sunrise; the smell of fresh bread drifts down the street."
+    two = client.completions.create(model=mesh[1], prompt=prompt, max_tokens=4, temperature=0, echo=True, logprobs=1)
+    one = solo.completions.create(model=mesh[1], prompt=prompt, max_tokens=4, temperature=0, echo=True, logprobs=1)
+    assert one.choices[0].text == two.choices[0].text
+    ones, twos = one.choices[0].logprobs, two.choices[0].logprobs
+    assert ones.tokens == twos.tokens and len(ones.tokens) > 3 * SOLO_CHUNK_TOKENS
+    assert all((a is None and b is None) or abs(a - b) <= 1e-4
+               for a, b in zip(ones.token_logprobs, twos.token_logprobs, strict=True))

@@ -470,15 +470,10 @@ class CompletionRequest(SamplingRequest):
     logprobs: int | None = Field(default=None, ge=0, le=MAX_COMPLETION_LOGPROBS)
     """Return each output token's log-probability and this many likeliest alternatives (0-5)."""
     echo: bool = False
+    """Give the prompt back before the completion; with ``logprobs``, with each prompt token's log-probability
+    (the first has none: ``null``), computed by the tail from the prompt's own logits."""
     best_of: int | None = None
     suffix: NoSuffix = None
-
-    @field_validator("echo")
-    @classmethod
-    def _no_echo(cls, value: bool) -> bool:
-        if value:
-            raise ValueError("echo is not supported: the tail computes the logits of generated tokens only")
-        return value
 
     @field_validator("best_of")
     @classmethod
@@ -563,8 +558,9 @@ class CompletionLogprobs(BaseModel):
     model_config = STRICT_MODEL
 
     tokens: Annotated[tuple[str, ...], AsTuple] = ()
-    token_logprobs: Annotated[tuple[float, ...], AsTuple] = ()
-    top_logprobs: Annotated[tuple[dict[str, float], ...], AsTuple] = ()
+    token_logprobs: Annotated[tuple[float | None, ...], AsTuple] = ()
+    """``None`` for an echoed prompt's first token (nothing precedes it)."""
+    top_logprobs: Annotated[tuple[dict[str, float] | None, ...], AsTuple] = ()
     text_offset: Annotated[tuple[int, ...], AsTuple] = ()
 
 

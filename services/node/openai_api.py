@@ -46,6 +46,7 @@ from meshwire.resume import RESUME_KEY, Progress, Resume, take_resume, with_prog
 from meshwire.sampling_params import SamplingParams
 from services.node.bodies import BodyIncomplete, BodyTooLarge, read_bounded
 from services.node.generation import (
+    Echo,
     Finished,
     GenerationEvent,
     GenerationFailed,
@@ -55,7 +56,7 @@ from services.node.generation import (
     pick_seed,
 )
 from services.node.grammar import GrammarError, grammar_for_schema
-from services.node.logprob_render import chat_logprobs, completion_logprobs
+from services.node.logprob_render import chat_logprobs, completion_logprobs, echo_logprobs, joined
 from services.node.routing import NoRoute, RoutedHop, RouteRefused, verify_hop
 from services.node.runtime import NodeRuntime
 from services.node.tokens import HeadTokenizer, TemplateError
@@ -150,7 +151,7 @@ class OpenAIService:
             return StreamingResponse(stream.events(first, events), media_type=sse.MEDIA_TYPE,
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         try:
-            text, tokens, finished = await _collect(first, events)
+            text, tokens, finished, echo = await _collect(first, events)
         except GenerationFailed as exc:
             return _from_failure(exc).response()
         usage = oa.Usage.of(finished.prompt_tokens, finished.completion_tokens)
@@ -162,7 +163,12 @@ class OpenAIService:
                                                             finish_reason=finished.finish_reason,
                                                             logprobs=logprobs),))
         else:
-            legacy = None if tokenizer is None else completion_logprobs(tokenizer, tokens, 0)
+            start = 0 if echo is None else len(echo.text)
+            legacy = None if tokenizer is None else completion_logprobs(tokenizer, tokens, start)
+            if echo is not None:
+                text = echo.text + text
+                if legacy is not None and tokenizer is not None:
+                    legacy = joined(echo_logprobs(tokenizer, echo), legacy)
             body = oa.Completion(id=response_id, created=oa.now_s(), model=self._node.model_id, usage=usage,
                                  choices=(oa.CompletionChoice(text=text, finish_reason=finished.finish_reason,
                                                               logprobs=legacy),))
@@ -197,7 +203,7 @@ class OpenAIService:
             return StreamingResponse(_response_events(builder, first, events), media_type=sse.MEDIA_TYPE,
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         try:
-            text, _, finished = await _collect(first, events)
+            text, _, finished, _ = await _collect(first, events)
         except GenerationFailed as exc:
             return _from_failure(exc).response()
         body = builder.response("incomplete" if finished.finish_reason == "length" else "completed", text,
@@ -337,8 +343,9 @@ class OpenAIService:
         if len(resumed) >= max_tokens:
             raise ApiError(400, f"{RESUME_KEY} holds {len(resumed)} tokens: the answer is already complete",
                            "invalid_request", RESUME_KEY)
+        echo = parsed.prompt if isinstance(parsed, oa.CompletionRequest) and parsed.echo else None
         return GenerationRequest(prompt_ids=tuple(prompt), max_tokens=max_tokens, stop=parsed.stop_sequences,
-                                 sampling=sampling, resume=tuple(resumed))
+                                 sampling=sampling, resume=tuple(resumed), echo=echo)
 
     async def _route(self, request: Request) -> RoutedHop | None:
         """The route to run along: the tracker's (verified), none (alone), or one asked of the tracker."""
@@ -410,19 +417,22 @@ async def _first_event(events: AsyncIterator[GenerationEvent]) -> GenerationEven
 
 
 async def _collect(first: GenerationEvent,
-                   events: AsyncIterator[GenerationEvent]) -> tuple[str, list[TokenInfo], Finished]:
-    """The whole answer: its text, its tokens' log-probabilities (when asked for), how it finished."""
+                   events: AsyncIterator[GenerationEvent]) -> tuple[str, list[TokenInfo], Finished, Echo | None]:
+    """The whole answer: its text, its tokens' log-probabilities (when asked for), how it finished, the
+    prompt it echoes (a completion's ``echo``)."""
     pieces: list[str] = []
     tokens: list[TokenInfo] = []
+    echo = None
     event = first
     try:
         while not isinstance(event, Finished):
             pieces.append(event.text)
             tokens.extend(event.tokens)
+            echo = echo or event.echo
             event = await anext(events)
     finally:
         await events.aclose()  # type: ignore[attr-defined]
-    return "".join(pieces), tokens, event
+    return "".join(pieces), tokens, event, echo
 
 
 class _Stream:
@@ -514,10 +524,13 @@ class CompletionStream(_Stream):
 
     def text_chunk(self, delta: TextDelta) -> oa.CompletionChunk:
         logprobs = None
+        echoed = "" if delta.echo is None else delta.echo.text
         if self.tokenizer is not None:
-            logprobs = completion_logprobs(self.tokenizer, delta.tokens, self._offset)
-        self._offset += len(delta.text)
-        return self._chunk(choices=(oa.CompletionChoice(text=delta.text, logprobs=logprobs),))
+            logprobs = completion_logprobs(self.tokenizer, delta.tokens, self._offset + len(echoed))
+            if delta.echo is not None:
+                logprobs = joined(echo_logprobs(self.tokenizer, delta.echo), logprobs)
+        self._offset += len(echoed) + len(delta.text)
+        return self._chunk(choices=(oa.CompletionChoice(text=echoed + delta.text, logprobs=logprobs),))
 
     def finish_chunk(self, finished: Finished) -> oa.CompletionChunk:
         return self._chunk(choices=(oa.CompletionChoice(text="", finish_reason=finished.finish_reason),))

@@ -131,7 +131,8 @@ class Sampler:
                 self._constraint.advance(token)
             except GrammarError as exc:
                 raise SamplingFailed(str(exc)) from None
-        return Pick(token, None if self.params.logprobs is None else _logprobs(scores[0], token, self.params.logprobs))
+        return Pick(token, None if self.params.logprobs is None else token_logprobs(scores[0], token,
+                                                                                    self.params.logprobs))
 
     def _draw(self, scores: torch.Tensor) -> int:
         self._apply_pending_skips(scores.shape[-1])
@@ -187,7 +188,7 @@ _NO_INPUT_IDS: Final = torch.empty((1, 0), dtype=torch.long)
 """The warpers we use ignore ``input_ids``; they still take the argument."""
 
 
-def _logprobs(scores: torch.Tensor, token: int, top: int) -> TokenLogprobs:
+def token_logprobs(scores: torch.Tensor, token: int, top: int) -> TokenLogprobs:
     """Log-probabilities of ``token`` and of the ``top`` likeliest tokens under ``scores`` (``[vocab]``, float32)."""
     logprobs = torch.log_softmax(scores, dim=-1)
     values, ids = torch.topk(logprobs, top) if top else (logprobs[:0], logprobs[:0].long())
