@@ -214,3 +214,14 @@ def test_an_echoed_prompt_scored_in_small_chunks_by_one_node_equals_the_two_node
     assert ones.tokens == twos.tokens and len(ones.tokens) > 3 * SOLO_CHUNK_TOKENS
     assert all((a is None and b is None) or abs(a - b) <= 1e-4
                for a, b in zip(ones.token_logprobs, twos.token_logprobs, strict=True))
+
+
+def test_the_responses_api_takes_structured_outputs_as_text_format(client: openai.OpenAI,
+                                                                   mesh: tuple[Service, str]) -> None:
+    fmt = {"type": "json_schema", "name": "person", "schema": SCHEMA, "strict": True}
+    response = client.responses.create(model=mesh[1], input=PROMPT[0]["content"], max_output_tokens=MAX_TOKENS,
+                                       temperature=0, text={"format": fmt})  # type: ignore[typeddict-item]
+    jsonschema.validate(json.loads(response.output_text), SCHEMA)
+    assert response.text.format.type == "json_schema" and response.status == "completed"
+    same = ask(client, mesh[1], JSON_SCHEMA_FORMAT, temperature=0).choices[0].message.content
+    assert response.output_text == same
