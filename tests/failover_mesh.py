@@ -33,6 +33,11 @@ STREAM_TIMEOUT_S: Final = 120.0
 SETTLE_TIMEOUT_S: Final = 30.0
 LONG_PROMPT: Final = [{"role": "user", "content": "Tell me a long story about the river."}]
 """The tiny model does not end its answer to this within 400 tokens (greedy, and seeded at 0.8 with seed 1)."""
+JSON_LIST_SCHEMA: Final = {"type": "array", "items": {"type": "string", "maxLength": 6}, "minItems": 12, "maxItems": 12}
+"""A structured answer long enough to kill a node in (at least 36 tokens) that ends well within 200 tokens."""
+STRUCTURED: Final = {"temperature": 0.8, "seed": 5, "response_format": {
+    "type": "json_schema", "json_schema": {"name": "words", "schema": JSON_LIST_SCHEMA, "strict": True}}}
+"""Seeded sampling constrained to :data:`JSON_LIST_SCHEMA`: the grammar's state must follow a failover."""
 TRACKER_ENV: Final = {"MESHNET_NODE_TTL_S": "6", "MESHNET_HEARTBEAT_S": "1",
                       # A reported node's backoff outlasts any test (a revived node starts clean with its new
                       # lease), so what the tests read of it never depends on how fast a loaded machine runs.

@@ -11,15 +11,17 @@ stream id, no second opening, no error event, the right finish and usage.
 
 from __future__ import annotations
 
+import json
 import threading
 from typing import Final
 
 import httpx
+import jsonschema
 import orjson
 from prometheus_client.parser import text_string_to_metric_families
 
 from meshwire.sse import parse_sse_line
-from tests.failover_mesh import FailoverMesh, mesh_fixtures, wait_for
+from tests.failover_mesh import JSON_LIST_SCHEMA, STRUCTURED, FailoverMesh, mesh_fixtures, wait_for
 
 HEADS: Final = ("head-a", "head-b")
 LAYERS: Final = {"head-a": (0, 1), "head-b": (0, 1), "tail": (2, 3)}
@@ -51,6 +53,16 @@ def test_a_seeded_stream_outlives_its_head_and_samples_the_same_tokens(mesh: Fai
     broken = mesh.stream(MAX_TOKENS, SEEDED, kill_one_of=HEADS, kill_after_chunks=KILL_AFTER_CHUNKS)
     assert broken.errors == [] and broken.killed in HEADS
     assert broken.text == whole_run.text and broken.finish_reason == whole_run.finish_reason
+
+
+def test_a_structured_stream_outlives_its_head_and_the_grammar_goes_on_from_the_replayed_tokens(
+        mesh: FailoverMesh) -> None:
+    whole_run = mesh.stream(MAX_TOKENS, STRUCTURED)
+    assert whole_run.finish_reason == "stop" and whole_run.content_chunks > KILL_AFTER_CHUNKS, whole_run
+    broken = mesh.stream(MAX_TOKENS, STRUCTURED, kill_one_of=HEADS, kill_after_chunks=KILL_AFTER_CHUNKS)
+    assert broken.errors == [] and broken.killed in HEADS
+    assert broken.text == whole_run.text and broken.finish_reason == "stop"
+    jsonschema.validate(json.loads(broken.text), JSON_LIST_SCHEMA)
 
 
 def test_the_continued_stream_keeps_one_id_and_one_opening(mesh: FailoverMesh) -> None:

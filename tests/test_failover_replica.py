@@ -10,14 +10,23 @@ equals an uninterrupted run, greedy and seeded alike, with no error event.
 
 from __future__ import annotations
 
+import json
 from typing import Final
 
 import httpx
+import jsonschema
 from prometheus_client.parser import text_string_to_metric_families
 
 from meshwire import headers as h
 from meshwire.auth import bearer_headers
-from tests.failover_mesh import FailoverMesh, StreamResult, mesh_fixtures, wait_for
+from tests.failover_mesh import (
+    JSON_LIST_SCHEMA,
+    STRUCTURED,
+    FailoverMesh,
+    StreamResult,
+    mesh_fixtures,
+    wait_for,
+)
 from tests.procs import TEST_SECRET
 
 TAILS: Final = ("tail-a", "tail-b")
@@ -67,6 +76,16 @@ def test_a_seeded_stream_outlives_its_tail_and_samples_the_same_tokens(mesh: Fai
     whole_run = mesh.stream(MAX_TOKENS, SEEDED)
     broken = mesh.stream(MAX_TOKENS, SEEDED, kill_one_of=TAILS, kill_after_chunks=KILL_AFTER_CHUNKS)
     assert_continued_seamlessly(mesh, broken, whole_run)
+
+
+def test_a_structured_stream_outlives_its_tail_and_the_new_tail_follows_the_grammar_from_where_it_was(
+        mesh: FailoverMesh) -> None:
+    whole_run = mesh.stream(MAX_TOKENS, STRUCTURED)
+    assert whole_run.finish_reason == "stop" and whole_run.content_chunks > KILL_AFTER_CHUNKS, whole_run
+    broken = mesh.stream(MAX_TOKENS, STRUCTURED, kill_one_of=TAILS, kill_after_chunks=KILL_AFTER_CHUNKS)
+    assert broken.killed is not None and broken.errors == [] and head_failovers(mesh) >= 1
+    assert broken.text == whole_run.text and broken.finish_reason == "stop"
+    jsonschema.validate(json.loads(broken.text), JSON_LIST_SCHEMA)
 
 
 def test_a_tail_killed_mid_stream_and_restarted_on_its_port_comes_back_and_serves(mesh: FailoverMesh) -> None:

@@ -18,6 +18,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, P
 
 from meshwire.sampling_params import SamplingParams
 from services.node.sampling import Sampler
+from services.node.tokens import HeadTokenizer
 from tests.procs import Service
 from tests.tiny_mesh import tiny_mesh
 
@@ -64,8 +65,8 @@ def reference_steps(reference: tuple[PreTrainedModel, PreTrainedTokenizerBase], 
 
 
 def chat(client: openai.OpenAI, model: str, **extra: Any) -> Any:
-    return client.chat.completions.create(model=model, messages=PROMPT, max_tokens=MAX_TOKENS, temperature=0,
-                                          **extra)
+    return client.chat.completions.create(model=model, messages=PROMPT, max_tokens=MAX_TOKENS,
+                                          **{"temperature": 0, **extra})
 
 
 # --- the sampler (no processes) -------------------------------------------------------------------
@@ -146,13 +147,13 @@ def test_logit_bias_bans_the_greedy_token_and_equals_transformers_with_the_same_
 
 @pytest.mark.parametrize(("extra", "param"), [
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]}, "tools"),
-    ({"response_format": {"type": "json_object"}}, "response_format"),
     ({"presence_penalty": 0.5}, "presence_penalty"),
     ({"frequency_penalty": 1.0}, "frequency_penalty"),
     ({"extra_body": {"guided_json": {}}}, "guided_json"),
     ({"top_logprobs": 2}, None),
     ({"logit_bias": {"999999": 5}}, "logit_bias"),
-    ({"n": 2}, "n"),
+    ({"n": 17}, "n"),
+    ({"n": 0}, "n"),
 ])
 def test_what_the_mesh_does_not_do_is_a_400_naming_it(client: openai.OpenAI, mesh: tuple[Service, str],
                                                       extra: dict[str, Any], param: str | None) -> None:
@@ -166,8 +167,8 @@ def test_what_the_mesh_does_not_do_is_a_400_naming_it(client: openai.OpenAI, mes
         assert error.get("param") == param, error
 
 
-def test_completions_refuse_echo_and_suffix(client: openai.OpenAI, mesh: tuple[Service, str]) -> None:
-    for extra, name in (({"echo": True}, "echo"), ({"suffix": "end"}, "suffix"), ({"best_of": 2}, "best_of")):
+def test_completions_refuse_suffix_and_best_of(client: openai.OpenAI, mesh: tuple[Service, str]) -> None:
+    for extra, name in (({"suffix": "end"}, "suffix"), ({"best_of": 2}, "best_of")):
         with pytest.raises(openai.BadRequestError) as refused:
             client.completions.create(model=mesh[1], prompt="The river", max_tokens=4, **extra)
         assert name in str(refused.value.body), refused.value.body
@@ -177,6 +178,121 @@ def test_user_store_and_metadata_are_accepted_without_effect(client: openai.Open
     plain = chat(client, mesh[1]).choices[0].message.content
     tagged = chat(client, mesh[1], user="u-1", store=False, metadata={"team": "a"}).choices[0].message.content
     assert plain == tagged
+
+
+# --- echo ----------------------------------------------------------------------------------------
+
+ECHO_PROMPT: Final = "The river runs past the old mill and under the stone bridge"
+
+
+def test_echo_gives_the_prompt_back_before_the_completion(client: openai.OpenAI, mesh: tuple[Service, str]) -> None:
+    plain = client.completions.create(model=mesh[1], prompt=ECHO_PROMPT, max_tokens=6, temperature=0)
+    echoed = client.completions.create(model=mesh[1], prompt=ECHO_PROMPT, max_tokens=6, temperature=0, echo=True)
+    assert echoed.choices[0].text == ECHO_PROMPT + plain.choices[0].text
+    assert echoed.usage == plain.usage
+
+
+def test_echoed_prompt_logprobs_equal_transformers_and_streamed_equals_whole(
+        client: openai.OpenAI, mesh: tuple[Service, str],
+        reference: tuple[PreTrainedModel, PreTrainedTokenizerBase]) -> None:
+    model, tokenizer = reference
+    prompt = tokenizer(ECHO_PROMPT, return_tensors="pt").input_ids
+    with torch.inference_mode():
+        expected = torch.log_softmax(model(prompt).logits[0].float(), dim=-1)
+    whole = client.completions.create(model=mesh[1], prompt=ECHO_PROMPT, max_tokens=4, temperature=0, echo=True,
+                                      logprobs=2)
+    logprobs = whole.choices[0].logprobs
+    count = prompt.shape[1]
+    assert logprobs.token_logprobs[0] is None and logprobs.top_logprobs[0] is None
+    for position in range(1, count):
+        token = int(prompt[0, position])
+        assert abs(logprobs.token_logprobs[position] - float(expected[position - 1, token])) <= TOLERANCE
+        assert len(logprobs.top_logprobs[position]) == 2
+    assert len(logprobs.tokens) == count + whole.usage.completion_tokens
+    assert "".join(logprobs.tokens[:count]) == ECHO_PROMPT
+    assert logprobs.text_offset[count] == len(ECHO_PROMPT)
+    streamed = list(client.completions.create(model=mesh[1], prompt=ECHO_PROMPT, max_tokens=4, temperature=0,
+                                              echo=True, logprobs=2, stream=True))
+    assert "".join(chunk.choices[0].text for chunk in streamed if chunk.choices) == whole.choices[0].text
+    tokens = [token for chunk in streamed if chunk.choices and chunk.choices[0].logprobs
+              for token in chunk.choices[0].logprobs.tokens]
+    assert tokens == logprobs.tokens
+
+
+# --- tools ------------------------------------------------------------------------------------------
+
+WEATHER: Final = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+
+
+def test_tools_for_a_template_without_tool_support_are_a_400_that_says_so(
+        client: openai.OpenAI, mesh: tuple[Service, str]) -> None:
+    for choice in (None, "auto", "required", {"type": "function", "function": {"name": "get_weather"}}):
+        extra = {} if choice is None else {"tool_choice": choice}
+        with pytest.raises(openai.BadRequestError) as refused:
+            chat(client, mesh[1], tools=[WEATHER], **extra)
+        error = refused.value.body
+        assert isinstance(error, dict) and error["param"] == "tools", error
+        assert "chat template has no tool support" in error["message"], error
+
+
+def test_tool_choice_none_answers_as_if_no_tools_were_offered(client: openai.OpenAI, mesh: tuple[Service, str]) -> None:
+    plain = chat(client, mesh[1])
+    answer = chat(client, mesh[1], tools=[WEATHER], tool_choice="none")
+    assert answer.choices[0].message.content == plain.choices[0].message.content
+    assert answer.choices[0].message.tool_calls is None
+
+
+def test_a_template_supports_tools_when_it_renders_them(tiny_model_dir: Path) -> None:
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    assert not HeadTokenizer(tokenizer, (2,)).supports_tools
+    tokenizer.chat_template = "{% if tools %}{{ tools | tojson }}{% endif %}" + str(tokenizer.chat_template)
+    assert HeadTokenizer(tokenizer, (2,)).supports_tools
+
+
+# --- n > 1 -----------------------------------------------------------------------------------------
+
+
+def test_n_choices_are_each_the_one_choice_answer_with_seed_plus_index(client: openai.OpenAI,
+                                                                     mesh: tuple[Service, str]) -> None:
+    several = chat(client, mesh[1], n=3, temperature=0.9, seed=5)
+    singles = [chat(client, mesh[1], temperature=0.9, seed=5 + index) for index in range(3)]
+    assert [choice.index for choice in several.choices] == [0, 1, 2]
+    assert [choice.message.content for choice in several.choices] == \
+        [single.choices[0].message.content for single in singles]
+    assert len({choice.message.content for choice in several.choices}) > 1, "each choice draws its own tokens"
+    assert several.usage.prompt_tokens == singles[0].usage.prompt_tokens
+    assert several.usage.completion_tokens == sum(single.usage.completion_tokens for single in singles)
+    assert chat(client, mesh[1], n=3, temperature=0.9, seed=5).choices == several.choices, "reproducible"
+
+
+def test_n_streamed_choices_carry_their_index_under_one_id_and_equal_the_whole_answer(
+        client: openai.OpenAI, mesh: tuple[Service, str]) -> None:
+    whole = chat(client, mesh[1], n=2, temperature=0.9, seed=8, logprobs=True)
+    chunks = list(chat(client, mesh[1], n=2, temperature=0.9, seed=8, logprobs=True, stream=True,
+                       stream_options={"include_usage": True}))
+    texts = ["", ""]
+    finishes: list[str | None] = [None, None]
+    tokens: list[list[str]] = [[], []]
+    for chunk in chunks:
+        for choice in chunk.choices:
+            texts[choice.index] += choice.delta.content or ""
+            finishes[choice.index] = choice.finish_reason or finishes[choice.index]
+            tokens[choice.index] += [item.token for item in (choice.logprobs.content or ())] if choice.logprobs else []
+    assert len({chunk.id for chunk in chunks}) == 1
+    assert texts == [choice.message.content for choice in whole.choices]
+    assert finishes == [choice.finish_reason for choice in whole.choices]
+    assert tokens == [[item.token for item in choice.logprobs.content] for choice in whole.choices]
+    usage_chunks = [chunk for chunk in chunks if chunk.usage is not None]
+    assert len(usage_chunks) == 1 and chunks[-1].usage == whole.usage and chunks[-1].choices == []
+
+
+def test_completions_take_n_too(client: openai.OpenAI, mesh: tuple[Service, str]) -> None:
+    answer = client.completions.create(model=mesh[1], prompt="The river", max_tokens=6, n=2, temperature=0.9,
+                                       seed=2)
+    single = client.completions.create(model=mesh[1], prompt="The river", max_tokens=6, temperature=0.9, seed=3)
+    assert [choice.index for choice in answer.choices] == [0, 1]
+    assert answer.choices[1].text == single.choices[0].text
 
 
 # --- the Responses API -------------------------------------------------------------------------------

@@ -11,6 +11,7 @@ from pydantic import ValidationError
 from meshwire import limits
 from meshwire.errors import error_body
 from meshwire.openai import (
+    SEED_MAX,
     AssistantMessage,
     ChatChoice,
     ChatCompletion,
@@ -26,6 +27,7 @@ from meshwire.openai import (
     ModelCard,
     ModelList,
     Usage,
+    choice_seed,
     new_id,
     validation_error_message,
     validation_error_param,
@@ -71,7 +73,38 @@ def test_defaults_of_unsupported_features_and_the_no_effect_parameters_are_accep
     assert request.logit_bias_pairs == ((50256, -100.0),) and request.top_logprobs_wanted is None
 
 
-@pytest.mark.parametrize("name", ["tools", "response_format", "functions", "function_call", "parallel_tool_calls",
+def test_response_format_takes_text_json_object_and_json_schema_and_refuses_anything_else():
+    assert chat(response_format={"type": "json_object"}).response_format.type == "json_object"
+    spec = chat(response_format={"type": "json_schema", "json_schema": {
+        "name": "p", "schema": {"type": "object"}, "strict": True}}).response_format.json_schema
+    assert (spec.name, spec.json_schema, spec.strict) == ("p", {"type": "object"}, True)
+    message, param = chat_refusal({**BASE, "response_format": {"type": "something"}})
+    assert param == "response_format" and "json_schema" in message
+    message, param = chat_refusal({**BASE, "response_format": {"type": "json_schema", "json_schema": {
+        "name": "p", "schema": {"enum": ["x" * 10_000]}}}})
+    assert param == "response_format.json_schema.schema" and "8192 characters" in message
+
+
+TOOL: dict = {"type": "function", "function": {"name": "get_weather", "description": "The weather in a city.",
+                                              "parameters": {"type": "object", "properties": {
+                                                  "city": {"type": "string"}}, "required": ["city"]}}}
+
+
+def test_tools_and_tool_choice_are_read_and_checked_against_each_other():
+    request = chat(tools=[TOOL], tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    assert request.wants_tools and request.tools[0].function.name == "get_weather"
+    assert not chat(tools=[TOOL], tool_choice="none").wants_tools
+    assert chat(tools=[TOOL]).wants_tools and not chat().wants_tools
+    message, param = chat_refusal({**BASE, "tools": [TOOL], "tool_choice": {
+        "type": "function", "function": {"name": "other"}}})
+    assert "'other'" in message and "not among the tools" in message
+    message, _ = chat_refusal({**BASE, "tool_choice": "required"})
+    assert "needs tools" in message
+    message, param = chat_refusal({**BASE, "tools": [{"type": "function", "function": {"name": "a b"}}]})
+    assert param == "tools[0].function.name"
+
+
+@pytest.mark.parametrize("name", ["functions", "function_call",
                                   "service_tier", "modalities", "audio", "prediction", "reasoning_effort",
                                   "web_search_options"])
 def test_each_unsupported_feature_is_a_400_naming_it(name):
@@ -138,7 +171,8 @@ def test_a_completion_prompt_may_be_a_string_or_a_list_of_one_string():
     ({"top_p": 0}, "top_p"),
     ({"top_p": 1.5}, "top_p"),
     ({"top_k": -1}, "top_k"),
-    ({"n": 2}, "n"),
+    ({"n": 0}, "n"),
+    ({"n": 17}, "n"),
     ({"stream": "yes"}, "stream"),
     ({"stop": ["a", "b", "c", "d", "e"]}, "stop"),
     ({"stop": 7}, "stop"),
@@ -161,9 +195,12 @@ def test_a_bad_field_is_refused_with_a_sentence_naming_it(fields, param):
     assert f"'{param}'" in message
 
 
-def test_n_other_than_one_says_only_one_is_supported():
-    message, _ = chat_refusal({**BASE, "n": 3})
-    assert "only n=1 is supported" in message
+def test_n_is_bounded_and_each_choice_has_its_own_seed():
+    assert chat(n=16).choices == 16 and chat().choices == 1
+    message, _ = chat_refusal({**BASE, "n": 17})
+    assert "16" in message
+    assert [choice_seed(7, index) for index in range(3)] == [7, 8, 9] and choice_seed(None, 2) is None
+    assert choice_seed(SEED_MAX, 1) == 0, "past the largest seed it wraps round 2**64, as torch does"
 
 
 def test_a_missing_field_is_named():

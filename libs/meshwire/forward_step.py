@@ -18,6 +18,8 @@ share one definition, and no service carries a copy of it.
 
 from __future__ import annotations
 
+import base64
+import binascii
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import Annotated, Final, Literal
@@ -25,7 +27,7 @@ from typing import Annotated, Final, Literal
 from pydantic import BaseModel, Field, ValidationError
 
 from meshwire import headers as h
-from meshwire.fields import STRICT_MODEL
+from meshwire.fields import STRICT_MODEL, AsTuple
 from meshwire.frames import (
     FrameError,
     FrameLimits,
@@ -38,7 +40,7 @@ from meshwire.frames import (
     parse_position_ids,
 )
 from meshwire.limits import MAX_HEADER_VALUE_CHARS, MAX_LAYERS, MAX_ROUTE_HOPS
-from meshwire.sampling_params import SamplingParams, TokenLogprobs
+from meshwire.sampling_params import MAX_REPLAY_IDS_PER_FRAME, MAX_TOP_LOGPROBS, SamplingParams, TokenLogprobs
 
 ControlVerb = Literal["close"]
 CLOSE: Final[ControlVerb] = "close"
@@ -69,6 +71,27 @@ class ForwardAnswer(BaseModel):
     """On a close frame: whether this hop held the session."""
     logprobs: TokenLogprobs | None = None
     """With the token, when the session's sampling parameters ask for log-probabilities."""
+    scored: Annotated[tuple[TokenLogprobs, ...], AsTuple, Field(max_length=MAX_REPLAY_IDS_PER_FRAME)] = ()
+    """On a frame that asked (``X-Meshnet-Score``): the log-probability of each prompt token it named."""
+
+
+@dataclass(frozen=True)
+class Scoring:
+    """What ``X-Meshnet-Score`` asks of the tail: the log-probability of ``ids[j]`` after position ``j`` of the
+    frame, with the ``top`` likeliest alternatives (a completion echoing its prompt with log-probabilities)."""
+
+    ids: tuple[int, ...]
+    top: int
+
+    def header(self) -> str:
+        return f"{self.top}:{encode_ids(self.ids)}"
+
+    @classmethod
+    def parse(cls, value: str, tokens: int) -> Scoring:
+        top, sep, ids = value.partition(":")
+        if not sep or not top.isdigit() or int(top) > MAX_TOP_LOGPROBS:
+            raise FrameError("bad_header", f"{h.SCORE} must be TOP:IDS with TOP in 0..{MAX_TOP_LOGPROBS}")
+        return cls(decode_ids(ids, tokens, h.SCORE), int(top))
 
 
 @dataclass(frozen=True)
@@ -88,6 +111,10 @@ class StepInfo:
     """The ``X-Meshnet-Sampling`` JSON, passed along unread; only the tail parses it (:meth:`sampling_params`)."""
     sample_draws: int | None = None
     """On a failover replay: draws the session's sampler has already made."""
+    sample_ids: tuple[int, ...] | None = None
+    """On a replayed frame of a grammar-constrained session: the generated token ids among its positions."""
+    score: Scoring | None = None
+    """On a prompt frame whose tokens' log-probabilities the tail must report."""
 
     def headers(self) -> dict[str, str]:
         """The headers that carry this step, besides the frame's own."""
@@ -104,6 +131,10 @@ class StepInfo:
             out[h.SAMPLING] = self.sampling
         if self.sample_draws is not None:
             out[h.SAMPLE_DRAWS] = str(self.sample_draws)
+        if self.sample_ids:
+            out[h.SAMPLE_IDS] = encode_ids(self.sample_ids)
+        if self.score is not None and self.score.ids:
+            out[h.SCORE] = self.score.header()
         return out
 
     def for_next_hop(self, start_layer: int) -> StepInfo:
@@ -205,6 +236,8 @@ def _step_info(headers: Mapping[str, str], address: HopAddress, tokens: int) -> 
         raise FrameError("bad_header", f"{h.SAMPLING} is too long")
     reserve = get_header(headers, h.RESERVE)
     draws = get_header(headers, h.SAMPLE_DRAWS)
+    sample_ids = get_header(headers, h.SAMPLE_IDS)
+    score = get_header(headers, h.SCORE)
     return StepInfo(
         route_token=address.route_token,
         hop_index=address.hop_index,
@@ -216,7 +249,33 @@ def _step_info(headers: Mapping[str, str], address: HopAddress, tokens: int) -> 
         sampling=sampling,
         sample_draws=None if draws is None else parse_int_header(h.SAMPLE_DRAWS, draws, minimum=0,
                                                                  maximum=MAX_SAMPLE_DRAWS),
+        sample_ids=None if sample_ids is None else decode_ids(sample_ids, tokens),
+        score=None if score is None else Scoring.parse(score, tokens),
     )
+
+
+def encode_ids(ids: tuple[int, ...]) -> str:
+    """Token ids as ``X-Meshnet-Sample-Ids`` carries them: base64 of little-endian uint32."""
+    return base64.b64encode(b"".join(token.to_bytes(4, "little") for token in ids)).decode("ascii")
+
+
+def decode_ids(value: str, tokens: int, name: str = h.SAMPLE_IDS) -> tuple[int, ...]:
+    """The ids of an ``X-Meshnet-Sample-Ids`` (or ``name``) header on a frame of ``tokens`` positions (at most
+    that many)."""
+    if len(value) > 4 * ((4 * MAX_REPLAY_IDS_PER_FRAME + 2) // 3):
+        raise FrameError("bad_header", f"{name} holds more than {MAX_REPLAY_IDS_PER_FRAME} ids")
+    try:
+        raw = base64.b64decode(value.strip(), validate=True)
+    except (ValueError, binascii.Error):
+        raise FrameError("bad_header", f"{name} is not base64") from None
+    if len(raw) % 4 or not raw:
+        raise FrameError("bad_header", f"{name} is not a list of 4-byte token ids")
+    ids = tuple(int.from_bytes(raw[i:i + 4], "little") for i in range(0, len(raw), 4))
+    if len(ids) > tokens:
+        raise FrameError("bad_header", f"{name} names {len(ids)} tokens, more than the frame's {tokens}")
+    if max(ids) >= 1 << 31:
+        raise FrameError("bad_header", f"{name} names a token id out of range")
+    return ids
 
 
 def _check_reference_positions(headers: Mapping[str, str], offset: int, tokens: int) -> None:

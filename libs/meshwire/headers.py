@@ -37,6 +37,13 @@ SAMPLING: Final = "X-Meshnet-Sampling"
 RESERVE: Final = "X-Meshnet-Reserve"
 CONTROL: Final = "X-Meshnet-Control"
 SAMPLE_DRAWS: Final = "X-Meshnet-Sample-Draws"
+SAMPLE_IDS: Final = "X-Meshnet-Sample-Ids"
+"""On a replayed frame of a grammar-constrained session: the generated token ids among the frame's
+positions (base64 of little-endian uint32), which the new tail feeds its grammar before it samples."""
+SCORE: Final = "X-Meshnet-Score"
+"""On a prompt frame of a completion that echoes its prompt with log-probabilities: ``TOP:IDS``, the
+alternatives wanted and, per position of the frame, the prompt token that follows it (base64 of
+little-endian uint32); the tail answers each one's log-probability (``scored``)."""
 LEASE: Final = "X-Meshnet-Lease"
 PROGRESS: Final = "X-Meshnet-Progress"
 """From the tracker to a head: add the token ids behind each stream event (see :mod:`meshwire.resume`)."""
@@ -44,6 +51,6 @@ PROGRESS: Final = "X-Meshnet-Progress"
 ALL: Final[tuple[str, ...]] = (
     WIRE, SHAPE, DTYPE, SESSION, CHUNK_INDEX, CHUNK_TOTAL, ENCODING, HOP_INDEX, START_LAYER,
     ATTN_MASK, POSITION_IDS, ROUTE, POSITION_OFFSET, STEP, SAMPLING, RESERVE, CONTROL,
-    SAMPLE_DRAWS, LEASE,
+    SAMPLE_DRAWS, SAMPLE_IDS, SCORE, LEASE,
 )
 """Every header name meshnet defines, canonical spelling."""

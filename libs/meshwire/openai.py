@@ -17,6 +17,7 @@ stream chunks go out as server-sent events (:mod:`meshwire.sse`).
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from collections.abc import Mapping
@@ -26,8 +27,10 @@ from pydantic import (
     BaseModel,
     BeforeValidator,
     ConfigDict,
+    Discriminator,
     Field,
     SerializerFunctionWrapHandler,
+    Tag,
     ValidationError,
     field_validator,
     model_serializer,
@@ -55,6 +58,22 @@ DEFAULT_COMPLETION_MAX_TOKENS: Final = 16
 MAX_COMPLETION_LOGPROBS: Final = 5
 """OpenAI's bound on ``logprobs`` of ``/v1/completions``."""
 """OpenAI's default ``max_tokens`` for ``/v1/completions``."""
+
+MAX_CHOICES: Final = 16
+"""Largest ``n``: each choice is a session of its own on the mesh (KV cache on every hop)."""
+
+
+def choice_seed(seed: int | None, index: int) -> int | None:
+    """The seed of choice ``index`` of a request with ``seed``: ``seed + index`` (``None``: random, per choice).
+
+    Choice 0 is the request with ``n=1``; choice ``i`` equals ``n=1`` with ``seed + i``. A sum past
+    :data:`SEED_MAX` wraps round 2**64, as torch wraps a seed it is given.
+    """
+    if seed is None:
+        return None
+    out = seed + index
+    return out - (1 << 64) if out > SEED_MAX else out
+
 
 StopSequence = Annotated[str, Field(min_length=1, max_length=limits.MAX_STOP_CHARS)]
 Penalty = Annotated[float, Field(ge=-2.0, le=2.0, allow_inf_nan=False)]
@@ -121,6 +140,121 @@ class ChatMessage(BaseModel):
         return {"role": self.role, "content": self.text()}
 
 
+MAX_SCHEMA_CHARS: Final = 8 * 1024
+"""Longest ``response_format`` JSON schema (as compact JSON): its grammar travels to the tail in a header."""
+SCHEMA_NAME_PATTERN: Final = r"^[A-Za-z0-9_-]{1,64}$"
+"""OpenAI's rule for ``json_schema.name``."""
+
+
+class JsonSchemaSpec(BaseModel):
+    """``response_format.json_schema``: the schema every answer must match.
+
+    ``strict`` is accepted either way: the schema is always enforced as OpenAI's
+    ``strict: true`` enforces it, and a schema the engine cannot enforce is a 400.
+    """
+
+    model_config = ConfigDict(frozen=True, strict=True, extra="forbid", populate_by_name=True)
+
+    name: str = Field(pattern=SCHEMA_NAME_PATTERN)
+    description: str | None = Field(default=None, max_length=MAX_SCHEMA_CHARS)
+    json_schema: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+    @field_validator("json_schema")
+    @classmethod
+    def _bounded(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        if value is not None and len(json.dumps(value, separators=(",", ":"))) > MAX_SCHEMA_CHARS:
+            raise ValueError(f"the schema is longer than {MAX_SCHEMA_CHARS} characters as compact JSON")
+        return value
+
+
+MAX_TOOLS: Final = 128
+"""Most tools one request may declare (OpenAI's bound)."""
+
+
+class FunctionSpec(BaseModel):
+    """A function a model may call: its name, what it does, its arguments' JSON schema."""
+
+    model_config = ConfigDict(frozen=True, strict=True, extra="forbid")
+
+    name: str = Field(pattern=SCHEMA_NAME_PATTERN)
+    description: str | None = Field(default=None, max_length=MAX_SCHEMA_CHARS)
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+    @field_validator("parameters")
+    @classmethod
+    def _bounded(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        if value is not None and len(json.dumps(value, separators=(",", ":"))) > MAX_SCHEMA_CHARS:
+            raise ValueError(f"the parameters schema is longer than {MAX_SCHEMA_CHARS} characters as compact JSON")
+        return value
+
+
+class ToolSpec(BaseModel):
+    """One entry of ``tools``: ``{"type": "function", "function": {...}}``."""
+
+    model_config = ConfigDict(frozen=True, strict=True, extra="forbid")
+
+    type: Literal["function"]
+    function: FunctionSpec
+
+
+class FunctionName(BaseModel):
+    model_config = ConfigDict(frozen=True, strict=True, extra="forbid")
+
+    name: str = Field(pattern=SCHEMA_NAME_PATTERN)
+
+
+class NamedToolChoice(BaseModel):
+    """``tool_choice`` naming the function the model must call."""
+
+    model_config = ConfigDict(frozen=True, strict=True, extra="forbid")
+
+    type: Literal["function"]
+    function: FunctionName
+
+
+ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
+
+
+class TextFormat(BaseModel):
+    """``{"type": "text"}``: free text (the default)."""
+
+    model_config = ConfigDict(frozen=True, strict=True, extra="forbid")
+
+    type: Literal["text"]
+
+
+class JsonObjectFormat(BaseModel):
+    """``{"type": "json_object"}``: the answer is one JSON object."""
+
+    model_config = ConfigDict(frozen=True, strict=True, extra="forbid")
+
+    type: Literal["json_object"]
+
+
+class JsonSchemaFormat(BaseModel):
+    """``{"type": "json_schema", "json_schema": {...}}``: the answer is JSON matching the schema."""
+
+    model_config = ConfigDict(frozen=True, strict=True, extra="forbid")
+
+    type: Literal["json_schema"]
+    json_schema: JsonSchemaSpec
+
+
+def _format_type(value: Any) -> str | None:
+    kind = value.get("type") if isinstance(value, Mapping) else getattr(value, "type", None)
+    return f"[{kind}]" if kind in ("text", "json_object", "json_schema") else None
+
+
+ResponseFormat = Annotated[
+    Annotated[TextFormat, Tag("[text]")] | Annotated[JsonObjectFormat, Tag("[json_object]")]
+    | Annotated[JsonSchemaFormat, Tag("[json_schema]")],
+    Discriminator(_format_type, custom_error_type="invalid_response_format",
+                  custom_error_message="type must be 'text', 'json_object' or 'json_schema'")]
+"""``response_format``, chosen by its ``type`` (the tags are bracketed so an error's location skips them)."""
+
+
 class StreamOptions(BaseModel):
     """``stream_options``: ``include_usage`` adds a final chunk carrying usage."""
 
@@ -146,10 +280,6 @@ def refused(reason: str, *, allowed: tuple[Any, ...] = ()) -> Any:
     return Annotated[Any, BeforeValidator(check)]
 
 
-TextFormatOnly = refused("structured outputs (json_object, json_schema) are not implemented on this mesh yet",
-                         allowed=({"type": "text"},))
-NoTools = refused("this mesh has no tool calling yet")
-NoToolChoice = refused("this mesh has no tool calling yet", allowed=("none",))
 NoFunctions = refused("this mesh has no function calling")
 OneTier = refused("a mesh has one tier")
 TextModalityOnly = refused("this mesh answers text only", allowed=(["text"],))
@@ -176,7 +306,8 @@ class SamplingRequest(BaseModel):
     temperature: float | None = Field(default=None, ge=0.0, le=2.0, allow_inf_nan=False)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0, allow_inf_nan=False)
     top_k: int | None = Field(default=None, ge=0, le=limits.MAX_TOP_K)
-    n: int | None = None
+    n: int | None = Field(default=None, ge=1, le=MAX_CHOICES)
+    """Choices to generate, each its own session; choice ``i`` is sampled with :func:`choice_seed` (``seed``, ``i``)."""
     stream: bool = False
     stream_options: StreamOptions | None = None
     """Only read when ``stream`` is true."""
@@ -220,10 +351,28 @@ class SamplingRequest(BaseModel):
         """``None``: no log-probabilities; else how many alternatives per token (subclasses read their fields)."""
         return None
 
-    response_format: TextFormatOnly = None
-    tools: NoTools = None
-    tool_choice: NoToolChoice = None
-    parallel_tool_calls: NoTools = None
+    response_format: ResponseFormat | None = None
+    """Structured outputs: the tail constrains every token to a grammar compiled from it."""
+    tools: Annotated[tuple[ToolSpec, ...], AsTuple, Field(max_length=MAX_TOOLS)] | None = None
+    """Functions the model may call. Served only where the model's chat template renders tools (the head
+    answers a 400 saying so otherwise); with ``tool_choice: "none"`` they are not offered and the answer is text."""
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+
+    @model_validator(mode="after")
+    def _tool_choice_names_a_tool(self) -> SamplingRequest:
+        names = {tool.function.name for tool in self.tools or ()}
+        if isinstance(self.tool_choice, NamedToolChoice) and self.tool_choice.function.name not in names:
+            raise ValueError(f"tool_choice names the function {self.tool_choice.function.name!r}, which is not "
+                             "among the tools")
+        if self.tool_choice in ("auto", "required") and not names:
+            raise ValueError(f"tool_choice {self.tool_choice!r} needs tools")
+        return self
+
+    @property
+    def wants_tools(self) -> bool:
+        """True when the answer may (or must) be a tool call: tools given, and ``tool_choice`` is not ``none``."""
+        return bool(self.tools) and self.tool_choice != "none"
     functions: NoFunctions = None
     function_call: NoFunctions = None
     service_tier: OneTier = None
@@ -235,12 +384,10 @@ class SamplingRequest(BaseModel):
             raise ValueError(f"temperature must be 0 (greedy) or at least {limits.MIN_TEMPERATURE}, got {value!r}")
         return value
 
-    @field_validator("n")
-    @classmethod
-    def _only_one_choice(cls, value: int | None) -> int | None:
-        if value is not None and value != 1:
-            raise ValueError(f"only n=1 is supported, got {value}")
-        return value
+    @property
+    def choices(self) -> int:
+        """How many choices the request asks for (``n``, 1 when absent)."""
+        return self.n or 1
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -323,15 +470,10 @@ class CompletionRequest(SamplingRequest):
     logprobs: int | None = Field(default=None, ge=0, le=MAX_COMPLETION_LOGPROBS)
     """Return each output token's log-probability and this many likeliest alternatives (0-5)."""
     echo: bool = False
+    """Give the prompt back before the completion; with ``logprobs``, with each prompt token's log-probability
+    (the first has none: ``null``), computed by the tail from the prompt's own logits."""
     best_of: int | None = None
     suffix: NoSuffix = None
-
-    @field_validator("echo")
-    @classmethod
-    def _no_echo(cls, value: bool) -> bool:
-        if value:
-            raise ValueError("echo is not supported: the tail computes the logits of generated tokens only")
-        return value
 
     @field_validator("best_of")
     @classmethod
@@ -416,8 +558,9 @@ class CompletionLogprobs(BaseModel):
     model_config = STRICT_MODEL
 
     tokens: Annotated[tuple[str, ...], AsTuple] = ()
-    token_logprobs: Annotated[tuple[float, ...], AsTuple] = ()
-    top_logprobs: Annotated[tuple[dict[str, float], ...], AsTuple] = ()
+    token_logprobs: Annotated[tuple[float | None, ...], AsTuple] = ()
+    """``None`` for an echoed prompt's first token (nothing precedes it)."""
+    top_logprobs: Annotated[tuple[dict[str, float] | None, ...], AsTuple] = ()
     text_offset: Annotated[tuple[int, ...], AsTuple] = ()
 
 

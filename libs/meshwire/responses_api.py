@@ -12,8 +12,9 @@ cut it; an ``error`` event when the mesh fails mid-answer). The official SDK's
 ``client.responses.create(...).output_text`` reads it.
 
 Nothing is stored: ``previous_response_id`` is refused with a 400 that says so
-(send the conversation in ``input`` instead). Tools, reasoning, non-text
-formats and the like are 400s naming them, as on the chat endpoint.
+(send the conversation in ``input`` instead). ``text.format`` (``json_object``,
+``json_schema``) is chat's ``response_format``. Tools, reasoning and the like
+are 400s naming them, as on the chat endpoint.
 """
 
 from __future__ import annotations
@@ -22,18 +23,22 @@ import uuid
 from typing import Annotated, Any, Final, Literal
 
 import orjson
-from pydantic import BaseModel, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from meshwire import limits
 from meshwire.fields import AsTuple
 from meshwire.openai import (
     MAX_METADATA_ENTRIES,
+    MAX_SCHEMA_CHARS,
     MAX_USER_CHARS,
     REQUEST_MODEL,
+    SCHEMA_NAME_PATTERN,
     TOP_LEVEL_REQUEST,
     ChatCompletionRequest,
+    JsonObjectFormat,
     NoReasoning,
     OneTier,
+    TextFormat,
     TokenCount,
     refused,
 )
@@ -79,7 +84,35 @@ NoStoredResponses = refused("this mesh stores no responses; send the whole conve
 NoResponseTools = refused("this mesh has no tool calling yet", allowed=((), []))
 NoResponseToolChoice = refused("this mesh has no tool calling yet", allowed=("none", "auto"))
 NoResponseParallel = refused("this mesh has no tool calling yet", allowed=(True, False))
-PlainTextOnly = refused("only plain text output is implemented", allowed=({"format": {"type": "text"}},))
+
+
+class FlatJsonSchemaFormat(BaseModel):
+    """``text.format`` of type ``json_schema``: the Responses API's flat form of chat's ``json_schema``."""
+
+    model_config = ConfigDict(frozen=True, strict=True, extra="forbid", populate_by_name=True)
+
+    type: Literal["json_schema"]
+    name: str = Field(pattern=SCHEMA_NAME_PATTERN)
+    description: str | None = Field(default=None, max_length=MAX_SCHEMA_CHARS)
+    json_schema: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseText(BaseModel):
+    """``text``: the output's format (plain text, a JSON object, or JSON matching a schema)."""
+
+    model_config = ConfigDict(frozen=True, strict=True, extra="forbid")
+
+    format: Annotated[TextFormat | JsonObjectFormat | FlatJsonSchemaFormat, Field(discriminator="type")]
+
+    def response_format(self) -> dict[str, Any] | None:
+        """The chat ``response_format`` this means (``None``: plain text)."""
+        fmt = self.format
+        if isinstance(fmt, FlatJsonSchemaFormat):
+            spec = {"name": fmt.name, "schema": fmt.json_schema, "strict": fmt.strict, "description": fmt.description}
+            return {"type": "json_schema", "json_schema": {k: v for k, v in spec.items() if v is not None}}
+        return None if isinstance(fmt, TextFormat) else {"type": "json_object"}
+
 NothingIncluded = refused("nothing extra can be included", allowed=((), []))
 NoTruncation = refused("a prompt over the context is refused, never cut", allowed=("disabled",))
 NoBackground = refused("responses are not run in the background", allowed=(False,))
@@ -108,7 +141,8 @@ class ResponsesRequest(BaseModel):
     tools: NoResponseTools = None
     tool_choice: NoResponseToolChoice = None
     parallel_tool_calls: NoResponseParallel = None
-    text: PlainTextOnly = None
+    text: ResponseText | None = None
+    """Structured outputs, as chat's ``response_format`` (enforced at the tail by the same grammar engine)."""
     reasoning: NoReasoning = None
     include: NothingIncluded = None
     truncation: NoTruncation = None
@@ -134,6 +168,8 @@ class ResponsesRequest(BaseModel):
         else:
             messages.extend({"role": message.role, "content": message.text()} for message in self.input)
         chat: dict[str, Any] = {"model": self.model, "messages": messages, "stream": self.stream}
+        if self.text is not None and (response_format := self.text.response_format()) is not None:
+            chat["response_format"] = response_format
         for name, value in (("max_completion_tokens", self.max_output_tokens), ("temperature", self.temperature),
                             ("top_p", self.top_p)):
             if value is not None:
@@ -178,7 +214,8 @@ class ResponseEvents:
             "instructions": self.request.instructions, "max_output_tokens": self.request.max_output_tokens,
             "model": self.model, "output": output, "parallel_tool_calls": False, "previous_response_id": None,
             "reasoning": None, "store": False, "temperature": self.request.temperature,
-            "text": {"format": {"type": "text"}}, "tool_choice": "none", "tools": [],
+            "text": self.request.text.model_dump(by_alias=True, exclude_none=True) if self.request.text is not None
+            else {"format": {"type": "text"}}, "tool_choice": "none", "tools": [],
             "top_p": self.request.top_p, "truncation": "disabled", "usage": usage, "user": self.request.user,
             "metadata": dict(self.request.metadata or {}),
         }

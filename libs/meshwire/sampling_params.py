@@ -25,6 +25,13 @@ MAX_LOGIT_BIAS: Final = 100.0
 MAX_TOP_LOGPROBS: Final = 20
 """Most alternatives per token whose log-probabilities a request may ask for (OpenAI's bound)."""
 
+MAX_GRAMMAR_CHARS: Final = 12 * 1024
+"""Longest grammar one session may carry: it travels in ``X-Meshnet-Sampling`` (at most
+:data:`meshwire.limits.MAX_HEADER_VALUE_CHARS` with everything else), so it stays well under that."""
+MAX_REPLAY_IDS_PER_FRAME: Final = 512
+"""Most generated token ids one replayed frame carries to the tail in ``X-Meshnet-Sample-Ids``
+(a head replaying a grammar-constrained session sends its frames at most this long)."""
+
 LOGPROB_FLOOR: Final = -9999.0
 """The log-probability reported for a token with none (``-inf`` has no JSON form; OpenAI reports this)."""
 
@@ -50,6 +57,11 @@ class SamplingParams(BaseModel):
     """``(token id, bias)`` pairs added to the model's logits before anything else (greedy included)."""
     logprobs: int | None = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
     """``None``: no log-probabilities; else the chosen token's and this many top alternatives' (0-20)."""
+    grammar: str | None = Field(default=None, min_length=1, max_length=MAX_GRAMMAR_CHARS)
+    """An llguidance grammar (the JSON the head compiled a ``response_format`` into) that every sampled
+    token must follow: the tail masks the logits to the tokens it allows, after ``logit_bias`` and before
+    everything else. The tail's grammar state is a function of the tokens generated so far, so a tail
+    rebuilt by failover replays them into it (``X-Meshnet-Sample-Ids``)."""
 
     @field_validator("temperature")
     @classmethod
@@ -68,8 +80,9 @@ class TokenLogprobs(BaseModel):
     """The tail's log-probabilities for one sampled token (when :attr:`SamplingParams.logprobs` is set).
 
     Computed from the same float32 logits the token was drawn from, after
-    ``logit_bias`` and before temperature, top-k and top-p: the model's own
-    distribution (as OpenAI and vLLM report it), not the warped one.
+    ``logit_bias`` and the grammar mask (a token the grammar forbids has
+    :data:`LOGPROB_FLOOR`) and before temperature, top-k and top-p: the
+    model's own distribution (as OpenAI and vLLM report it), not the warped one.
     """
 
     model_config = STRICT_MODEL

@@ -31,8 +31,10 @@ from typing import Final, ParamSpec, TypeVar
 
 import torch
 
+from meshwire.forward_step import Scoring
+from meshwire.sampling_params import TokenLogprobs
 from services.node.cpu_gate import CpuGate
-from services.node.sampling import Sampler
+from services.node.sampling import Sampler, token_logprobs
 from services.node.shard import Shard, ShardCache
 from services.node.step_engine import (
     DEFAULT_MAX_BATCH,
@@ -131,7 +133,7 @@ class ShardRunner:
 
     async def step(self, cache: ShardCache, *, position_offset: int, from_layer: int,
                    ids: Sequence[int] | None = None, hidden: torch.Tensor | None = None,
-                   sampler: Sampler | None = None) -> StepResult:
+                   sampler: Sampler | None = None, score: Scoring | None = None) -> StepResult:
         """Run one step: ``ids`` (head) or ``hidden`` (other hops) at ``position_offset``.
 
         At the tail, ``sampler`` picks the next token; without one (a prefill
@@ -139,11 +141,12 @@ class ShardRunner:
         the engine's next turn and may run batched with other sessions' steps.
         """
         return await self.engine.submit(cache, position_offset=position_offset, from_layer=from_layer, ids=ids,
-                                        hidden=hidden, sampler=sampler)
+                                        hidden=hidden, sampler=sampler, score=score)
 
     def _job_sync(self, job: StepJob) -> StepResult:
         """One step alone (a lone decode row, or a prompt chunk): the shard's exact single-session path."""
-        result = self._step_sync(job.cache, job.position_offset, job.from_layer, job.ids, job.hidden, job.sampler)
+        result = self._step_sync(job.cache, job.position_offset, job.from_layer, job.ids, job.hidden, job.sampler,
+                                 job.score)
         if job.is_row:
             self._rows_ran(1, result.compute_ms / 1000.0)
         return result
@@ -155,7 +158,8 @@ class ShardRunner:
             self._on_batch(rows)
 
     def _step_sync(self, cache: ShardCache, position_offset: int, from_layer: int,
-                   ids: Sequence[int] | None, hidden: torch.Tensor | None, sampler: Sampler | None) -> StepResult:
+                   ids: Sequence[int] | None, hidden: torch.Tensor | None, sampler: Sampler | None,
+                   score: Scoring | None = None) -> StepResult:
         began = time.perf_counter()
         with torch.inference_mode():
             if ids is not None:
@@ -168,10 +172,16 @@ class ShardRunner:
             if self.shard.is_tail:
                 pick = sampler.pick(self.shard.logits_last(states)) if sampler is not None else None
                 out = StepResult(hidden=None, token=None if pick is None else pick.token, compute_ms=_ms_since(began),
-                                 logprobs=None if pick is None else pick.logprobs)
+                                 logprobs=None if pick is None else pick.logprobs,
+                                 scored=() if score is None else self._scored(states, score))
             else:
                 out = StepResult(hidden=states.to("cpu").contiguous(), token=None, compute_ms=_ms_since(began))
         return out
+
+    def _scored(self, states: torch.Tensor, score: Scoring) -> tuple[TokenLogprobs, ...]:
+        """The log-probability of ``score.ids[j]`` after position ``j`` of ``states``, with alternatives."""
+        logits = self.shard.logits_all(states, len(score.ids))
+        return tuple(token_logprobs(logits[j], token, score.top) for j, token in enumerate(score.ids))
 
     def _record_decode(self, seconds: float) -> None:
         if self._decode_s is None:

@@ -48,6 +48,7 @@ from meshwire.row_batch import MAX_INDEX_BYTES, RowAnswer, decode_rows, encode_a
 from meshwire.sampling_params import SamplingParams
 from services.node.bodies import BodyIncomplete, BodyTooLarge, read_bounded
 from services.node.compute import ShardRunner
+from services.node.grammar import GrammarEngine, GrammarError
 from services.node.hop_client import INVALID_SAMPLING, ChainFailure, HopClient, send_along
 from services.node.metrics import NodeMetrics
 from services.node.route_step import Onward, RouteStepper
@@ -91,7 +92,8 @@ class ForwardService:
     """The ``/forward`` endpoint of one node."""
 
     def __init__(self, *, node_id: str, model_id: str, secret: str, runner: ShardRunner, sessions: SessionTable,
-                 hops: HopClient, stepper: RouteStepper, metrics: NodeMetrics, frame_limits: FrameLimits) -> None:
+                 hops: HopClient, stepper: RouteStepper, metrics: NodeMetrics, frame_limits: FrameLimits,
+                 grammar: GrammarEngine | None = None) -> None:
         self.node_id = node_id
         self.model_id = model_id
         self._secret = secret
@@ -101,6 +103,7 @@ class ForwardService:
         self._metrics = metrics
         self._limits = frame_limits
         self._stepper = stepper
+        self._grammar = grammar
 
     # --- entry point ---------------------------------------------------------------
 
@@ -223,6 +226,11 @@ class ForwardService:
         frame = decode_frame_body(spec, headers, body)
         samples = shard.is_tail and frame.chunk_index == frame.chunk_total - 1
         params = info.sampling_params() if samples else None
+        if params is not None and params.grammar is not None:
+            if self._grammar is None:
+                raise FrameError("bad_header", "this node enforces no grammars")
+            if not self._grammar.ready:  # built once, off the event loop (about a second)
+                await asyncio.to_thread(self._grammar.prepare)
 
         session = self._sessions.get(frame.session)
         if session is None:
@@ -231,14 +239,18 @@ class ForwardService:
             _check_bound(session, hop.token)
         async with session.lock:
             self._check_order(session, info)
-            sampler = self._sampler(session, params, info) if samples else None
+            if info.sample_ids and shard.is_tail and session.sampler is None:
+                if len(session.replayed_ids) + len(info.sample_ids) > (info.sample_draws or 0):
+                    raise FrameError("bad_header", f"{h.SAMPLE_IDS} names more tokens than {h.SAMPLE_DRAWS}")
+                session.replayed_ids.extend(info.sample_ids)
+            sampler = await self._sampler(session, params, info) if samples else None
             nxt = hop.next
             onward = None if nxt is None else Onward(nxt, info.for_next_hop(nxt.start_layer), frame.chunk_index,
                                                      frame.chunk_total)
             try:
                 done = await self._stepper.run(session, position_offset=info.position_offset,
                                                from_layer=info.start_layer, tokens=tokens, hidden=frame.tensor,
-                                               sampler=sampler, onward=onward)
+                                               sampler=sampler, onward=onward, score=info.score)
             except SessionRefused as exc:  # nothing was run: the session stays as it was
                 raise ForwardRefusal(503, exc.code, str(exc), exc.retry_after_s) from None
             except SamplingFailed as exc:  # the request's parameters, not this node: no failure to report
@@ -256,6 +268,8 @@ class ForwardService:
             body: dict[str, Any] = {"token": done.token, "node_timings_ms": done.node_timings_ms}
             if done.logprobs is not None:
                 body["logprobs"] = done.logprobs.model_dump()
+            if done.scored:
+                body["scored"] = [item.model_dump() for item in done.scored]
             return _answer(200, body)
 
     def _stepped(self, session: Session, tokens: int) -> None:
@@ -298,11 +312,24 @@ class ForwardService:
                                                       f"tokens; a frame at offset {info.position_offset} "
                                                       "does not follow them")
 
-    def _sampler(self, session: Session, params: SamplingParams | None, info: StepInfo) -> Sampler:
+    async def _sampler(self, session: Session, params: SamplingParams | None, info: StepInfo) -> Sampler:
         if session.sampler is None:
             if params is None:
                 raise FrameError("bad_header", f"the tail needs {h.SAMPLING} on the first frame that samples")
-            session.sampler = Sampler(params)
+            constraint = None
+            if params.grammar is not None:
+                assert self._grammar is not None
+                replayed = tuple(session.replayed_ids)
+                if len(replayed) != (info.sample_draws or 0):
+                    raise FrameError("bad_header", f"a grammar-constrained replay must carry every generated id in "
+                                                   f"{h.SAMPLE_IDS}: {len(replayed)} of {info.sample_draws or 0}")
+                try:
+                    constraint = await asyncio.to_thread(self._grammar.constraint, params.grammar, replayed)
+                except GrammarError as exc:
+                    self._sessions.close(session.session_id)
+                    raise ForwardRefusal(400, INVALID_SAMPLING, str(exc)) from None
+                session.replayed_ids.clear()
+            session.sampler = Sampler(params, constraint)
             if info.sample_draws:
                 session.sampler.skip(info.sample_draws)
         return session.sampler

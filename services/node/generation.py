@@ -45,10 +45,11 @@ from typing import Any, Final, Literal
 
 import orjson
 
-from meshwire.forward_step import StepInfo, close_headers
-from meshwire.sampling_params import MAX_SEED, SamplingParams, TokenLogprobs
+from meshwire.forward_step import Scoring, StepInfo, close_headers
+from meshwire.sampling_params import MAX_REPLAY_IDS_PER_FRAME, MAX_SEED, SamplingParams, TokenLogprobs
 from services.node.compute import ShardRunner
 from services.node.failover import Failover, FailoverGaveUp, FailoverPolicy
+from services.node.grammar import GrammarEngine, GrammarError
 from services.node.hop_client import INVALID_SAMPLING, ChainFailure, HopClient, send_along
 from services.node.metrics import NodeMetrics
 from services.node.route_step import Onward, RouteStepper
@@ -78,6 +79,9 @@ class GenerationRequest:
     max_tokens: int
     stop: tuple[str, ...]
     sampling: SamplingParams
+    echo: str | None = None
+    """A completion's prompt text to give back before the answer (``echo``); with ``sampling.logprobs`` set,
+    the tail also scores every prompt token."""
     resume: tuple[int, ...] = ()
     """Tokens of this answer already generated and relayed by a head that died (``meshwire.resume``):
     they are replayed, not sent again, and the answer goes on after them."""
@@ -103,6 +107,18 @@ class TextDelta:
     tokens: tuple[TokenInfo, ...] = ()
     ids: tuple[int, ...] = ()
     """Every token fed since the previous delta (whose text this one completes)."""
+    echo: Echo | None = None
+    """On the first delta of a completion that echoes its prompt: the prompt, given back before ``text``."""
+
+
+@dataclass(frozen=True)
+class Echo:
+    """A completion's prompt given back (``echo``): its text, its ids and, when asked for, their log-probabilities
+    (the first token has none: nothing precedes it)."""
+
+    text: str
+    ids: tuple[int, ...]
+    logprobs: tuple[TokenLogprobs | None, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -178,7 +194,8 @@ class SessionChain:
 
     def __init__(self, *, runner: ShardRunner, sessions: SessionTable, hops: HopClient, stepper: RouteStepper,
                  hop: RoutedHop | None, session_id: str, sampling: SamplingParams, reserve: int,
-                 sample_draws: int = 0) -> None:
+                 sample_draws: int = 0, replayed: tuple[int, ...] = (), prompt_tokens: int = 0,
+                 grammar: GrammarEngine | None = None) -> None:
         self._runner = runner
         self._sessions = sessions
         self._hops = hops
@@ -189,19 +206,29 @@ class SessionChain:
         self._sampling_json = orjson.dumps(sampling.model_dump()).decode()
         self._reserve = reserve
         self._sample_draws = sample_draws
+        self._replayed = replayed
+        """The generated ids this session's prefill replays (a grammar's state is rebuilt from them)."""
+        self._prompt_tokens = prompt_tokens
+        self._grammar = grammar
         self._session: Session | None = None
         self._step = 0
         self._closed = False
         self.prefilled = False
         """True once the route produced its first token (the prefill is done; decode steps follow)."""
+        self.scored: list[TokenLogprobs] = []
+        """The prompt tokens' log-probabilities the tail reported (an echoed completion's), in order."""
 
     @property
     def solo(self) -> bool:
         """True when this head runs every layer itself."""
         return self.hop is None or self.hop.next is None
 
-    async def step(self, ids: Sequence[int], *, chunk_index: int = 0, chunk_total: int = 1) -> Pick | None:
-        """Run ``ids`` through the whole route; the sampled token on the last chunk, else ``None``."""
+    async def step(self, ids: Sequence[int], *, chunk_index: int = 0, chunk_total: int = 1,
+                   score: Scoring | None = None) -> Pick | None:
+        """Run ``ids`` through the whole route; the sampled token on the last chunk, else ``None``.
+
+        With ``score``, the tail also reports the log-probabilities of the tokens it names (kept in :attr:`scored`).
+        """
         samples = chunk_index == chunk_total - 1
         session = self._open() if self._session is None else self._session
         async with session.lock:
@@ -220,11 +247,13 @@ class SessionChain:
                     sampling=self._sampling_json if samples else None,
                     # On every frame of a replayed prefill: the tail creates its sampler on the last one.
                     sample_draws=self._sample_draws if self._sample_draws and not self.prefilled else None,
+                    sample_ids=self._replayed_in(offset, len(ids)),
+                    score=score,
                 ), chunk_index, chunk_total)
-            sampler = self._local_sampler(session) if self.solo and samples else None
+            sampler = (await self._local_sampler(session)) if self.solo and samples else None
             try:
                 answer = await self._stepper.run(session, position_offset=offset, from_layer=0, tokens=len(ids),
-                                                 ids=ids, sampler=sampler, onward=onward)
+                                                 ids=ids, sampler=sampler, onward=onward, score=score)
             except SessionRefused as exc:
                 raise GenerationFailed(503, exc.code, str(exc), retry_after=str(exc.retry_after_s)) from None
             except SamplingFailed as exc:
@@ -233,6 +262,11 @@ class SessionChain:
                 self._step += 1
                 raise _generation_failure(exc) from exc
             self._step += 1
+        if score is not None:
+            if len(answer.scored) != len(score.ids):
+                assert self.hop is not None
+                raise RouteFailed(self.hop.route.nodes[-1].node_id, "the tail did not score the prompt tokens")
+            self.scored.extend(answer.scored)
         if samples and answer.token is None:
             assert self.hop is not None  # a head alone always samples its own token
             raise RouteFailed(self.hop.route.nodes[-1].node_id, "the tail answered no token")
@@ -246,9 +280,25 @@ class SessionChain:
             raise GenerationFailed(503, exc.code, str(exc), retry_after=str(exc.retry_after_s)) from None
         return self._session
 
-    def _local_sampler(self, session: Session) -> Sampler:
+    def _replayed_in(self, offset: int, tokens: int) -> tuple[int, ...] | None:
+        """The generated ids among positions ``offset..offset+tokens`` of a replayed grammar-constrained prefill."""
+        if self._sampling.grammar is None or self.prefilled or not self._replayed:
+            return None
+        start = max(offset - self._prompt_tokens, 0)
+        end = min(offset + tokens - self._prompt_tokens, len(self._replayed))
+        return self._replayed[start:end] if end > start else None
+
+    async def _local_sampler(self, session: Session) -> Sampler:
         if session.sampler is None:
-            session.sampler = Sampler(self._sampling)
+            constraint = None
+            if self._sampling.grammar is not None:
+                assert self._grammar is not None
+                try:
+                    constraint = await asyncio.to_thread(self._grammar.constraint, self._sampling.grammar,
+                                                         self._replayed)
+                except GrammarError as exc:
+                    raise GenerationFailed(400, INVALID_SAMPLING, str(exc)) from None
+            session.sampler = Sampler(self._sampling, constraint)
             session.sampler.skip(self._sample_draws)
         return session.sampler
 
@@ -285,6 +335,16 @@ class SessionChain:
                         exc.failed_node or exc.busy_node, exc)
 
 
+def _scores_prompt(request: GenerationRequest, history: History) -> int | None:
+    """Alternatives per prompt token the tail must score on this prefill (``None``: no scoring).
+
+    Only a completion that echoes its prompt with log-probabilities asks, and only before its first token
+    (a replay after it does not: the echo has been given)."""
+    if request.echo is None or request.sampling.logprobs is None or history.generated:
+        return None
+    return request.sampling.logprobs
+
+
 def _generation_failure(exc: ChainFailure) -> GenerationFailed:
     if exc.client_fault:
         return GenerationFailed(exc.status, str(exc.body.get("error", {}).get("code") or INVALID_SAMPLING), str(exc))
@@ -311,7 +371,7 @@ class Generator:
     def __init__(self, *, runner: ShardRunner, sessions: SessionTable, hops: HopClient, tokenizer: HeadTokenizer,
                  stepper: RouteStepper, metrics: NodeMetrics, prefill_chunk_tokens: int,
                  routes: TrackerRoutes | None = None, model_id: str = "",
-                 failover: FailoverPolicy = DEFAULT_FAILOVER) -> None:
+                 failover: FailoverPolicy = DEFAULT_FAILOVER, grammar: GrammarEngine | None = None) -> None:
         self._runner = runner
         self._sessions = sessions
         self._hops = hops
@@ -322,6 +382,8 @@ class Generator:
         self._routes = routes
         self._model_id = model_id
         self._failover = failover
+        self.grammar = grammar
+        """Structured outputs' engine (``None``: requests with a grammar are refused)."""
         self._closing: set[asyncio.Task[None]] = set()
 
     async def generate(self, request: GenerationRequest, hop: RoutedHop | None) -> AsyncIterator[GenerationEvent]:
@@ -342,6 +404,10 @@ class Generator:
         """Log-probabilities of tokens whose text has not gone out yet."""
         try:
             pick = await self._next_token(run, request, history)
+            echo = None
+            if request.echo is not None and not request.resume:
+                scored = None if request.sampling.logprobs is None else (None, *run.chain.scored)
+                echo = Echo(request.echo, request.prompt_ids, scored)
             while True:
                 token = pick.token
                 history.generated.append(token)
@@ -358,8 +424,9 @@ class Generator:
                     # tracker, the client) overlaps the route's work instead of adding to every token.
                     upcoming = asyncio.create_task(self._next_token(run, request, history))
                     await asyncio.sleep(0)  # let it reach the compute thread first
-                if out.text:
-                    yield TextDelta(out.text, tuple(pending), tuple(fed))
+                if out.text:  # the echo goes out with the first text (and the ids a continuation must not repeat)
+                    yield TextDelta(out.text, tuple(pending), tuple(fed), echo)
+                    echo = None
                     pending.clear()
                     fed.clear()
                 if out.stopped:
@@ -374,8 +441,8 @@ class Generator:
                 rest = out.text if out.stopped else out.text + stops.flush()
                 if out.stopped:
                     reason = "stop"
-                if rest or pending:
-                    yield TextDelta(rest, tuple(pending), tuple(fed))
+                if rest or pending or echo is not None:
+                    yield TextDelta(rest, tuple(pending), tuple(fed), echo)
             yield Finished(finish_reason=reason, prompt_tokens=len(request.prompt_ids),
                            completion_tokens=len(history.generated))
         finally:
@@ -387,7 +454,8 @@ class Generator:
         return SessionChain(runner=self._runner, sessions=self._sessions, hops=self._hops, stepper=self._stepper,
                             hop=hop, session_id=new_session_id(), sampling=request.sampling,
                             reserve=len(request.prompt_ids) + request.max_tokens,
-                            sample_draws=history.draws)
+                            sample_draws=history.draws, replayed=tuple(history.generated),
+                            prompt_tokens=len(request.prompt_ids), grammar=self.grammar)
 
     async def _next_token(self, run: _Run, request: GenerationRequest, history: History) -> Pick:
         """The token that follows ``history``, moving the request to a new route while hops fail.
@@ -403,7 +471,9 @@ class Generator:
                         if chain.prefilled:
                             token = await self._decode(chain, history.generated[-1])
                         else:
-                            token = await self._prefill(chain, history.tokens())
+                            token = await self._prefill(chain, history.tokens(), grammar=request.sampling.grammar
+                                                        is not None and bool(history.generated),
+                                                        score=_scores_prompt(request, history))
                 except RouteFailed as exc:
                     assert exc.failed_node is not None
                     await self._move(run, request, history, exc.failed_node, str(exc), failed=True)
@@ -434,12 +504,22 @@ class Generator:
                        log_tag(run.chain.session_id),
                        " -> ".join(hop.node_ids), len(history.tokens()))
 
-    async def _prefill(self, chain: SessionChain, ids: list[int]) -> Pick:
-        """Run ``ids`` (the prompt, or a replayed history) through the route in chunks; the next token."""
-        chunks = [ids[i:i + self._chunk] for i in range(0, len(ids), self._chunk)]
+    async def _prefill(self, chain: SessionChain, ids: list[int], *, grammar: bool = False,
+                       score: int | None = None) -> Pick:
+        """Run ``ids`` (the prompt, or a replayed history) through the route in chunks; the next token.
+
+        A grammar-constrained replay sends frames of at most :data:`MAX_REPLAY_IDS_PER_FRAME` tokens: each
+        carries its generated ids to the tail in a header, which must stay small; so does a prompt whose tokens
+        the tail scores (``score``: the alternatives wanted per token), each frame naming the tokens that follow
+        its positions.
+        """
+        size = min(self._chunk, MAX_REPLAY_IDS_PER_FRAME) if grammar or score is not None else self._chunk
+        starts = range(0, len(ids), size)
         token: Pick | None = None
-        for index, chunk in enumerate(chunks):
-            token = await chain.step(chunk, chunk_index=index, chunk_total=len(chunks))
+        for index, start in enumerate(starts):
+            chunk = ids[start:start + size]
+            scoring = None if score is None else Scoring(tuple(ids[start + 1:start + 1 + size]), score)
+            token = await chain.step(chunk, chunk_index=index, chunk_total=len(starts), score=scoring)
         if token is None:
             raise GenerationFailed(500, "no_token", "the route produced no token for the prompt")
         return token

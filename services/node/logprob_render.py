@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from meshwire import openai as oa
-from services.node.generation import TokenInfo
+from services.node.generation import Echo, TokenInfo
 from services.node.tokens import HeadTokenizer
 
 
@@ -49,3 +49,29 @@ def completion_logprobs(tokenizer: HeadTokenizer, tokens: Sequence[TokenInfo], o
         top.append({token_text(tokenizer, alternative)[0]: logprob for alternative, logprob in info.logprobs.top})
     return oa.CompletionLogprobs(tokens=tuple(texts), token_logprobs=tuple(i.logprobs.logprob for i in tokens),
                                  top_logprobs=tuple(top), text_offset=tuple(offsets))
+
+
+def echo_logprobs(tokenizer: HeadTokenizer, echo: Echo) -> oa.CompletionLogprobs:
+    """The legacy log-probabilities of an echoed prompt: its tokens from character 0, the first with ``null``."""
+    texts, offsets, values, top = [], [], [], []
+    offset = 0
+    for token, logprobs in zip(echo.ids, echo.logprobs or (), strict=True):
+        text, _ = token_text(tokenizer, token)
+        texts.append(text)
+        offsets.append(offset)
+        offset += len(text)
+        values.append(None if logprobs is None else logprobs.logprob)
+        top.append(None if logprobs is None else
+                   {token_text(tokenizer, alternative)[0]: value for alternative, value in logprobs.top})
+    return oa.CompletionLogprobs(tokens=tuple(texts), token_logprobs=tuple(values), top_logprobs=tuple(top),
+                                 text_offset=tuple(offsets))
+
+
+def joined(first: oa.CompletionLogprobs, second: oa.CompletionLogprobs | None) -> oa.CompletionLogprobs:
+    """Two runs of legacy log-probabilities, one after the other."""
+    if second is None:
+        return first
+    return oa.CompletionLogprobs(tokens=first.tokens + second.tokens,
+                                 token_logprobs=first.token_logprobs + second.token_logprobs,
+                                 top_logprobs=first.top_logprobs + second.top_logprobs,
+                                 text_offset=first.text_offset + second.text_offset)

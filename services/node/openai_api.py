@@ -40,11 +40,13 @@ from meshwire import errors, sse
 from meshwire import headers as h
 from meshwire import openai as oa
 from meshwire.auth import check_bearer, check_bearer_any
+from meshwire.limits import MAX_HEADER_VALUE_CHARS
 from meshwire.responses_api import ResponseEvents, ResponsesRequest, usage_of
 from meshwire.resume import RESUME_KEY, Progress, Resume, take_resume, with_progress
 from meshwire.sampling_params import SamplingParams
 from services.node.bodies import BodyIncomplete, BodyTooLarge, read_bounded
 from services.node.generation import (
+    Echo,
     Finished,
     GenerationEvent,
     GenerationFailed,
@@ -53,7 +55,8 @@ from services.node.generation import (
     TokenInfo,
     pick_seed,
 )
-from services.node.logprob_render import chat_logprobs, completion_logprobs
+from services.node.grammar import GrammarError, grammar_for_schema
+from services.node.logprob_render import chat_logprobs, completion_logprobs, echo_logprobs, joined
 from services.node.routing import NoRoute, RoutedHop, RouteRefused, verify_hop
 from services.node.runtime import NodeRuntime
 from services.node.tokens import HeadTokenizer, TemplateError
@@ -148,7 +151,7 @@ class OpenAIService:
             return StreamingResponse(stream.events(first, events), media_type=sse.MEDIA_TYPE,
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         try:
-            text, tokens, finished = await _collect(first, events)
+            text, tokens, finished, echo = await _collect(first, events)
         except GenerationFailed as exc:
             return _from_failure(exc).response()
         usage = oa.Usage.of(finished.prompt_tokens, finished.completion_tokens)
@@ -160,7 +163,12 @@ class OpenAIService:
                                                             finish_reason=finished.finish_reason,
                                                             logprobs=logprobs),))
         else:
-            legacy = None if tokenizer is None else completion_logprobs(tokenizer, tokens, 0)
+            start = 0 if echo is None else len(echo.text)
+            legacy = None if tokenizer is None else completion_logprobs(tokenizer, tokens, start)
+            if echo is not None:
+                text = echo.text + text
+                if legacy is not None and tokenizer is not None:
+                    legacy = joined(echo_logprobs(tokenizer, echo), legacy)
             body = oa.Completion(id=response_id, created=oa.now_s(), model=self._node.model_id, usage=usage,
                                  choices=(oa.CompletionChoice(text=text, finish_reason=finished.finish_reason,
                                                               logprobs=legacy),))
@@ -195,7 +203,7 @@ class OpenAIService:
             return StreamingResponse(_response_events(builder, first, events), media_type=sse.MEDIA_TYPE,
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         try:
-            text, _, finished = await _collect(first, events)
+            text, _, finished, _ = await _collect(first, events)
         except GenerationFailed as exc:
             return _from_failure(exc).response()
         body = builder.response("incomplete" if finished.finish_reason == "length" else "completed", text,
@@ -245,6 +253,11 @@ class OpenAIService:
         assert generator is not None
         if request.headers.get(h.ROUTE) is None:  # with a route, the tracker has matched the name already
             self._check_model_name(parsed.model)
+        if parsed.wants_tools:
+            self._check_tools(generator.tokenizer)
+        if parsed.choices > 1:
+            raise ApiError(400, f"n={parsed.choices}: a head serves one choice a request; the tracker's front door "
+                                "serves n > 1, as one session per choice", "invalid_request", "n")
         hop = await self._route(request)
         try:
             if isinstance(parsed, oa.ChatCompletionRequest):
@@ -255,8 +268,35 @@ class OpenAIService:
                 prompt = await asyncio.to_thread(generator.tokenizer.encode_text, parsed.prompt)
         except TemplateError as exc:
             raise ApiError(400, str(exc), "invalid_request", "messages") from None
-        generation = self._generation_request(parsed, prompt, chat=chat, resume=resume)
+        grammar = await self._grammar(parsed.response_format)
+        generation = self._generation_request(parsed, prompt, chat=chat, resume=resume, grammar=grammar)
         return Prepared(generation=generation, hop=hop, stream=parsed.stream, include_usage=parsed.include_usage)
+
+    async def _grammar(self, response_format: oa.ResponseFormat | None) -> str | None:
+        """The grammar a structured output asks for (``None``: free text), checked by the engine (400 if not)."""
+        if response_format is None or isinstance(response_format, oa.TextFormat):
+            return None
+        engine = self._node.grammar
+        if engine is None:
+            raise ApiError(503, "this node has no grammar engine yet", "not_ready", retry_after="2")
+        schema = response_format.json_schema.json_schema if isinstance(response_format, oa.JsonSchemaFormat) else None
+        param = "response_format.json_schema.schema" if isinstance(response_format, oa.JsonSchemaFormat) \
+            else "response_format"
+        try:
+            grammar = grammar_for_schema(schema)
+            await asyncio.to_thread(engine.check, grammar)
+        except GrammarError as exc:
+            raise ApiError(400, str(exc), "invalid_schema", param) from None
+        return grammar
+
+    def _check_tools(self, tokenizer: HeadTokenizer) -> None:
+        """Refuse (400) a request that offers tools the served model cannot be shown."""
+        if not tokenizer.supports_tools:
+            raise ApiError(400, f"tools cannot be used with {self._node.model_id}: the model's chat template has no "
+                                "tool support (it never renders a tools list); send tool_choice 'none' or no tools",
+                           "unsupported_parameter", "tools")
+        raise ApiError(400, "tool calls are not implemented on this mesh yet (the model's chat template supports "
+                            "tools); send tool_choice 'none' or no tools", "unsupported_parameter", "tools")
 
     def _check_model_name(self, model: str) -> None:
         node = self._node
@@ -265,7 +305,7 @@ class OpenAIService:
                            "model_not_found", "model")
 
     def _generation_request(self, parsed: oa.SamplingRequest, prompt: list[int], *, chat: bool,
-                            resume: Resume | None = None) -> GenerationRequest:
+                            resume: Resume | None = None, grammar: str | None = None) -> GenerationRequest:
         node = self._node
         assert node.shard is not None
         context = int(getattr(node.shard.config, "max_position_embeddings", 0) or 0) or None
@@ -290,7 +330,12 @@ class OpenAIService:
             seed=resume.seed if resume is not None else pick_seed(parsed.seed),
             logit_bias=bias,
             logprobs=parsed.top_logprobs_wanted,
+            grammar=grammar,
         )
+        if grammar is not None and len(orjson.dumps(sampling.model_dump())) > MAX_HEADER_VALUE_CHARS:
+            raise ApiError(400, "the response_format schema is too large to send along the route with these "
+                                "sampling parameters; make it (or logit_bias) smaller", "invalid_schema",
+                           "response_format")
         resumed = () if resume is None else resume.ids
         if any(token >= node.shard.vocab_size for token in resumed):
             raise ApiError(400, f"{RESUME_KEY} names a token outside this model's vocabulary", "invalid_request",
@@ -298,8 +343,9 @@ class OpenAIService:
         if len(resumed) >= max_tokens:
             raise ApiError(400, f"{RESUME_KEY} holds {len(resumed)} tokens: the answer is already complete",
                            "invalid_request", RESUME_KEY)
+        echo = parsed.prompt if isinstance(parsed, oa.CompletionRequest) and parsed.echo else None
         return GenerationRequest(prompt_ids=tuple(prompt), max_tokens=max_tokens, stop=parsed.stop_sequences,
-                                 sampling=sampling, resume=tuple(resumed))
+                                 sampling=sampling, resume=tuple(resumed), echo=echo)
 
     async def _route(self, request: Request) -> RoutedHop | None:
         """The route to run along: the tracker's (verified), none (alone), or one asked of the tracker."""
@@ -371,19 +417,22 @@ async def _first_event(events: AsyncIterator[GenerationEvent]) -> GenerationEven
 
 
 async def _collect(first: GenerationEvent,
-                   events: AsyncIterator[GenerationEvent]) -> tuple[str, list[TokenInfo], Finished]:
-    """The whole answer: its text, its tokens' log-probabilities (when asked for), how it finished."""
+                   events: AsyncIterator[GenerationEvent]) -> tuple[str, list[TokenInfo], Finished, Echo | None]:
+    """The whole answer: its text, its tokens' log-probabilities (when asked for), how it finished, the
+    prompt it echoes (a completion's ``echo``)."""
     pieces: list[str] = []
     tokens: list[TokenInfo] = []
+    echo = None
     event = first
     try:
         while not isinstance(event, Finished):
             pieces.append(event.text)
             tokens.extend(event.tokens)
+            echo = echo or event.echo
             event = await anext(events)
     finally:
         await events.aclose()  # type: ignore[attr-defined]
-    return "".join(pieces), tokens, event
+    return "".join(pieces), tokens, event, echo
 
 
 class _Stream:
@@ -475,10 +524,13 @@ class CompletionStream(_Stream):
 
     def text_chunk(self, delta: TextDelta) -> oa.CompletionChunk:
         logprobs = None
+        echoed = "" if delta.echo is None else delta.echo.text
         if self.tokenizer is not None:
-            logprobs = completion_logprobs(self.tokenizer, delta.tokens, self._offset)
-        self._offset += len(delta.text)
-        return self._chunk(choices=(oa.CompletionChoice(text=delta.text, logprobs=logprobs),))
+            logprobs = completion_logprobs(self.tokenizer, delta.tokens, self._offset + len(echoed))
+            if delta.echo is not None:
+                logprobs = joined(echo_logprobs(self.tokenizer, delta.echo), logprobs)
+        self._offset += len(echoed) + len(delta.text)
+        return self._chunk(choices=(oa.CompletionChoice(text=echoed + delta.text, logprobs=logprobs),))
 
     def finish_chunk(self, finished: Finished) -> oa.CompletionChunk:
         return self._chunk(choices=(oa.CompletionChoice(text="", finish_reason=finished.finish_reason),))

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from meshwire.forward_step import StepInfo
+from meshwire.forward_step import Scoring, StepInfo
 from meshwire.frames import encode_frame
 from meshwire.routes import RouteNode
 from meshwire.sampling_params import TokenLogprobs
@@ -55,6 +55,8 @@ class StepDone:
     """Compute time of this node and of every hop after it."""
     logprobs: TokenLogprobs | None = None
     """With the token, when the session asks for log-probabilities."""
+    scored: tuple[TokenLogprobs, ...] = ()
+    """On a scored prompt step: the log-probabilities of the prompt tokens it named (from the tail)."""
 
 
 class RouteStepper:
@@ -70,7 +72,8 @@ class RouteStepper:
 
     async def run(self, session: Session, *, position_offset: int, from_layer: int, tokens: int,
                   ids: Sequence[int] | None = None, hidden: torch.Tensor | None = None,
-                  sampler: Sampler | None = None, onward: Onward | None = None) -> StepDone:
+                  sampler: Sampler | None = None, onward: Onward | None = None,
+                  score: Scoring | None = None) -> StepDone:
         """Step ``session`` by ``tokens`` positions (``ids`` at the head, ``hidden`` elsewhere).
 
         ``onward`` is ``None`` where this node ends the route (the tail, or a head
@@ -78,14 +81,15 @@ class RouteStepper:
         """
         self._sessions.ensure_room(session, position_offset + tokens)
         result = await self._runner.step(session.cache, position_offset=position_offset, from_layer=from_layer,
-                                         ids=ids, hidden=hidden, sampler=sampler)
+                                         ids=ids, hidden=hidden, sampler=sampler,
+                                         score=score if onward is None else None)
         self._sessions.touch(session)
         self._metrics.compute_latency.observe(result.compute_ms / 1000)
         timings = {self.node_id: round(result.compute_ms, 3)}
         if onward is None:
-            return StepDone(result.token, timings, result.logprobs)
+            return StepDone(result.token, timings, result.logprobs, result.scored)
         assert result.hidden is not None, "a shard that is not the tail always passes hidden states on"
         headers, body = encode_frame(result.hidden, session=session.session_id, chunk_index=onward.chunk_index,
                                      chunk_total=onward.chunk_total, extra=onward.info.headers())
         answer = await self._sender.send(onward.node, headers, body)
-        return StepDone(answer.token, {**timings, **answer.node_timings_ms}, answer.logprobs)
+        return StepDone(answer.token, {**timings, **answer.node_timings_ms}, answer.logprobs, answer.scored)

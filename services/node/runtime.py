@@ -32,6 +32,7 @@ from services.node.cpu_gate import cpu_gate_for
 from services.node.device import pick_device, pick_dtype
 from services.node.forward import ForwardService
 from services.node.generation import Generator
+from services.node.grammar import GrammarEngine
 from services.node.hop_client import HopClient
 from services.node.metrics import NodeMetrics
 from services.node.model_source import resolve_model
@@ -46,7 +47,7 @@ from services.node.sampling_defaults import SamplingDefaults
 from services.node.sessions import SessionTable, run_sweeper
 from services.node.settings import NodeSettings
 from services.node.shard import Shard, load_shard
-from services.node.tokens import HeadTokenizer
+from services.node.tokens import HeadTokenizer, eos_ids_of
 
 logger = logging.getLogger(__name__)
 
@@ -84,6 +85,8 @@ class NodeRuntime:
         self.runner: ShardRunner | None = None
         self.forward: ForwardService | None = None
         self.generator: Generator | None = None
+        self.grammar: GrammarEngine | None = None
+        """Structured outputs' grammar engine (built on first use): the head checks grammars, the tail enforces them."""
         self.registrar: Registrar | None = None
         self.relay_addr: str | None = None
         self.sampling_defaults = SamplingDefaults()
@@ -128,16 +131,18 @@ class NodeRuntime:
                                   on_batch=self.metrics.batch_rows.observe)
         stepper = RouteStepper(node_id=self.node_id, runner=self.runner, sessions=self.sessions,
                                sender=RowSender(self.hops, max_rows=s.max_batch), metrics=self.metrics)
+        self.grammar = GrammarEngine(resolved.path, self.shard.vocab_size, eos_ids_of(resolved.path, self.shard.config))
         self.forward = ForwardService(node_id=self.node_id, model_id=self.model_id, secret=s.secret,
                                       runner=self.runner, sessions=self.sessions, hops=self.hops, stepper=stepper,
-                                      metrics=self.metrics, frame_limits=FrameLimits(max_bytes=s.max_frame_bytes))
+                                      metrics=self.metrics, frame_limits=FrameLimits(max_bytes=s.max_frame_bytes),
+                                      grammar=self.grammar)
         if self.shard.is_head:
             tokenizer = await asyncio.to_thread(HeadTokenizer.from_folder, resolved.path, self.shard.config)
             self.sampling_defaults = SamplingDefaults.from_folder(resolved.path)
             self.generator = Generator(runner=self.runner, sessions=self.sessions, hops=self.hops, stepper=stepper,
                                        tokenizer=tokenizer, metrics=self.metrics,
                                        prefill_chunk_tokens=s.prefill_chunk_tokens,
-                                       routes=self.tracker_routes, model_id=self.model_id)
+                                       routes=self.tracker_routes, model_id=self.model_id, grammar=self.grammar)
         await self.runner.warm_up()
         self._tasks.append(asyncio.create_task(
             run_sweeper(self.sessions, self.metrics.sessions_expired.inc), name="idle-sweeper"))

@@ -13,6 +13,11 @@ The mesh promises that its output equals single-process transformers
 
 Temperature 0 means greedy decoding (argmax, no draw).
 
+Before any of that, ``logit_bias`` is added to the logits and a structured
+output's grammar (:mod:`services.node.grammar`) sets every token it forbids to
+``-inf``; the grammar then moves past the chosen token. A masked draw consumes
+the same generator state as any other, so the catch-up below still holds.
+
 One multinomial draw consumes a fixed amount of generator state for a given
 vocabulary size, whatever the distribution (torch samples one exponential
 variate per vocabulary entry; ``tests/test_sampling.py`` checks it). A tail
@@ -35,6 +40,7 @@ from transformers.generation.logits_process import (
 )
 
 from meshwire.sampling_params import LOGPROB_FLOOR, SamplingParams, TokenLogprobs
+from services.node.grammar import Constraint, GrammarError
 
 logger = logging.getLogger(__name__)
 
@@ -84,8 +90,11 @@ class Sampler:
     Not thread-safe: a session's steps are serialised by the node.
     """
 
-    def __init__(self, params: SamplingParams) -> None:
+    def __init__(self, params: SamplingParams, constraint: Constraint | None = None) -> None:
+        if (params.grammar is None) != (constraint is None):
+            raise ValueError("a sampler with a grammar needs its constraint, and only then")
         self.params = params
+        self._constraint = constraint
         self._warpers = build_warpers(params)
         self._generator = torch.Generator(device="cpu")
         self._generator.manual_seed(params.seed)
@@ -111,11 +120,19 @@ class Sampler:
         scores = logits.to(device="cpu", dtype=torch.float32).unsqueeze(0)
         if self._bias is not None:
             scores = self._biased(scores)
+        if self._constraint is not None:
+            scores = self._constrained(scores)
         if self.params.greedy:
             token = int(torch.argmax(scores, dim=-1).item())
         else:
             token = self._draw(scores)
-        return Pick(token, None if self.params.logprobs is None else _logprobs(scores[0], token, self.params.logprobs))
+        if self._constraint is not None:
+            try:
+                self._constraint.advance(token)
+            except GrammarError as exc:
+                raise SamplingFailed(str(exc)) from None
+        return Pick(token, None if self.params.logprobs is None else token_logprobs(scores[0], token,
+                                                                                    self.params.logprobs))
 
     def _draw(self, scores: torch.Tensor) -> int:
         self._apply_pending_skips(scores.shape[-1])
@@ -135,6 +152,13 @@ class Sampler:
             raise SamplingFailed(f"logit_bias names token {int(ids.max())}, but the vocabulary has "
                                  f"{scores.shape[-1]} tokens")
         return scores.index_add(1, ids, values.unsqueeze(0))
+
+    def _constrained(self, scores: torch.Tensor) -> torch.Tensor:
+        assert self._constraint is not None
+        try:
+            return self._constraint.mask(scores)
+        except GrammarError as exc:
+            raise SamplingFailed(str(exc)) from None
 
     def skip(self, draws: int) -> None:
         """Advance the generator as if ``draws`` tokens had been sampled (failover catch-up).
@@ -164,7 +188,7 @@ _NO_INPUT_IDS: Final = torch.empty((1, 0), dtype=torch.long)
 """The warpers we use ignore ``input_ids``; they still take the argument."""
 
 
-def _logprobs(scores: torch.Tensor, token: int, top: int) -> TokenLogprobs:
+def token_logprobs(scores: torch.Tensor, token: int, top: int) -> TokenLogprobs:
     """Log-probabilities of ``token`` and of the ``top`` likeliest tokens under ``scores`` (``[vocab]``, float32)."""
     logprobs = torch.log_softmax(scores, dim=-1)
     values, ids = torch.topk(logprobs, top) if top else (logprobs[:0], logprobs[:0].long())

@@ -87,6 +87,9 @@ class Session:
     """The ``X-Meshnet-Step`` the next frame must carry."""
     sampler: Sampler | None = None
     """The tail's sampler, created on the first frame that samples."""
+    replayed_ids: list[int] = field(default_factory=list)
+    """At the tail of a replayed grammar-constrained session: the generated ids its frames carried
+    (``X-Meshnet-Sample-Ids``), fed to the grammar when the sampler is created."""
     closed: bool = False
     route_key: str | None = None
     """Fingerprint of the signed route that opened the session (``None``: a head's own session).

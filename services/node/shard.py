@@ -347,6 +347,15 @@ class Shard:
         return self.logits_rows(hidden[0, list(positions)].unsqueeze(1))
 
     @torch.inference_mode()
+    def logits_all(self, hidden: torch.Tensor, positions: int) -> torch.Tensor:
+        """Final norm and LM head of the first ``positions`` positions of ``hidden`` (``[1, n, hidden]``):
+        float32 ``[positions, vocab]``; tail only (a prompt's own log-probabilities)."""
+        if self._norm is None or self._lm_head is None:
+            raise ShardError(f"layers {self.start}-{self.end} are not the tail: no LM head here")
+        states = hidden[0, :positions, :].to(device=self.device, dtype=self.dtype)
+        return self._lm_head(self._norm(states)).to(dtype=torch.float32)
+
+    @torch.inference_mode()
     def logits_last(self, hidden: torch.Tensor) -> torch.Tensor:
         """Final norm and LM head of the last position of ``hidden``: a float32 ``[vocab]``; tail only."""
         if self._norm is None or self._lm_head is None:

@@ -48,6 +48,7 @@ from typing import Final
 
 import torch
 
+from meshwire.forward_step import Scoring
 from meshwire.sampling_params import TokenLogprobs
 from services.node.kv_cache import ShardCache
 from services.node.outcomes import settle
@@ -74,6 +75,8 @@ class StepResult:
     """Decode rows in the batch this step ran in (1: alone, or a prompt chunk)."""
     logprobs: TokenLogprobs | None = None
     """With the token, when the session's sampler was asked for log-probabilities."""
+    scored: tuple[TokenLogprobs, ...] = ()
+    """At the tail, on a prompt step with a :class:`~meshwire.forward_step.Scoring`: each named token's."""
 
 
 @dataclass(eq=False)
@@ -87,6 +90,7 @@ class StepJob:
     hidden: torch.Tensor | None
     sampler: Sampler | None
     future: asyncio.Future[StepResult] = field(repr=False)
+    score: Scoring | None = None
 
     @property
     def tokens(self) -> int:
@@ -97,8 +101,8 @@ class StepJob:
 
     @property
     def is_row(self) -> bool:
-        """A one-token decode step, which can share a batch."""
-        return self.tokens == 1
+        """A one-token decode step, which can share a batch (a prompt step that is scored never does)."""
+        return self.tokens == 1 and self.score is None
 
     @property
     def group(self) -> tuple[int, bool]:
@@ -130,12 +134,12 @@ class StepEngine:
 
     async def submit(self, cache: ShardCache, *, position_offset: int, from_layer: int,
                      ids: Sequence[int] | None = None, hidden: torch.Tensor | None = None,
-                     sampler: Sampler | None = None) -> StepResult:
+                     sampler: Sampler | None = None, score: Scoring | None = None) -> StepResult:
         """Queue one step and wait for its result (its own exception if it, alone, failed)."""
         if ids is None and hidden is None:
             raise ValueError("a step needs token ids or hidden states")
         job = StepJob(cache=cache, position_offset=position_offset, from_layer=from_layer, ids=ids, hidden=hidden,
-                      sampler=sampler, future=asyncio.get_running_loop().create_future())
+                      sampler=sampler, future=asyncio.get_running_loop().create_future(), score=score)
         self._queue.append(job)
         if self._task is None or self._task.done() or self._task.get_loop() is not job.future.get_loop():
             self._wake = asyncio.Event()  # an event belongs to the loop that first waits on it
@@ -219,7 +223,7 @@ class StepEngine:
         if shard.batches_rows:
             groups: dict[tuple[int, bool], list[StepJob]] = {}
             for job in turn:
-                if job.is_row or shard.batches_chunks:
+                if job.is_row or (shard.batches_chunks and job.score is None):  # a scored prompt runs alone
                     groups.setdefault(job.group, []).append(job)
             for jobs in groups.values():
                 runnable = [job for job in jobs

@@ -13,6 +13,7 @@ config (``generation_config.json``, else the model config), which may be a list.
 from __future__ import annotations
 
 import logging
+import re
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any, Final
@@ -39,7 +40,7 @@ class HeadTokenizer:
     def from_folder(cls, path: Path, config: PretrainedConfig) -> HeadTokenizer:
         """Load the tokenizer in ``path`` and the EOS ids ``generate`` would use."""
         tokenizer = AutoTokenizer.from_pretrained(path)
-        eos = _eos_ids(path, config)
+        eos = eos_ids_of(path, config)
         if not eos:
             logger.warning("the model names no end-of-sequence token: answers end at max_tokens or a stop string")
         return cls(tokenizer, eos)
@@ -47,6 +48,12 @@ class HeadTokenizer:
     @property
     def has_chat_template(self) -> bool:
         return bool(getattr(self._tokenizer, "chat_template", None))
+
+    @property
+    def supports_tools(self) -> bool:
+        """True when the chat template renders a ``tools`` list (as tool-calling models' templates do)."""
+        template = getattr(self._tokenizer, "chat_template", None)
+        return isinstance(template, str) and _TOOLS_IN_TEMPLATE.search(template) is not None
 
     def encode_chat(self, messages: Sequence[dict[str, str]]) -> list[int]:
         """Ids of ``messages`` rendered with the chat template and the generation prompt."""
@@ -84,6 +91,10 @@ class HeadTokenizer:
         return IncrementalDetokenizer(self._tokenizer)
 
 
+_TOOLS_IN_TEMPLATE: Final = re.compile(r"\btools\b")
+"""A template that reads the ``tools`` variable (Jinja) is one that can show the model its tools."""
+
+
 def _byte_level_alphabet() -> dict[str, int]:
     """GPT-2's byte-to-character table, inverted: the character each byte is written as in a byte-level piece."""
     printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
@@ -100,7 +111,8 @@ def _byte_level_alphabet() -> dict[str, int]:
 _BYTE_OF_CHAR: Final = _byte_level_alphabet()
 
 
-def _eos_ids(path: Path, config: PretrainedConfig) -> set[int]:
+def eos_ids_of(path: Path, config: PretrainedConfig) -> set[int]:
+    """The end-of-sequence ids ``generate`` would stop on for the model in ``path``."""
     eos: Any = None
     if (path / "generation_config.json").is_file():
         try:

@@ -40,6 +40,7 @@ from meshwire.openai import (
 from meshwire.responses_api import ResponsesRequest
 from meshwire.routes import SignedRoute
 
+from .choices import ChoicePayloads, several_choices
 from .collect import as_streamed
 from .collect import collect as collected
 from .continuation import ContinuedStream, StreamHistory
@@ -89,11 +90,19 @@ async def _front_door(request: Request, endpoint: Endpoint) -> Response:
         if model != parsed.model:
             body = _with_model(body, model)
         continued = endpoint != "responses"  # chats and completions outlive their head (see .continuation)
+        if isinstance(parsed, SamplingRequest) and parsed.choices > 1:
+            key_id = request.scope.get(SCOPE_KEY_ID)
+            response = await several_choices(
+                lambda choice_body: _proxy_payloads(state, model, path, choice_body, key_id), body, parsed,
+                chat=endpoint == "chat")
+            status = response.status_code
+            return response
         if continued and not parsed.stream:
             body = as_streamed(body)  # assembled back into one answer here, across heads if need be
         response = await _proxy(state, model, path, body, stream=continued,
                                 collect=None if not continued or parsed.stream else endpoint == "chat",
                                 key_id=request.scope.get(SCOPE_KEY_ID))
+        assert isinstance(response, Response)
         status = response.status_code
         return response
     except HTTPError as exc:
@@ -104,7 +113,8 @@ async def _front_door(request: Request, endpoint: Endpoint) -> Response:
 
 
 async def _proxy(state: TrackerState, model: str, path: str, body: bytes, *, stream: bool = False,
-                 collect: bool | None = None, key_id: str | None = None) -> Response:
+                 collect: bool | None = None, key_id: str | None = None,
+                 raw: bool = False) -> Response | ChoicePayloads:
     """Send ``body`` along a route, and along a second one if the first head fails to answer.
 
     A streamed chat or completion asks the head for progress, so that if the
@@ -140,7 +150,7 @@ async def _proxy(state: TrackerState, model: str, path: str, body: bytes, *, str
                 state.registry.end_request(node_ids)
 
             if stream:
-                return await _continued(state, model, path, body, route, outcome, collect, key_id)
+                return await _continued(state, model, path, body, route, outcome, collect, key_id, raw=raw)
             return ProxiedResponse(outcome, on_broken=on_broken, on_close=on_close)
         state.registry.end_request(node_ids)
         refused = outcome
@@ -156,9 +166,21 @@ async def _proxy(state: TrackerState, model: str, path: str, body: bytes, *, str
     raise refused.error
 
 
+async def _proxy_payloads(state: TrackerState, model: str, path: str, body: bytes,
+                          key_id: str | None) -> ChoicePayloads:
+    """One streamed answer's parsed events (continued across heads), for a caller that assembles several;
+    its tokens counted under ``key_id``."""
+    outcome = await _proxy(state, model, path, body, stream=True, key_id=key_id, raw=True)
+    assert isinstance(outcome, ChoicePayloads)
+    return outcome
+
+
 async def _continued(state: TrackerState, model: str, path: str, body: bytes, route: SignedRoute,
-                     upstream: httpx.Response, collect: bool | None, key_id: str | None) -> Response:
-    """The head's stream relayed with its history kept, continued on another head if this one dies."""
+                     upstream: httpx.Response, collect: bool | None, key_id: str | None, *,
+                     raw: bool = False) -> Response | ChoicePayloads:
+    """The head's stream relayed with its history kept, continued on another head if this one dies.
+
+    ``raw``: the parsed events and a closer, for :func:`.choices.several_choices`, instead of a response."""
     current = [hop.node_id for hop in route.nodes]
 
     def on_route(new: SignedRoute | None) -> None:  # the request's load follows it from route to route
@@ -182,6 +204,11 @@ async def _continued(state: TrackerState, model: str, path: str, body: bytes, ro
                              on_failed=lambda node_id, reason: _report(state, node_id, reason), on_route=on_route,
                              attempts=state.settings.continue_attempts,
                              deadline_s=state.settings.continue_deadline_s)
+    if raw:
+        async def close() -> None:
+            await upstream.aclose()
+            on_close()
+        return ChoicePayloads(stream.payloads(upstream, route), close)
     if collect is not None:
         try:
             return Response(await collected(stream.payloads(upstream, route), chat=collect),
