@@ -46,6 +46,7 @@ from services.node.sessions import SessionTable, run_sweeper
 from services.node.settings import NodeSettings
 from services.node.shard import Shard, load_shard
 from services.node.tokens import HeadTokenizer
+from services.node.trust import RouteTrust
 
 logger = logging.getLogger(__name__)
 
@@ -75,8 +76,15 @@ class NodeRuntime:
             limits=httpx.Limits(max_connections=HTTP_POOL_CONNECTIONS, max_keepalive_connections=HTTP_POOL_CONNECTIONS),
             timeout=httpx.Timeout(settings.hop_timeout_s, connect=CONNECT_TIMEOUT_S),
         )
-        self.hops = HopClient(self.http, settings.secret, settings.hop_timeout_s)
-        self.tracker_routes = TrackerRoutes(self.http, settings.tracker, settings.secret, self.node_id)
+        self.hop_key = settings.hop_key()
+        """This node's own Ed25519 key: it signs the frames this node sends; its public half is registered."""
+        self.hops = HopClient(self.http, settings.mesh_credential(), settings.hop_timeout_s, node_id=self.node_id,
+                              hop_key=self.hop_key)
+        self.tracker_routes = TrackerRoutes(self.http, settings.tracker, settings.mesh_credential(), self.node_id)
+        self.trust = RouteTrust(settings.pinned_keys(),
+                                self.tracker_routes.fetch_keys if self.tracker_routes.available else None)
+        """The tracker's route keys this node verifies routes with (pinned, and fetched at registration)."""
+        self.tracker_routes.trust = self.trust
         self.shard: Shard | None = None
         self.runner: ShardRunner | None = None
         self.forward: ForwardService | None = None
@@ -125,7 +133,8 @@ class NodeRuntime:
                                   on_batch=self.metrics.batch_rows.observe)
         stepper = RouteStepper(node_id=self.node_id, runner=self.runner, sessions=self.sessions,
                                sender=RowSender(self.hops, max_rows=s.max_batch), metrics=self.metrics)
-        self.forward = ForwardService(node_id=self.node_id, model_id=self.model_id, secret=s.secret,
+        self.forward = ForwardService(node_id=self.node_id, model_id=self.model_id, trust=self.trust,
+                                      legacy_secret=None if s.join_token else s.secret,
                                       runner=self.runner, sessions=self.sessions, hops=self.hops, stepper=stepper,
                                       metrics=self.metrics, frame_limits=FrameLimits(max_bytes=s.max_frame_bytes))
         if self.shard.is_head:
@@ -141,7 +150,8 @@ class NodeRuntime:
         if s.relay is not None and app is not None:
             self._start_relay_peer(app)
         if s.tracker is not None:
-            self.registrar = Registrar(self.http, s.tracker, s.secret, self.registration, s.heartbeat_s)
+            self.registrar = Registrar(self.http, s.tracker, s.mesh_credential(), self.registration, s.heartbeat_s,
+                                       on_new_lease=self.trust.refresh)
             self._tasks.append(asyncio.create_task(self.registrar.run(), name="registration"))
         self.state = "ready"
         logger.info("node %s ready in %.1f s: %s layers %d-%d of %d on %s as %s at %s", self.node_id,
@@ -153,7 +163,7 @@ class NodeRuntime:
             logger.error("--relay given but meshwire.relay_client is not installed; serving directly only")
             return
         assert self.settings.relay is not None
-        peer = RelayPeer(self.settings.relay, self.node_id, self.settings.secret, asgi_handler(app))
+        peer = RelayPeer(self.settings.relay, self.node_id, self.settings.mesh_credential(), asgi_handler(app))
         self._relay_peer = peer
         self.relay_addr = peer.relay_addr
         self._tasks.append(asyncio.create_task(peer.run(), name="relay-peer"))
@@ -169,7 +179,7 @@ class NodeRuntime:
             kv_capacity_tokens=self.sessions.kv_budget_tokens, kv_free_tokens=self.sessions.free_tokens,
             active_sessions=len(self.sessions), decode_tokens_per_s=round(self.runner.decode_tokens_per_s, 3),
             weights=self.shard.weights_format, weight_bytes=self.shard.weight_bytes(),
-            kv_bytes=self.sessions.cache_bytes(),
+            kv_bytes=self.sessions.cache_bytes(), hop_key=self.hop_key.public_text,
         )
 
     # --- stop -------------------------------------------------------------------------

@@ -25,7 +25,8 @@ from typing import Final, Protocol
 
 from meshwire.registry import NodeRegistration
 
-from .registry import Registered, Registry, RegistryPolicy
+from .join_tokens import MAX_TOKENS, JoinTokenRecord
+from .registry import Registered, Registry, RegistryPolicy, UnknownNode
 
 MEMORY: Final = "memory"
 """``MESHNET_STORE`` for a registry in the tracker's own memory."""
@@ -82,6 +83,26 @@ class NodeStore(Protocol):
     async def health(self) -> StoreHealth:
         """Whether the store answers now."""
 
+    async def evict(self, node_id: str, now: float) -> bool:
+        """Take ``node_id`` out of every new route now, lease or not (its join token was revoked)."""
+
+    # --- trust: the route-signing key ring and join tokens (see .trust) ---------------------
+
+    async def read_doc(self, name: str) -> str | None:
+        """A small document the trackers share (the key ring), or ``None``."""
+
+    async def swap_doc(self, name: str, expected: str | None, new: str) -> bool:
+        """Replace document ``name`` with ``new`` if it is still ``expected``; whether it was replaced."""
+
+    async def put_token(self, record: JoinTokenRecord) -> None:
+        """Store (or update) a join token's record."""
+
+    async def get_token(self, token_id: str) -> JoinTokenRecord | None:
+        """A join token's record, or ``None``."""
+
+    async def all_tokens(self) -> list[JoinTokenRecord]:
+        """Every join token's record (at most :data:`~.join_tokens.MAX_TOKENS`)."""
+
 
 class MemoryStore:
     """The registry in this process: every operation is the registry's own, nothing can be away."""
@@ -90,6 +111,8 @@ class MemoryStore:
 
     def __init__(self, policy: RegistryPolicy) -> None:
         self.registry = Registry(policy)
+        self._docs: dict[str, str] = {}
+        self._tokens: dict[str, JoinTokenRecord] = {}
 
     @property
     def available(self) -> bool:
@@ -115,6 +138,36 @@ class MemoryStore:
 
     async def health(self) -> StoreHealth:
         return StoreHealth(ok=True)
+
+    async def evict(self, node_id: str, now: float) -> bool:
+        lease = self.registry.lease_of(node_id)
+        if lease is None:
+            return False
+        try:
+            self.registry.deregister(node_id, lease, now)
+        except UnknownNode:
+            return False
+        return True
+
+    async def read_doc(self, name: str) -> str | None:
+        return self._docs.get(name)
+
+    async def swap_doc(self, name: str, expected: str | None, new: str) -> bool:
+        if self._docs.get(name) != expected:
+            return False
+        self._docs[name] = new
+        return True
+
+    async def put_token(self, record: JoinTokenRecord) -> None:
+        if record.token_id not in self._tokens and len(self._tokens) >= MAX_TOKENS:
+            raise ValueError(f"the mesh already keeps {MAX_TOKENS} join tokens; revoke and prune some")
+        self._tokens[record.token_id] = record
+
+    async def get_token(self, token_id: str) -> JoinTokenRecord | None:
+        return self._tokens.get(token_id)
+
+    async def all_tokens(self) -> list[JoinTokenRecord]:
+        return list(self._tokens.values())
 
 
 def open_store(url: str, policy: RegistryPolicy, clock: Callable[[], float]) -> NodeStore:
