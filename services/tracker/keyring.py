@@ -62,11 +62,13 @@ class KeyRing(BaseModel):
 
     def signer(self, now: float) -> KeyRecord | None:
         """The key that signs now: the newest whose ``signs_from`` has come."""
-        ready = [key for key in self.keys if key.signs_from <= now]
-        return max(ready, key=lambda key: (key.signs_from, key.created_at)) if ready else None
+        ready = [(key.signs_from, key.created_at, index) for index, key in enumerate(self.keys)
+                 if key.signs_from <= now]
+        return self.keys[max(ready)[2]] if ready else None
 
     def newest(self) -> KeyRecord | None:
-        return max(self.keys, key=lambda key: (key.signs_from, key.created_at)) if self.keys else None
+        """The key added last (it signs last; the ring keeps keys in the order they were added)."""
+        return self.keys[-1] if self.keys else None
 
     def live(self, now: float, route_ttl_s: float) -> KeyRing:
         """The ring without keys whose every route has expired.
@@ -74,10 +76,9 @@ class KeyRing(BaseModel):
         A key stops signing when a newer one starts (``retired``); the routes it
         signed run at most ``route_ttl_s`` more.
         """
-        ordered = sorted(self.keys, key=lambda key: (key.signs_from, key.created_at))
         kept: list[KeyRecord] = []
-        for index, key in enumerate(ordered):
-            successors = [later.signs_from for later in ordered[index + 1:] if later.signs_from <= now]
+        for index, key in enumerate(self.keys):
+            successors = [later.signs_from for later in self.keys[index + 1:] if later.signs_from <= now]
             retired = min(successors) if successors else None
             if retired is None or retired + route_ttl_s > now:
                 kept.append(key)
