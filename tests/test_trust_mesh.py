@@ -31,6 +31,8 @@ import orjson
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
+from websockets.exceptions import InvalidStatus
+from websockets.sync import client as sync_ws
 
 from meshwire import headers as h
 from meshwire.frames import encode_frame
@@ -55,6 +57,7 @@ SETTLE_S = 60.0
 @dataclass
 class TrustMesh:
     tracker: Service
+    relay: Service
     nodes: dict[str, Service]
     tokens: dict[str, str]
     model: str
@@ -103,6 +106,8 @@ def mesh(tiny_model_dir: Path) -> Iterator[TrustMesh]:
         tracker = start_service("tracker", {"MESHNET_ADMIN_KEY": ADMIN_KEY, "MESHNET_HEARTBEAT_S": str(HEARTBEAT_S),
                                             "MESHNET_ROUTE_KEY_LEAD_S": "0"})
         services.append(tracker)
+        relay = start_service("relay", {"MESHNET_TRACKER": tracker.url})
+        services.append(relay)
         tokens = {name: create_token(tracker, name, "--layers", f"{start}-{end}", "--model", tiny_model_dir.name)
                   for name, (start, end) in LAYERS.items()}
         tokens["mallory"] = create_token(tracker, "mallory")
@@ -120,7 +125,7 @@ def mesh(tiny_model_dir: Path) -> Iterator[TrustMesh]:
                              httpx.get(f"{tracker.url}/v1/nodes").json()["nodes"]) and
                  len(httpx.get(f"{tracker.url}/v1/nodes").json()["nodes"]) == len(LAYERS), "every node to register")
         model = httpx.get(f"{tracker.url}/v1/models").json()["data"][0]["id"]
-        yield TrustMesh(tracker=tracker, nodes=nodes, tokens=tokens, model=model)
+        yield TrustMesh(tracker=tracker, relay=relay, nodes=nodes, tokens=tokens, model=model)
     finally:
         for service in reversed(services):
             service.stop()
@@ -308,6 +313,27 @@ def test_a_second_node_cannot_register_under_an_id_whose_token_it_does_not_hold(
     head = mesh.route(exclude=("alt",))["nodes"][0]
     assert (head["node_id"], head["endpoint"]) == ("front", before["endpoint"])
     assert head["hop_key"] != MALLORY_KEY.public_text
+
+
+# --- the relay ------------------------------------------------------------------------------------------------
+
+
+def handshake(url: str, credential: str | None) -> int:
+    """The status the relay answers a WebSocket handshake with (101 when it is accepted)."""
+    headers = {} if credential is None else {"Authorization": f"Bearer {credential}"}
+    try:
+        with sync_ws.connect(url, additional_headers=headers, open_timeout=30):
+            return 101
+    except InvalidStatus as refused:
+        return refused.response.status_code
+
+
+def test_the_relay_admits_a_peer_by_the_join_token_that_binds_its_id(mesh: TrustMesh) -> None:
+    peer = f"ws://127.0.0.1:{mesh.relay.port}/peer/front"
+    assert handshake(peer, mesh.tokens["front"]) == 101
+    assert handshake(peer, mesh.tokens["mallory"]) == 403, "a valid token of another node"
+    assert handshake(peer, "mnj_0123456789abcdef_" + "A" * 43) == 403, "a token the tracker never issued"
+    assert handshake(peer, None) == 401
 
 
 # --- key rotation ------------------------------------------------------------------------------------------------

@@ -117,14 +117,11 @@ class NodeSettings(BaseSettings):
     secret: str = Field(default=DEFAULT_SECRET, min_length=1, max_length=1024)
     """The mesh's shared secret: admits this node where it holds no join token (a mesh that issues none)."""
     join_token: str | None = Field(default=None, min_length=1, max_length=256)
-    """This node's own credential (``meshnet token create``): admits it to the tracker and the relay in place
-    of the shared secret, under the node id, model and layers the token binds."""
+    """This node's own credential (``meshnet token create``), used in place of the secret with the tracker and relay."""
     route_keys: str | None = Field(default=None, max_length=16 * 1024)
-    """The tracker's route-signing public keys (a JWK set, JSON), pinned by hand; they are trusted besides
-    those fetched from the tracker (``GET /v1/keys``) at registration. Needed by a node without a tracker."""
+    """Route-signing public keys pinned by hand (a JWK set, JSON), trusted besides the tracker's ``GET /v1/keys``."""
     node_key: str | None = Field(default=None, min_length=43, max_length=43)
-    """This node's hop key (an Ed25519 seed, base64url) that signs the frames it sends; default: a fresh one
-    each start."""
+    """This node's hop key (an Ed25519 seed, base64url) that signs the frames it sends; default: a fresh one."""
     api_keys: Annotated[tuple[str, ...], NoDecode, ApiKeyList] = ()
     """Client API keys this head's ``/v1`` endpoints accept besides the mesh secret (comma-separated);
     give it the tracker's ``MESHNET_API_KEYS``. Empty: only the mesh (the tracker) may call them."""

@@ -76,8 +76,7 @@ class RelaySettings(BaseSettings):
     secret: str = Field(DEFAULT_SECRET, min_length=1, max_length=1024)
     """The mesh's shared secret: peers, ``/mux`` callers and full ``/rpc`` callers present it as a bearer token."""
     tracker: str | None = Field(None, max_length=4 * limits.MAX_URL_CHARS)
-    """Tracker base URL(s), comma-separated, that check the join tokens peers and callers present in place of
-    the secret; none: only the secret admits."""
+    """Tracker URL(s), comma-separated, that check the join tokens peers and callers show; none: only the secret."""
     rpc_requires_auth: bool = False
     """Refuse ``/rpc`` callers without the secret at the handshake (401). Off: they are admitted, but reach only a peer's ``GET /health``."""
 

@@ -5,8 +5,8 @@ Routes:
 - ``GET /v1/keys`` (public): the route-signing public keys as a JWK set,
   ``{"keys": [{"kty": "OKP", "crv": "Ed25519", "kid", "x"}]}``. Public keys
   are not secrets: anyone may verify a route, only the trackers can sign one.
-- ``POST /v1/tokens/check?node_id=ID`` (the join token as bearer): 200 when the
-  token is valid and binds ``ID``; 401/403 otherwise. The relay asks this
+- ``POST /v1/tokens/check[?node_id=ID]`` (the join token as bearer): 200 when the
+  token is valid (and binds ``ID``, when given); 401/403 otherwise. The relay asks this
   before it admits a peer that presents a join token.
 - ``POST /v1/admin/tokens`` (admin key): issue a join token
   ``{"node_id", "model"?, "layers"? "A-B", "ttl_s"?}``; the answer holds the
@@ -109,17 +109,17 @@ async def check_token(request: Request) -> JSONResponse:
     if credential is None:
         raise HTTPError(401, "missing Authorization header (expected 'Bearer <join token>')",
                         errors.AUTHENTICATION, "missing_credential", headers={"WWW-Authenticate": "Bearer"})
-    node_id = request.query_params.get("node_id", "")
-    if not node_id or len(node_id) > limits.MAX_ID_CHARS:
-        raise HTTPError(400, "missing or too long query parameter 'node_id'", errors.INVALID_REQUEST,
-                        "missing_node_id", "node_id")
+    node_id = request.query_params.get("node_id")
+    if node_id is not None and not 0 < len(node_id) <= limits.MAX_ID_CHARS:
+        raise HTTPError(400, f"node_id must be 1-{limits.MAX_ID_CHARS} characters", errors.INVALID_REQUEST,
+                        "bad_node_id", "node_id")
     try:
         record = await state.trust.token(credential)
     except TokenRefused as exc:
         raise _refused(exc) from None
     except StoreUnavailable as exc:
         raise store_unavailable(str(exc), state.settings.heartbeat_s) from None
-    if record.node_id != node_id:
+    if node_id is not None and record.node_id != node_id:
         raise HTTPError(403, f"this join token is for node {record.node_id!r}, not {node_id[:100]!r}",
                         errors.PERMISSION, "token_node_mismatch")
     return JSONResponse({"node_id": record.node_id, "token_id": record.token_id, "expires_at": record.expires_at})
