@@ -473,8 +473,8 @@ def bad_frames(mesh: Mesh) -> list[BadFrame]:
         BadFrame("missing step", 400, "bad_header", _with(**{h.STEP: None})),
         BadFrame("start layer the route does not give", 400, "bad_header", _with(**{h.START_LAYER: "3"})),
         BadFrame("bad sampling JSON", 400, "bad_header", _with(**{h.SAMPLING: "{not json"})),
-        BadFrame("step out of order", 409, "bad_step", _with(**{h.STEP: "7"})),
-        BadFrame("position that does not follow the cache", 409, "bad_position", _with(**{h.POSITION_OFFSET: "9"})),
+        BadFrame("step out of order", 409, "bad_step", _with(**{h.STEP: "999"})),
+        BadFrame("position that does not follow the cache", 409, "bad_position", _with(**{h.POSITION_OFFSET: "999"})),
         BadFrame("step of a session never opened", 409, "unknown_session", _with(**{h.SESSION: "s-nobody"})),
     ]
 
@@ -497,15 +497,20 @@ def test_every_bad_frame_class_is_refused_while_sessions_on_the_node_go_on(
     with ThreadPoolExecutor(1) as pool:
         answer = pool.submit(chat)
         assert started.wait(60), "the concurrent chat never started"
-        opened = post_frame(mesh.url("back"), *frame(mesh, "s-target", step=0, offset=0, tokens=3, reserve=20))
+        opened = post_frame(mesh.url("back"), *frame(mesh, "s-target", step=0, offset=0, tokens=3, reserve=64))
         assert opened.status_code == 200, opened.text
         wrong: list[str] = []
+        step = 1
         for bad in bad_frames(mesh):
-            response = post_frame(mesh.url("back"), *bad.mutate(*frame(mesh, "s-target", step=1, offset=3)))
+            response = post_frame(mesh.url("back"), *bad.mutate(*frame(mesh, "s-target", step=step, offset=step + 2)))
             code = response.json().get("error", {}).get("code") if response.content else None
             if (response.status_code, code) != (bad.status, bad.code):
                 wrong.append(f"{bad.name}: got {response.status_code} {code}, want {bad.status} {bad.code}")
-        following = post_frame(mesh.url("back"), *frame(mesh, "s-target", step=1, offset=3))
+            # the session goes on after every refusal (which also keeps it within back's short idle timeout)
+            following = post_frame(mesh.url("back"), *frame(mesh, "s-target", step=step, offset=step + 2))
+            if following.status_code != 200:
+                wrong.append(f"after {bad.name}: the next valid step got {following.status_code} {following.text}")
+            step += 1
         close_session(mesh, "back", "s-target")
         assert answer.result(timeout=120) == expected.text
     assert not wrong, "\n".join(wrong)

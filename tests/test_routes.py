@@ -244,3 +244,12 @@ def test_a_header_other_than_eddsa_with_a_key_id_is_malformed(header):
 def test_a_route_cannot_be_signed_with_a_shared_secret():
     with pytest.raises(TypeError):
         sign_route(three_hop_route(), "a-shared-secret", now=NOW)  # type: ignore[arg-type]
+
+
+def test_a_token_verified_once_is_remembered_but_its_expiry_is_checked_every_time():
+    keys = KeySet.of([KEY])
+    token = sign_route(three_hop_route(), KEY, ttl_s=10, now=NOW)
+    assert verify_route(token, keys, now=NOW) == three_hop_route()
+    assert keys.remembered(token) is not None
+    assert refusal(token, keys, now=NOW + 10) == "expired"
+    assert refusal(token, KeySet.of([SigningKey.generate()])) == "unknown_key", "another set remembers nothing"

@@ -22,6 +22,7 @@ import base64
 import binascii
 import hashlib
 import re
+from collections import OrderedDict
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Annotated, Final, Literal
@@ -40,6 +41,8 @@ MAX_KEYS: Final = 16
 """Most keys one JWK set may hold (a rotation publishes two or three at once)."""
 MAX_JWKS_BYTES: Final = 16 * 1024
 """Largest JWK set document read (from a tracker or the environment)."""
+MAX_REMEMBERED_TOKENS: Final = 1024
+"""Most verified route tokens one :class:`KeySet` remembers (a session's every frame carries the same token)."""
 KID_CHARS: Final = 16
 """Length of a generated key id (the start of the key's SHA-256, base64url)."""
 _B64URL: Final = re.compile(r"[A-Za-z0-9_\-]*")
@@ -159,6 +162,24 @@ class KeySet:
 
     def __init__(self, keys: Mapping[str, Ed25519PublicKey] | None = None) -> None:
         self._keys: dict[str, Ed25519PublicKey] = dict(keys or {})
+        self._verified: OrderedDict[str, object] = OrderedDict()
+
+    def remembered(self, token: str) -> object | None:
+        """What :meth:`remember` stored for ``token`` (a token this set verified), or ``None``.
+
+        Every frame of a session carries the same route token: verifying its
+        signature once per set, not once per frame, keeps a decode step cheap.
+        A new set (the tracker's keys changed) starts with nothing remembered.
+        """
+        found = self._verified.get(token)
+        if found is not None:
+            self._verified.move_to_end(token)
+        return found
+
+    def remember(self, token: str, verified: object) -> None:
+        self._verified[token] = verified
+        while len(self._verified) > MAX_REMEMBERED_TOKENS:
+            self._verified.popitem(last=False)
 
     @classmethod
     def from_jwks(cls, jwks: Jwks) -> KeySet:

@@ -267,13 +267,7 @@ def route_key_id(token: str) -> str | None:
         return None
 
 
-def verify_route(token: str, keys: KeySet, now: float | None = None, check_expiry: bool = True) -> Route:
-    """Check a route token's Ed25519 signature against ``keys`` and its expiry; return its route.
-
-    The payload is parsed only after its signature verifies. Raises
-    :class:`RouteError` with code ``malformed``, ``unknown_key`` (signed with
-    a key not in ``keys``), ``bad_signature`` or ``expired``.
-    """
+def _verified_payload(token: str, keys: KeySet) -> _TokenPayload:
     header_text, payload_text, signature_text, header = _split(token)
     signature = _decode(signature_text, "signature")
     if header.kid not in keys:
@@ -282,9 +276,23 @@ def verify_route(token: str, keys: KeySet, now: float | None = None, check_expir
     if not keys.verify(header.kid, signature, f"{header_text}.{payload_text}".encode("ascii")):
         raise RouteError("bad_signature", "route signature does not verify")
     try:
-        payload = _TokenPayload.model_validate_json(_decode(payload_text, "payload"))
+        return _TokenPayload.model_validate_json(_decode(payload_text, "payload"))
     except ValidationError as exc:
         raise RouteError("malformed", f"route token payload is invalid: {exc.errors()[0]['msg']}") from None
+
+
+def verify_route(token: str, keys: KeySet, now: float | None = None, check_expiry: bool = True) -> Route:
+    """Check a route token's Ed25519 signature against ``keys`` and its expiry; return its route.
+
+    The payload is parsed only after its signature verifies; a token ``keys`` already
+    verified is not verified again (its expiry is checked every time). Raises
+    :class:`RouteError` with code ``malformed``, ``unknown_key`` (signed with
+    a key not in ``keys``), ``bad_signature`` or ``expired``.
+    """
+    payload = keys.remembered(token) if isinstance(token, str) else None
+    if not isinstance(payload, _TokenPayload):
+        payload = _verified_payload(token, keys)
+        keys.remember(token, payload)
     if check_expiry and payload.exp <= (time.time() if now is None else now):
         raise RouteError("expired", "route token has expired; ask the tracker for a new route")
     return payload.route
