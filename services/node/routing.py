@@ -116,8 +116,8 @@ class TrackerRoutes:
         self._current = 0
         self._credential = credential
         self._node_id = node_id
-        self.trust: RouteTrust | None = None
-        """The route keys routes from the tracker are verified with (set by the node's runtime)."""
+        self.trust = RouteTrust(KeySet(), self.fetch_keys if self._trackers else None)
+        """The route keys routes from the tracker are verified with (the node's runtime gives its own)."""
 
     @property
     def available(self) -> bool:
@@ -194,7 +194,6 @@ class TrackerRoutes:
                 logger.info("the tracker's route starts at %s, not here; asking again without it", head)
                 avoid.add(head)
                 continue
-            assert self.trust is not None
             await self.trust.ensure(signed.token)
             try:
                 return verify_hop(signed.token, 0, keys=self.trust.keys, node_id=self._node_id, model_id=model,

@@ -97,7 +97,9 @@ def _layers(text: str | None) -> tuple[int, int] | None:
 @router.get("/v1/keys")
 async def keys(request: Request) -> JSONResponse:
     """The route-signing public keys (JWK set)."""
-    jwks = tracker_state(request).trust.jwks()
+    trust = tracker_state(request).trust
+    await trust.ready()
+    jwks = trust.jwks()
     return JSONResponse(jwks.model_dump(mode="json"), headers={"Cache-Control": "no-cache"})
 
 

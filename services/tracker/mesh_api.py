@@ -235,5 +235,6 @@ async def route(request: Request) -> JSONResponse:
     if len(model) > limits.MAX_URL_CHARS:
         raise HTTPError(400, "model name is too long", errors.INVALID_REQUEST, "bad_model", "model")
     exclude = parse_exclude(request.query_params.getlist("exclude"))
+    await state.trust.ready()
     signed = state.route_for(state.resolve_model(model), exclude)
     return JSONResponse(signed.model_dump(mode="json"))

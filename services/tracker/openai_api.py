@@ -112,6 +112,7 @@ async def _proxy(state: TrackerState, model: str, path: str, body: bytes, *, str
     """
     exclude: set[str] = set()
     refused: HeadRefused | None = None
+    await state.trust.ready()
     for attempt in range(ROUTE_ATTEMPTS):
         try:
             route = state.route_for(model, exclude)

@@ -140,6 +140,13 @@ class TrackerTrust:
         self._ring = ring
         self._signers = {record.kid: self._signers.get(record.kid) or record.signing_key() for record in ring.keys}
 
+    async def ready(self) -> None:
+        """Load the ring now if this tracker holds no key yet (an app served without its lifespan, or a
+        store that was away at start); a store still away leaves it to :meth:`signing_key` to say so."""
+        if self._ring.signer(self._clock()) is None:
+            with contextlib.suppress(StoreUnavailable):
+                await self.refresh()
+
     def signing_key(self) -> SigningKey:
         """The key that signs routes now; :class:`NoSigningKey` before the ring was ever read."""
         record = self._ring.signer(self._clock())
