@@ -5,6 +5,7 @@ from __future__ import annotations
 import orjson
 import pytest
 
+from meshnet.tokens import parse_duration
 from meshwire.hop_proof import (
     MAX_PROOF_AGE_S,
     PROOF,
@@ -221,3 +222,15 @@ async def test_the_shared_secret_cannot_register_an_id_a_token_binds():
     assert caught.value.code == "token_required"
     assert await trust.admit(f"Bearer {token}", registration()) == record
     assert await trust.admit("Bearer mesh-secret", registration("node-b")) is None
+
+
+@pytest.mark.parametrize(("text", "seconds"), [("3600", 3600.0), ("90s", 90.0), ("15m", 900.0), ("12h", 43200.0),
+                                               ("30d", 2592000.0), ("1.5h", 5400.0)])
+def test_a_token_ttl_reads_as_a_duration(text, seconds):
+    assert parse_duration(text) == seconds
+
+
+@pytest.mark.parametrize("text", ["", "0", "-5", "5y", "h", "1e9"])
+def test_a_ttl_that_is_not_a_positive_duration_is_refused(text):
+    with pytest.raises(ValueError):
+        parse_duration(text)
