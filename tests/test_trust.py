@@ -222,6 +222,13 @@ async def test_the_shared_secret_cannot_register_an_id_a_token_binds():
     assert caught.value.code == "token_required"
     assert await trust.admit(f"Bearer {token}", registration()) == record
     assert await trust.admit("Bearer mesh-secret", registration("node-b")) is None
+    await store.put_token(record.model_copy(update={"revoked_at": NOW}))
+    with pytest.raises(TokenRefused) as caught:  # revoked, the id does not come back by the secret either
+        await trust.admit("Bearer mesh-secret", registration())
+    assert caught.value.code == "token_required"
+    with pytest.raises(TokenRefused) as caught:
+        await trust.admit(f"Bearer {token}", registration())
+    assert caught.value.code == "token_revoked"
 
 
 @pytest.mark.parametrize(("text", "seconds"), [("3600", 3600.0), ("90s", 90.0), ("15m", 900.0), ("12h", 43200.0),

@@ -16,8 +16,9 @@ Credentials. A request from a node carries ``Authorization: Bearer`` with
 either its join token (``mnj_...``) or, in a mesh that issues none, the
 shared secret. :meth:`TrackerTrust.admit` decides a registration: a token
 must be valid and bind this node id (and its model and layers when it
-says so); the shared secret is refused for an id a valid token binds, so
-nobody takes over a node that joined by token.
+says so); the shared secret is refused for an id an unexpired token binds
+(revoked or not), so nobody takes over a node that joined by token, and a
+revoked node does not come back by the secret.
 """
 
 from __future__ import annotations
@@ -199,8 +200,9 @@ class TrackerTrust:
         if not self.is_secret(credential):
             raise TokenRefused(403, "invalid_credential", "invalid credential")
         now = self._clock()
-        bound = [record for record in await self._store.all_tokens()
-                 if record.node_id == registration.node_id and record.valid(now)]
+        # A revoked token keeps binding its id: a node put out of the mesh does not come back by the secret.
+        bound = [record for record in await self._store.all_tokens() if record.node_id == registration.node_id
+                 and (record.expires_at is None or now < record.expires_at)]
         if bound:
             raise TokenRefused(403, "token_required", f"node id {registration.node_id!r} is bound to join token "
                                                       f"{bound[0].token_id}: it joins with that token only")
