@@ -24,7 +24,7 @@ def serve(settings: NodeSettings) -> None:
     from services.node.app import create_app
 
     configure_logging()
-    if settings.secret == DEFAULT_SECRET:
+    if settings.secret == DEFAULT_SECRET and not settings.join_token:  # with a join token the secret is unused
         logger.warning("MESHNET_SECRET is the development default: anyone who knows it can use this mesh")
     logger.info("starting node on %s:%d (model %s, layers %s, device %s, dtype %s)", settings.host, settings.port,
                 settings.model, settings.layers or "all", settings.device, settings.dtype)
