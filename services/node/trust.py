@@ -72,7 +72,9 @@ class RouteTrust:
 
     async def ensure(self, token: str | None) -> None:
         """Make sure the key ``token`` names is held, fetching the tracker's keys if it may be new."""
-        kid = route_key_id(token) if token else None
+        if not token or self.keys.remembered(token) is not None:  # verified before: its key is held
+            return
+        kid = route_key_id(token)
         if kid is not None:
             await self.ensure_kid(kid)
 
