@@ -172,7 +172,7 @@ class ForwardService:
             await self._trust.ensure(request.address.route_token or None)
             hop = self._verify_route(request.address, request.session)
             if sender is not None:
-                sender.check_route(hop)
+                sender.check_route(hop, closing=isinstance(request, CloseRequest))
             if isinstance(request, CloseRequest):
                 if sender is not None:
                     sender.check_body(b"")
@@ -367,11 +367,17 @@ class Sender:
     def with_body(self, body: bytes) -> Sender:
         return Sender(claim=self.claim, path=self._path, headers=self._headers, body=body)
 
-    def check_route(self, hop: RoutedHop) -> None:
-        """Refuse (403 ``bad_proof``) a frame whose route does not name the signer as its previous hop."""
+    def check_route(self, hop: RoutedHop, *, closing: bool = False) -> None:
+        """Refuse (403 ``bad_proof``) a frame whose route does not name the signer as its previous hop.
+
+        A close may also come from the route's head, which owns the session: after a hop
+        fails, the head closes the session on the hops past it directly.
+        """
         if hop.hop_index == 0:
             raise ForwardRefusal(403, "bad_proof", "hop 0 has no previous hop to send it frames")
         previous = hop.route.nodes[hop.hop_index - 1]
+        if closing and previous.node_id != self.claim.signer and hop.route.head.node_id == self.claim.signer:
+            previous = hop.route.head
         if previous.node_id != self.claim.signer:
             raise ForwardRefusal(403, "bad_proof", f"the route's previous hop is {previous.node_id}, but the frame "
                                                    f"is signed by {self.claim.signer[:100]}")
