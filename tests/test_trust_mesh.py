@@ -180,6 +180,16 @@ def test_the_admin_api_refuses_everyone_but_the_operator(mesh: TrustMesh, call: 
         assert refused.status_code == 403, (credential, refused.text)
 
 
+def test_the_token_check_the_relay_asks_needs_the_token_it_checks(mesh: TrustMesh) -> None:
+    url = f"{mesh.tracker.url}/v1/tokens/check"
+    assert httpx.post(url, params={"node_id": "front"}).status_code == 401
+    assert httpx.post(url, params={"node_id": "front"}, headers={"Authorization": f"Bearer {TEST_SECRET}"}
+                      ).status_code == 401, "the shared secret is not a join token"
+    front = {"Authorization": f"Bearer {mesh.tokens['front']}"}
+    assert httpx.post(url, params={"node_id": "front"}, headers=front).status_code == 200
+    assert httpx.post(url, params={"node_id": "mid"}, headers=front).status_code == 403
+
+
 def test_the_token_list_shows_every_token_without_its_secret(mesh: TrustMesh) -> None:
     listed = meshnet("token", "list", env={"MESHNET_TRACKER": mesh.tracker.url, "MESHNET_ADMIN_KEY": ADMIN_KEY})
     assert listed.returncode == 0, listed.stderr
