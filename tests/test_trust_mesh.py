@@ -47,11 +47,13 @@ CLIENT_KEY = "test-client-key"
 NODES_SECRET = "a-secret-that-is-not-the-trackers"
 """What the nodes are given as MESHNET_SECRET: useless, so the mesh must run on tokens and keys."""
 HEARTBEAT_S = 0.5
+NODE_TTL_S = 30.0
+"""Long, so no node expires on a loaded machine: a revoked node leaves at once, not by its TTL."""
 LAYERS = {"front": (0, 1), "mid": (2, 2), "back": (3, 3), "alt": (2, 3)}
 NUM_LAYERS = 4
 HIDDEN = 64
 PROMPT = [{"role": "user", "content": "Where does the river run before it reaches the sea?"}]
-SETTLE_S = 60.0
+SETTLE_S = 120.0
 
 
 @dataclass
@@ -104,7 +106,7 @@ def mesh(tiny_model_dir: Path) -> Iterator[TrustMesh]:
     services: list[Service] = []
     try:
         tracker = start_service("tracker", {"MESHNET_ADMIN_KEY": ADMIN_KEY, "MESHNET_HEARTBEAT_S": str(HEARTBEAT_S),
-                                            "MESHNET_ROUTE_KEY_LEAD_S": "0"})
+                                            "MESHNET_NODE_TTL_S": str(NODE_TTL_S), "MESHNET_ROUTE_KEY_LEAD_S": "0"})
         services.append(tracker)
         relay = start_service("relay", {"MESHNET_TRACKER": tracker.url})
         services.append(relay)
@@ -121,9 +123,8 @@ def mesh(tiny_model_dir: Path) -> Iterator[TrustMesh]:
             services.append(nodes[name])
         for node in nodes.values():
             wait_healthy(node)
-        wait_for(lambda: all(n["state"] == "online" for n in
-                             httpx.get(f"{tracker.url}/v1/nodes").json()["nodes"]) and
-                 len(httpx.get(f"{tracker.url}/v1/nodes").json()["nodes"]) == len(LAYERS), "every node to register")
+        wait_for(lambda: {n["node_id"] for n in httpx.get(f"{tracker.url}/v1/nodes").json()["nodes"]
+                          if n["state"] in ("online", "suspect")} == set(LAYERS), "every node to register")
         model = httpx.get(f"{tracker.url}/v1/models").json()["data"][0]["id"]
         yield TrustMesh(tracker=tracker, relay=relay, nodes=nodes, tokens=tokens, model=model)
     finally:
