@@ -97,9 +97,11 @@ def _layers(text: str | None) -> tuple[int, int] | None:
 @router.get("/v1/keys")
 async def keys(request: Request) -> JSONResponse:
     """The route-signing public keys (JWK set)."""
-    trust = tracker_state(request).trust
-    await trust.ready()
-    jwks = trust.jwks()
+    state = tracker_state(request)
+    await state.trust.ready()
+    jwks = state.trust.jwks()
+    if not jwks.keys:  # never loaded (its store has been away since it started): an empty set would unpin nodes
+        raise store_unavailable("the tracker has not read its route keys yet", state.settings.heartbeat_s)
     return JSONResponse(jwks.model_dump(mode="json"), headers={"Cache-Control": "no-cache"})
 
 
