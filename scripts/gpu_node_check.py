@@ -32,7 +32,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from meshwire.routes import Route, RouteNode, sign_route  # noqa: E402
-from tests.procs import TEST_SECRET, start_together  # noqa: E402
+from tests.procs import TEST_ROUTE_KEY, node_hop_key, pinned_node_env, start_together  # noqa: E402
 from tests.tiny_model import build_tiny_model  # noqa: E402
 
 log = logging.getLogger("gpu_node_check")
@@ -59,13 +59,14 @@ def build_smollm_shaped(tiny: Path, dest: Path) -> Path:
 
 def node_env(model: Path, layers: str, device: str, dtype: str, node_id: str) -> dict[str, str]:
     return {"MESHNET_MODEL": str(model), "MESHNET_LAYERS": layers, "MESHNET_DEVICE": device, "MESHNET_DTYPE": dtype,
-            "MESHNET_NODE_ID": node_id, "MESHNET_KV_BUDGET_TOKENS": "65536"}
+            "MESHNET_NODE_ID": node_id, "MESHNET_KV_BUDGET_TOKENS": "65536", **pinned_node_env(node_id)}
 
 
 def signed_route(model_id: str, nodes: list, ranges: list[tuple[int, int]], num_layers: int) -> str:
-    hops = tuple(RouteNode(node_id=f"n{i}", endpoint=node.url, shard_start=a, shard_end=b, start_layer=a)
+    hops = tuple(RouteNode(node_id=f"n{i}", endpoint=node.url, shard_start=a, shard_end=b, start_layer=a,
+                           hop_key=node_hop_key(f"n{i}").public_text)
                  for i, (node, (a, b)) in enumerate(zip(nodes, ranges)))
-    return sign_route(Route(model=model_id, nodes=hops, num_layers=num_layers), TEST_SECRET)
+    return sign_route(Route(model=model_id, nodes=hops, num_layers=num_layers), TEST_ROUTE_KEY)
 
 
 def chat(head_url: str, token: str, max_tokens: int, model: str) -> tuple[str, dict, float]:

@@ -12,6 +12,7 @@ verified with `MESHNET_TLS_CA`. `start_service` waits for
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import os
 import secrets
 import signal
@@ -28,6 +29,7 @@ from typing import Literal
 
 import httpx
 
+from meshwire.route_keys import SigningKey, b64encode, jwks_of
 from services.node.openmp import OPENMP_DEFAULTS
 
 ServiceKind = Literal["tracker", "node", "relay", "bootstrap"]
@@ -37,6 +39,20 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 TEST_SECRET = "test-" + secrets.token_urlsafe(24)
 """The mesh secret of the test services: made per test run, so that services the tests bind beyond
 loopback (network namespaces) hold no published secret, which they would refuse."""
+TEST_ROUTE_KEY = SigningKey.from_seed(b64encode(hashlib.sha256(b"meshnet test route key").digest()))
+"""Signs routes in tests whose nodes run without a tracker, as the tracker's key would."""
+TEST_ROUTE_KEYS = jwks_of([TEST_ROUTE_KEY]).model_dump_json()
+"""Its public half as a JWK set: ``MESHNET_ROUTE_KEYS`` of those nodes."""
+
+
+def node_hop_key(name: str) -> SigningKey:
+    """A fixed hop key for the node called ``name`` (``MESHNET_NODE_KEY``), so a test can name it in routes."""
+    return SigningKey.from_seed(b64encode(hashlib.sha256(f"meshnet test node key {name}".encode()).digest()))
+
+
+def pinned_node_env(name: str) -> dict[str, str]:
+    """What a node without a tracker needs to run routes a test signs: the test's route key and a known hop key."""
+    return {"MESHNET_ROUTE_KEYS": TEST_ROUTE_KEYS, "MESHNET_NODE_KEY": node_hop_key(name).seed_text}
 READY_TIMEOUT_S = 120.0
 STOP_TIMEOUT_S = 10.0
 

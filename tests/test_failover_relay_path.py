@@ -32,6 +32,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from meshwire.relay_client import RelayPeer
+from meshwire.route_keys import SigningKey
 from meshwire.routes import RouteNode
 from services.node.hop_client import ChainFailure, HopClient, send_along
 from tests.procs import TEST_SECRET, Service, free_port, start_service
@@ -156,7 +157,8 @@ def hop(port: int, relay_addr: str | None) -> RouteNode:
 @contextlib.asynccontextmanager
 async def hop_client(clock: Clock) -> AsyncIterator[HopClient]:
     async with httpx.AsyncClient() as http:
-        client = HopClient(http, TEST_SECRET, timeout_s=WAIT_S, connect_timeout_s=CONNECT_TIMEOUT_S,
+        client = HopClient(http, TEST_SECRET, timeout_s=WAIT_S, node_id="head", hop_key=SigningKey.generate(),
+                           connect_timeout_s=CONNECT_TIMEOUT_S,
                            relay_only_ttl_s=MEMORY_S, clock=clock)
         try:
             yield client

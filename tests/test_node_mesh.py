@@ -9,13 +9,17 @@ Four node processes share the tiny model (float32) for the whole module:
 
 The 2-node route is ``front -> back``; the 3-node route ``front -> mid -> back``,
 where ``back`` starts at layer 3 because ``mid`` already ran layer 2. There is
-no tracker: the tests sign routes with the mesh secret, as the tracker does,
+no tracker: the tests sign routes with a route key the nodes pin
+(``MESHNET_ROUTE_KEYS``), as the tracker signs with its own, naming each
+node's hop key (``MESHNET_NODE_KEY``),
 and talk to the head with the official ``openai`` client, or to ``/forward``
 with raw frames where the wire itself is the point.
 """
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -26,6 +30,7 @@ from typing import Any
 
 import httpx
 import openai
+import orjson
 import pytest
 import torch
 from prometheus_client.parser import text_string_to_metric_families
@@ -34,10 +39,20 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, P
 from meshwire import headers as h
 from meshwire.auth import bearer_headers
 from meshwire.frames import encode_frame
+from meshwire.hop_proof import sign_request
 from meshwire.limits import ROUTE_TTL_S
+from meshwire.route_keys import SigningKey, b64encode
 from meshwire.routes import Route, RouteNode, plan_start_layers, sign_route
 from meshwire.row_batch import encode_rows
-from tests.procs import TEST_SECRET, Service, start_service, wait_healthy
+from tests.procs import (
+    TEST_ROUTE_KEY,
+    TEST_SECRET,
+    Service,
+    node_hop_key,
+    pinned_node_env,
+    start_service,
+    wait_healthy,
+)
 
 NUM_LAYERS = 4
 HIDDEN = 64
@@ -74,13 +89,14 @@ class Mesh:
     def url(self, name: str) -> str:
         return self.nodes[name].url
 
-    def route(self, *names: str, secret: str = TEST_SECRET, ttl_s: float = ROUTE_TTL_S,
+    def route(self, *names: str, key: SigningKey = TEST_ROUTE_KEY, ttl_s: float = ROUTE_TTL_S,
               issued_at: float | None = None) -> str:
         """A signed route token through ``names``, as the tracker would issue it."""
         hops = [RouteNode(node_id=name, endpoint=self.url(name), shard_start=LAYERS[name][0],
-                          shard_end=LAYERS[name][1], start_layer=LAYERS[name][0]) for name in names]
+                          shard_end=LAYERS[name][1], start_layer=LAYERS[name][0],
+                          hop_key=node_hop_key(name).public_text) for name in names]
         route = Route(model=self.model, nodes=plan_start_layers(hops), num_layers=NUM_LAYERS)
-        return sign_route(route, secret, ttl_s=ttl_s, now=issued_at)
+        return sign_route(route, key, ttl_s=ttl_s, now=issued_at)
 
     def client(self, hops: int) -> openai.OpenAI:
         """An OpenAI client talking to the head of the ``hops``-node route, with the route attached."""
@@ -100,7 +116,7 @@ def mesh(tiny_model_dir: Path) -> Iterator[Mesh]:
     try:
         for name, (start, end) in LAYERS.items():
             nodes[name] = start_service("node", {**common, "MESHNET_NODE_ID": name, "MESHNET_LAYERS": f"{start}-{end}",
-                                                 **extra.get(name, {})}, wait_ready=False)
+                                                 **pinned_node_env(name), **extra.get(name, {})}, wait_ready=False)
         for service in nodes.values():
             wait_healthy(service)
         yield Mesh(nodes=nodes, model=httpx.get(f"{nodes['full'].url}/health").json()["model"])
@@ -411,14 +427,38 @@ def _with(**changes: str | None) -> Callable[[dict[str, str], bytes], tuple[dict
     return mutate
 
 
+def hmac_route(mesh: Mesh, *names: str) -> str:
+    """A route in the format routes had before Ed25519: HMAC-SHA256 with the shared secret, which every node held."""
+    hops = [RouteNode(node_id=name, endpoint=mesh.url(name), shard_start=LAYERS[name][0], shard_end=LAYERS[name][1],
+                      start_layer=LAYERS[name][0], hop_key=node_hop_key(name).public_text) for name in names]
+    payload = {"route": Route(model=mesh.model, nodes=plan_start_layers(hops), num_layers=NUM_LAYERS)
+               .model_dump(mode="json"), "exp": time.time() + 60, "iat": time.time(), "v": 1}
+    first = b64encode(orjson.dumps(payload))
+    return f"{first}.{b64encode(hmac.new(TEST_SECRET.encode(), first.encode(), hashlib.sha256).digest())}"
+
+
+def _signed_by(signer: str, key: SigningKey) -> Callable[[dict[str, str], bytes], tuple[dict[str, str], bytes]]:
+    """The frame signed by ``signer`` with ``key`` (the hop proof of meshwire.hop_proof) instead of the secret."""
+    def mutate(headers: dict[str, str], body: bytes) -> tuple[dict[str, str], bytes]:
+        out = {k: v for k, v in headers.items() if k != "Authorization"}
+        return {**out, **sign_request(key, signer, "/forward", out, body)}, body
+    return mutate
+
+
 def bad_frames(mesh: Mesh) -> list[BadFrame]:
     wrong_hop_route = mesh.route("front", "mid", "back")
-    forged = mesh.route("front", "back", secret="not-the-mesh-secret")
+    forged = mesh.route("front", "back", key=SigningKey.generate())
     return [
         BadFrame("no credential, garbage frame", 401, "unauthorized",
                  lambda hd, b: ({h.SHAPE: "nonsense"}, b"x")),
         BadFrame("wrong credential", 403, "forbidden", _with(Authorization="Bearer wrong-secret")),
-        BadFrame("route signed with another secret", 403, "bad_route", _with(**{h.ROUTE: forged})),
+        BadFrame("route signed with a key the tracker never published", 403, "bad_route", _with(**{h.ROUTE: forged})),
+        BadFrame("route signed with the shared secret (HMAC)", 403, "bad_route",
+                 _with(**{h.ROUTE: hmac_route(mesh, "front", "back")})),
+        BadFrame("frame signed by a node that is not the route's previous hop", 403, "bad_proof",
+                 _signed_by("mid", node_hop_key("mid"))),
+        BadFrame("frame signed in the previous hop's name with another key", 403, "bad_proof",
+                 _signed_by("front", SigningKey.generate())),
         BadFrame("route naming another node at this hop", 403, "bad_route", _with(**{h.ROUTE: wrong_hop_route})),
         BadFrame("no route", 403, "bad_route", _with(**{h.ROUTE: None})),
         BadFrame("body shorter than the shape", 400, "bad_length", lambda hd, b: (hd, b[:-4])),
@@ -433,8 +473,8 @@ def bad_frames(mesh: Mesh) -> list[BadFrame]:
         BadFrame("missing step", 400, "bad_header", _with(**{h.STEP: None})),
         BadFrame("start layer the route does not give", 400, "bad_header", _with(**{h.START_LAYER: "3"})),
         BadFrame("bad sampling JSON", 400, "bad_header", _with(**{h.SAMPLING: "{not json"})),
-        BadFrame("step out of order", 409, "bad_step", _with(**{h.STEP: "7"})),
-        BadFrame("position that does not follow the cache", 409, "bad_position", _with(**{h.POSITION_OFFSET: "9"})),
+        BadFrame("step out of order", 409, "bad_step", _with(**{h.STEP: "999"})),
+        BadFrame("position that does not follow the cache", 409, "bad_position", _with(**{h.POSITION_OFFSET: "999"})),
         BadFrame("step of a session never opened", 409, "unknown_session", _with(**{h.SESSION: "s-nobody"})),
     ]
 
@@ -457,15 +497,20 @@ def test_every_bad_frame_class_is_refused_while_sessions_on_the_node_go_on(
     with ThreadPoolExecutor(1) as pool:
         answer = pool.submit(chat)
         assert started.wait(60), "the concurrent chat never started"
-        opened = post_frame(mesh.url("back"), *frame(mesh, "s-target", step=0, offset=0, tokens=3, reserve=20))
+        opened = post_frame(mesh.url("back"), *frame(mesh, "s-target", step=0, offset=0, tokens=3, reserve=64))
         assert opened.status_code == 200, opened.text
         wrong: list[str] = []
+        step = 1
         for bad in bad_frames(mesh):
-            response = post_frame(mesh.url("back"), *bad.mutate(*frame(mesh, "s-target", step=1, offset=3)))
+            response = post_frame(mesh.url("back"), *bad.mutate(*frame(mesh, "s-target", step=step, offset=step + 2)))
             code = response.json().get("error", {}).get("code") if response.content else None
             if (response.status_code, code) != (bad.status, bad.code):
                 wrong.append(f"{bad.name}: got {response.status_code} {code}, want {bad.status} {bad.code}")
-        following = post_frame(mesh.url("back"), *frame(mesh, "s-target", step=1, offset=3))
+            # the session goes on after every refusal (which also keeps it within back's short idle timeout)
+            following = post_frame(mesh.url("back"), *frame(mesh, "s-target", step=step, offset=step + 2))
+            if following.status_code != 200:
+                wrong.append(f"after {bad.name}: the next valid step got {following.status_code} {following.text}")
+            step += 1
         close_session(mesh, "back", "s-target")
         assert answer.result(timeout=120) == expected.text
     assert not wrong, "\n".join(wrong)
@@ -478,8 +523,8 @@ def test_every_bad_frame_class_is_refused_while_sessions_on_the_node_go_on(
 
 def test_the_head_refuses_a_route_whose_signature_does_not_verify(mesh: Mesh) -> None:
     client = openai.OpenAI(base_url=f"{mesh.url('front')}/v1", api_key=TEST_SECRET, max_retries=0,
-                           default_headers={h.ROUTE: mesh.route("front", "back", secret="forged")})
-    with pytest.raises(openai.PermissionDeniedError, match="signature"):
+                           default_headers={h.ROUTE: mesh.route("front", "back", key=SigningKey.generate())})
+    with pytest.raises(openai.PermissionDeniedError, match="not one of the tracker's keys"):
         client.chat.completions.create(model=mesh.model, messages=SHORT_PROMPT, max_tokens=3)
 
 

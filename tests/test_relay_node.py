@@ -38,7 +38,15 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from meshwire.auth import bearer_headers
 from meshwire.relay_client import RelayCaller, RelayError, rpc_address
 from meshwire.routes import Route, RouteNode, sign_route
-from tests.procs import TEST_SECRET, Service, free_port, start_service
+from tests.procs import (
+    TEST_ROUTE_KEY,
+    TEST_SECRET,
+    Service,
+    free_port,
+    node_hop_key,
+    pinned_node_env,
+    start_service,
+)
 
 pytestmark = pytest.mark.root
 
@@ -129,11 +137,12 @@ class HiddenMesh:
         """A signed route: the head, then the hidden node at an endpoint nobody can dial, with its relay."""
         route = Route(model=self.model_id, num_layers=NUM_LAYERS, nodes=(
             RouteNode(node_id=_health(self.head)["node_id"], endpoint=self.head.url,
-                      shard_start=0, shard_end=1, start_layer=0),
+                      shard_start=0, shard_end=1, start_layer=0, hop_key=node_hop_key("head").public_text),
             RouteNode(node_id=self.hidden_id, endpoint=f"http://{self.namespace.inside_ip}:{self.hidden_port}",
-                      shard_start=2, shard_end=3, start_layer=2, relay_addr=self.relay_addr),
+                      shard_start=2, shard_end=3, start_layer=2, relay_addr=self.relay_addr,
+                      hop_key=node_hop_key("hidden").public_text),
         ))
-        return sign_route(route, TEST_SECRET)
+        return sign_route(route, TEST_ROUTE_KEY)
 
 
 def _health(service: Service) -> dict[str, object]:
@@ -178,13 +187,14 @@ def mesh(namespace: Namespace, tiny_model_dir: Path) -> Iterator[HiddenMesh]:
         # It registers an endpoint nobody can dial (it listens on its namespace's loopback only).
         hidden = start_service(
             "node", {**NODE_ENV, "MESHNET_MODEL": str(tiny_model_dir), "MESHNET_LAYERS": "2-3",
-                     "MESHNET_NODE_ID": hidden_id, "MESHNET_TRACKER": tracker.url,
+                     "MESHNET_NODE_ID": hidden_id, "MESHNET_TRACKER": tracker.url, **pinned_node_env("hidden"),
                      "MESHNET_ADVERTISE": f"http://{namespace.inside_ip}:{hidden_port}",
                      "MESHNET_RELAY": f"ws://{namespace.host_ip}:{relay.port}"},
             port=hidden_port, host="127.0.0.1", wrapper=namespace.wrapper(), wait_ready=False)
         services.append(hidden)
         head = start_service("node", {**NODE_ENV, "MESHNET_MODEL": str(tiny_model_dir), "MESHNET_LAYERS": "0-1",
-                                      "MESHNET_TRACKER": tracker.url}, ready_timeout_s=READY_S)
+                                      "MESHNET_TRACKER": tracker.url, **pinned_node_env("head")},
+                             ready_timeout_s=READY_S)
         services.append(head)
         built = HiddenMesh(namespace=namespace, tracker=tracker, relay=relay, head=head, hidden=hidden,
                            hidden_id=hidden_id, hidden_port=hidden_port, model_id=str(_health(head)["model"]))

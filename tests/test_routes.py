@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 from pydantic import ValidationError
 
 from meshwire import limits
+from meshwire.route_keys import KeySet, SigningKey
 from meshwire.routes import (
     Route,
     RouteError,
@@ -21,11 +22,16 @@ from meshwire.routes import (
     SignedRoute,
     issue_signed_route,
     plan_start_layers,
+    route_key_id,
     sign_route,
     verify_route,
 )
 
-SECRET = "test-secret"
+KEY = SigningKey.from_seed("A" * 43)
+"""The tracker's route key in these tests."""
+KEYS = KeySet.of([KEY])
+"""What a node holds: the public half only."""
+OLD_SECRET = "test-secret"
 NOW = 1_700_000_000.0
 
 
@@ -43,15 +49,15 @@ def b64(data: bytes) -> str:
     return base64.urlsafe_b64encode(data).rstrip(b"=").decode()
 
 
-def forge(payload: dict, secret: str = SECRET) -> str:
-    """A token for an arbitrary payload, correctly signed with ``secret``."""
-    first = b64(orjson.dumps(payload))
-    return first + "." + b64(hmac.new(secret.encode(), first.encode(), hashlib.sha256).digest())
+def forge(payload: object, key: SigningKey = KEY, header: object = None) -> str:
+    """A token for an arbitrary payload (and header), correctly signed with ``key``."""
+    signed = b64(orjson.dumps(header or {"alg": "EdDSA", "kid": key.kid})) + "." + b64(orjson.dumps(payload))
+    return signed + "." + b64(key.sign(signed.encode()))
 
 
-def refusal(token: str, secret: str = SECRET, now: float = NOW) -> str:
+def refusal(token: str, keys: KeySet = KEYS, now: float = NOW) -> str:
     with pytest.raises(RouteError) as caught:
-        verify_route(token, secret, now=now)
+        verify_route(token, keys, now=now)
     assert str(caught.value)
     return caught.value.code
 
@@ -122,7 +128,7 @@ def test_the_design_cards_route_json_parses():
 
 def test_a_signed_route_verifies_to_the_same_route():
     route = three_hop_route()
-    assert verify_route(sign_route(route, SECRET, now=NOW), SECRET, now=NOW + 1) == route
+    assert verify_route(sign_route(route, KEY, now=NOW), KEYS, now=NOW + 1) == route
 
 
 @settings(max_examples=40, deadline=None)
@@ -132,43 +138,72 @@ def test_any_partition_of_the_layers_round_trips(cuts, relay):
     nodes = [node(f"n{i}", lo, hi - 1, relay_addr=f"wss://relay/rpc/n{i}" if relay else None)
              for i, (lo, hi) in enumerate(itertools.pairwise(bounds))]
     route = Route(model="m", num_layers=32, nodes=nodes)
-    assert verify_route(sign_route(route, SECRET, now=NOW), SECRET, now=NOW) == route
+    assert verify_route(sign_route(route, KEY, now=NOW), KEYS, now=NOW) == route
 
 
 def test_the_get_route_answer_carries_a_token_for_its_own_route():
-    signed = issue_signed_route(three_hop_route(), SECRET, ttl_s=30, now=NOW)
+    signed = issue_signed_route(three_hop_route(), KEY, ttl_s=30, now=NOW)
     again = SignedRoute.model_validate_json(signed.model_dump_json())
     assert again.expires_at == NOW + 30
-    assert verify_route(again.token, SECRET, now=NOW) == again.route == three_hop_route()
+    assert verify_route(again.token, KEYS, now=NOW) == again.route == three_hop_route()
 
 
 def test_a_tampered_payload_is_refused():
-    token = sign_route(three_hop_route(), SECRET, now=NOW)
-    first, signature = token.split(".")
+    token = sign_route(three_hop_route(), KEY, now=NOW)
+    header, first, signature = token.split(".")
     payload = orjson.loads(base64.urlsafe_b64decode(first + "=="))
     payload["route"]["nodes"][1]["endpoint"] = "http://attacker.example:80"
-    assert refusal(b64(orjson.dumps(payload)) + "." + signature) == "bad_signature"
+    assert refusal(header + "." + b64(orjson.dumps(payload)) + "." + signature) == "bad_signature"
 
 
 def test_a_tampered_signature_is_refused():
-    token = sign_route(three_hop_route(), SECRET, now=NOW)
-    first, signature = token.split(".")
-    flipped = bytearray(base64.urlsafe_b64decode(signature + "="))
+    token = sign_route(three_hop_route(), KEY, now=NOW)
+    header, first, signature = token.split(".")
+    flipped = bytearray(base64.urlsafe_b64decode(signature + "=="))
     flipped[0] ^= 1
-    assert refusal(first + "." + b64(bytes(flipped))) == "bad_signature"
+    assert refusal(header + "." + first + "." + b64(bytes(flipped))) == "bad_signature"
 
 
-def test_a_route_signed_with_another_key_is_refused():
-    assert refusal(sign_route(three_hop_route(), "another-secret", now=NOW)) == "bad_signature"
+def test_a_route_signed_with_another_key_under_the_trackers_key_id_is_refused():
+    other = SigningKey.generate()
+    header = {"alg": "EdDSA", "kid": KEY.kid}
+    assert refusal(forge({"route": three_hop_route().model_dump(mode="json"), "exp": NOW + 60, "iat": NOW, "v": 2},
+                         other, header)) == "bad_signature"
+
+
+def test_a_route_signed_with_a_key_the_node_does_not_hold_is_refused():
+    other = SigningKey.generate()
+    token = sign_route(three_hop_route(), other, now=NOW)
+    assert route_key_id(token) == other.kid
+    assert refusal(token) == "unknown_key"
+
+
+def test_an_hmac_route_signed_with_the_old_shared_secret_is_refused():
+    """The format routes had before Ed25519: whoever holds the shared secret could sign one."""
+    payload = {"route": three_hop_route().model_dump(mode="json"), "exp": NOW + 60, "iat": NOW, "v": 1}
+    first = b64(orjson.dumps(payload))
+    token = first + "." + b64(hmac.new(OLD_SECRET.encode(), first.encode(), hashlib.sha256).digest())
+    assert refusal(token) == "malformed"
+    hs256 = b64(orjson.dumps({"alg": "HS256", "kid": KEY.kid})) + "." + first
+    token = hs256 + "." + b64(hmac.new(OLD_SECRET.encode(), hs256.encode(), hashlib.sha256).digest())
+    assert refusal(token) == "malformed"
+
+
+def test_a_route_verifies_with_any_key_of_the_set_during_a_rotation():
+    new = SigningKey.generate()
+    both = KeySet.of([KEY, new])
+    assert verify_route(sign_route(three_hop_route(), KEY, now=NOW), both, now=NOW) == three_hop_route()
+    assert verify_route(sign_route(three_hop_route(), new, now=NOW), both, now=NOW) == three_hop_route()
 
 
 def test_an_expired_route_is_refused_unless_expiry_is_not_checked():
-    token = sign_route(three_hop_route(), SECRET, ttl_s=10, now=NOW)
+    token = sign_route(three_hop_route(), KEY, ttl_s=10, now=NOW)
     assert refusal(token, now=NOW + 10) == "expired"
-    assert verify_route(token, SECRET, now=NOW + 10, check_expiry=False) == three_hop_route()
+    assert verify_route(token, KEYS, now=NOW + 10, check_expiry=False) == three_hop_route()
 
 
-@pytest.mark.parametrize("token", ["", "no-dot", ".", "abc.", ".abc", "a.b.c", "!!!.???", "été.été", " . "])
+@pytest.mark.parametrize("token", ["", "no-dot", ".", "abc.", ".abc", "a.b.c", "a.b", "!!!.???.!!!", "été.été.été",
+                                   " . . "])
 def test_garbage_is_malformed_or_unsigned(token):
     assert refusal(token) in {"malformed", "bad_signature"}
 
@@ -177,17 +212,17 @@ def test_garbage_is_malformed_or_unsigned(token):
 @given(token=st.text(max_size=300))
 def test_no_string_makes_verification_raise_anything_but_a_route_error(token):
     with pytest.raises(RouteError):
-        verify_route(token, SECRET, now=NOW)
+        verify_route(token, KEYS, now=NOW)
 
 
 def test_an_oversize_token_is_malformed_before_any_work():
-    assert refusal("a" * (limits.MAX_ROUTE_TOKEN_BYTES + 1) + ".b") == "malformed"
+    assert refusal("a" * (limits.MAX_ROUTE_TOKEN_BYTES + 1) + ".b.c") == "malformed"
 
 
 @pytest.mark.parametrize("payload", [
-    {"route": {"model": "m"}, "exp": NOW + 60, "iat": NOW, "v": 1},      # not a route
-    {"route": None, "exp": NOW + 60, "iat": NOW, "v": 1},
-    {"exp": NOW + 60, "iat": NOW, "v": 1},                                # no route
+    {"route": {"model": "m"}, "exp": NOW + 60, "iat": NOW, "v": 2},      # not a route
+    {"route": None, "exp": NOW + 60, "iat": NOW, "v": 2},
+    {"exp": NOW + 60, "iat": NOW, "v": 2},                                # no route
     [1, 2, 3],                                                            # not an object
 ])
 def test_a_correctly_signed_but_malformed_payload_is_malformed(payload):
@@ -196,9 +231,25 @@ def test_a_correctly_signed_but_malformed_payload_is_malformed(payload):
 
 def test_a_token_of_another_version_is_malformed():
     route = three_hop_route().model_dump(mode="json")
-    assert refusal(forge({"route": route, "exp": NOW + 60, "iat": NOW, "v": 2})) == "malformed"
+    assert refusal(forge({"route": route, "exp": NOW + 60, "iat": NOW, "v": 1})) == "malformed"
 
 
-def test_signing_with_an_empty_secret_is_refused():
-    with pytest.raises(ValueError):
-        sign_route(three_hop_route(), "", now=NOW)
+@pytest.mark.parametrize("header", [{"alg": "none", "kid": KEY.kid}, {"alg": "EdDSA"}, {"kid": KEY.kid}, [1],
+                                    {"alg": "EdDSA", "kid": KEY.kid, "jku": "http://attacker.example/keys"}])
+def test_a_header_other_than_eddsa_with_a_key_id_is_malformed(header):
+    route = three_hop_route().model_dump(mode="json")
+    assert refusal(forge({"route": route, "exp": NOW + 60, "iat": NOW, "v": 2}, header=header)) == "malformed"
+
+
+def test_a_route_cannot_be_signed_with_a_shared_secret():
+    with pytest.raises(TypeError):
+        sign_route(three_hop_route(), "a-shared-secret", now=NOW)  # type: ignore[arg-type]
+
+
+def test_a_token_verified_once_is_remembered_but_its_expiry_is_checked_every_time():
+    keys = KeySet.of([KEY])
+    token = sign_route(three_hop_route(), KEY, ttl_s=10, now=NOW)
+    assert verify_route(token, keys, now=NOW) == three_hop_route()
+    assert keys.remembered(token) is not None
+    assert refusal(token, keys, now=NOW + 10) == "expired"
+    assert refusal(token, KeySet.of([SigningKey.generate()])) == "unknown_key", "another set remembers nothing"

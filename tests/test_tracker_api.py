@@ -16,6 +16,7 @@ import httpx
 import openai
 import pytest
 
+from meshwire.route_keys import KeySet
 from meshwire.routes import verify_route
 from tests.procs import TEST_SECRET, Service, free_port, start_service
 
@@ -178,7 +179,9 @@ def test_a_route_covers_every_layer_in_order_and_is_signed_by_the_tracker(tracke
     assert answer.status_code == 200
     signed = answer.json()
     assert [(n["shard_start"], n["start_layer"], n["shard_end"]) for n in signed["nodes"]] == [(0, 0, 2), (2, 3, 3)]
-    verified = verify_route(signed["token"], TEST_SECRET)
+    keys = httpx.get(f"{tracker.url}/v1/keys")  # public: anyone may verify, no credential
+    assert keys.status_code == 200
+    verified = verify_route(signed["token"], KeySet.parse(keys.content))
     assert [n.node_id for n in verified.nodes] == [n["node_id"] for n in signed["nodes"]]
     assert verified.num_layers == NUM_LAYERS and verified.model == model
 

@@ -14,6 +14,7 @@ import httpx
 import openai
 import pytest
 
+from meshwire.route_keys import SigningKey
 from meshwire.routes import Route, RouteNode, sign_route
 from tests.procs import Service
 from tests.tiny_mesh import tiny_mesh
@@ -149,7 +150,7 @@ def test_a_route_header_sent_by_the_client_has_no_effect(client: openai.OpenAI, 
     tracker, model = mesh
     elsewhere = RouteNode(node_id="front-node", endpoint="http://127.0.0.1:9", shard_start=0, shard_end=3,
                           start_layer=0)
-    forged = sign_route(Route(model=model, nodes=(elsewhere,), num_layers=4), "not-the-mesh-secret")
+    forged = sign_route(Route(model=model, nodes=(elsewhere,), num_layers=4), SigningKey.generate())
     expected = greedy_chat(client, model_name)
     assert greedy_chat(client, model_name, extra_headers={"X-Meshnet-Route": forged}) == expected
     raw = httpx.post(f"{tracker.url}/v1/chat/completions", timeout=120,

@@ -19,11 +19,13 @@ from typing import Any
 import pytest
 
 from meshwire.registry import NodeRegistration
+from services.tracker.join_tokens import mint
 from services.tracker.planner import plan_route
 from services.tracker.registry import LeaseConflict, LeaseRequired, RegistryFull, RegistryPolicy, UnknownNode
 from services.tracker.settings import TrackerSettings
 from services.tracker.store import MemoryStore, NodeStore, StoreUnavailable, open_store
 from services.tracker.store_redis import LEASE_GRACE_S, PREFIX, RedisStore
+from services.tracker.trust import TrackerTrust
 from tests.redis_server import RedisServer, require_redis_server
 
 MODEL = "/models/tiny"
@@ -327,3 +329,42 @@ def test_an_unknown_store_is_refused() -> None:
         TrackerSettings(store="postgres://db")
     assert TrackerSettings().store == "memory"
     assert TrackerSettings(store=" redis://127.0.0.1:6379/0 ").store == "redis://127.0.0.1:6379/0"
+
+
+# --- trust: the route key ring and join tokens live in the store ----------------------------------------------
+
+
+async def test_a_document_is_replaced_only_while_it_is_what_the_writer_read(make_store: StoreFactory) -> None:
+    store = await make_store()
+    assert await store.read_doc("ring") is None
+    assert await store.swap_doc("ring", None, "one")
+    assert not await store.swap_doc("ring", None, "two"), "another writer got there first"
+    assert await store.swap_doc("ring", "one", "two")
+    assert await store.read_doc("ring") == "two"
+
+
+async def test_join_tokens_are_kept_and_a_revoked_tokens_node_is_evicted(make_store: StoreFactory) -> None:
+    store = await make_store()
+    _, record = mint("a", time.time())
+    await store.put_token(record)
+    assert await store.get_token(record.token_id) == record and await store.all_tokens() == [record]
+    assert await store.get_token("0123456789abcdef") is None
+    await store.register(reg("a"), None, now())
+    assert routable(store) == {"a"}
+    assert await store.evict("a", now())
+    assert routable(store) == set()
+    assert not await store.evict("nobody", now())
+
+
+async def test_trackers_on_one_redis_sign_with_one_key_and_admit_by_one_token_list(
+        trackers: tuple[RedisStore, RedisStore]) -> None:
+    a, b = (TrackerTrust(store, secret="s", route_ttl_s=600, rotate_s=0, lead_s=0) for store in trackers)
+    await a.refresh()
+    await b.refresh()
+    assert a.signing_key().kid == b.signing_key().kid and a.jwks() == b.jwks()
+    rotated = await b.rotate()
+    await a.refresh()
+    assert a.signing_key().kid == rotated.kid
+    token, record = mint("a", time.time())
+    await trackers[0].put_token(record)
+    assert await b.admit(f"Bearer {token}", reg("a")) == record

@@ -32,7 +32,16 @@ from meshwire.limits import ROUTE_TTL_S
 from meshwire.registry import NodeRegistration
 from meshwire.routes import Route, RouteNode, plan_start_layers, sign_route
 from services.node.shard import load_shard
-from tests.procs import TEST_SECRET, Service, free_port, start_service, wait_healthy
+from tests.procs import (
+    TEST_ROUTE_KEY,
+    TEST_SECRET,
+    Service,
+    free_port,
+    node_hop_key,
+    pinned_node_env,
+    start_service,
+    wait_healthy,
+)
 
 LAYERS = {"quant": (0, 1), "float": (2, 3)}
 WEIGHTS = {"quant": "int4", "float": "float"}
@@ -88,10 +97,10 @@ class MixedMesh:
     model: str
 
     def client(self) -> openai.OpenAI:
-        hops = [RouteNode(node_id=name, endpoint=self.nodes[name].url, shard_start=a, shard_end=b, start_layer=a)
-                for name, (a, b) in LAYERS.items()]
+        hops = [RouteNode(node_id=name, endpoint=self.nodes[name].url, shard_start=a, shard_end=b, start_layer=a,
+                          hop_key=node_hop_key(name).public_text) for name, (a, b) in LAYERS.items()]
         token = sign_route(Route(model=self.model, nodes=plan_start_layers(hops), num_layers=NUM_LAYERS),
-                           TEST_SECRET, ttl_s=ROUTE_TTL_S)
+                           TEST_ROUTE_KEY, ttl_s=ROUTE_TTL_S)
         return openai.OpenAI(base_url=f"{self.nodes['quant'].url}/v1", api_key=TEST_SECRET, max_retries=0,
                              timeout=120, default_headers={h.ROUTE: token})
 
@@ -114,7 +123,8 @@ def mixed(tiny_model_dir: Path) -> Iterator[MixedMesh]:
             nodes[name] = start_service("node", {
                 "MESHNET_MODEL": str(tiny_model_dir), "MESHNET_DTYPE": "float32", "MESHNET_DEVICE": "cpu",
                 "MESHNET_WEIGHTS": WEIGHTS[name], "MESHNET_NODE_ID": name, "MESHNET_LAYERS": f"{start}-{end}",
-                "MESHNET_TRACKER": tracker.url, "MESHNET_HEARTBEAT_S": str(HEARTBEAT_S)}, wait_ready=False)
+                "MESHNET_TRACKER": tracker.url, "MESHNET_HEARTBEAT_S": str(HEARTBEAT_S), **pinned_node_env(name)},
+                wait_ready=False)
         for service in nodes.values():
             wait_healthy(service)
         yield MixedMesh(nodes, tracker, httpx.get(f"{nodes['quant'].url}/health").json()["model"])

@@ -6,6 +6,7 @@
     meshnet relay     [--host H] [--port P]
     meshnet bootstrap [--host H] [--port P] [--registry addresses|cache-layouts]
     meshnet chat      [--url URL] "prompt"
+    meshnet token     create --node-id ID [--model M] [--layers A-B] [--ttl 30d] | list | revoke ID
 
 The flags of the service commands are generated from each service's settings
 class, so every flag has its environment twin `MESHNET_<FLAG>` and the same
@@ -28,7 +29,7 @@ from pydantic.fields import FieldInfo
 from pydantic_settings import BaseSettings
 
 ENV_PREFIX = "MESHNET_"
-SECRET_FIELDS = frozenset({"secret", "api_keys"})
+SECRET_FIELDS = frozenset({"secret", "api_keys", "admin_key", "join_token", "node_key"})
 
 
 @dataclass(frozen=True)
@@ -155,6 +156,10 @@ def build_parser() -> argparse.ArgumentParser:
     add_settings_flags(chat, ChatSettings)
     chat.add_argument("prompt", help="what to ask")
 
+    from meshnet.tokens import add_token_parser
+
+    add_token_parser(sub)
+
     for command in SERVICE_COMMANDS:
         p = sub.add_parser(command.name, help=command.summary, description=command.summary[0].upper() + command.summary[1:] + ".")
         add_settings_flags(p, command.load(command.settings_path))
@@ -199,6 +204,10 @@ def main(argv: Sequence[str] | None = None) -> None:
             from meshnet.chat import ChatSettings, run_chat
 
             raise SystemExit(run_chat(settings_from_args(ChatSettings, args), args.prompt))
+        if args.command == "token":
+            from meshnet.tokens import run_token
+
+            raise SystemExit(run_token(args))
         command = next(c for c in SERVICE_COMMANDS if c.name == args.command)
         settings = settings_from_args(command.load(command.settings_path), args)
         command.load(command.serve_path)(settings)

@@ -182,7 +182,8 @@ def run_up(settings: UpSettings, log_level: str = "info") -> int:
         children.append(_spawn("tracker", ["tracker", "--host", host, "--port", str(settings.port)], env, base,
                                log_level))
         relay_url = f"http://{host}:{settings.relay_port}"
-        children.append(_spawn("relay", ["relay", "--host", host, "--port", str(settings.relay_port)], env,
+        children.append(_spawn("relay", ["relay", "--host", host, "--port", str(settings.relay_port),
+                                         "--tracker", base], env,
                                relay_url, log_level))
         boot_url = f"http://{host}:{settings.bootstrap_port}"
         children.append(_spawn("bootstrap", ["bootstrap", "--host", host, "--port", str(settings.bootstrap_port),

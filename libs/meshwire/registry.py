@@ -37,6 +37,7 @@ from meshwire.fields import (
     ModelName,
     NodeId,
 )
+from meshwire.route_keys import PublicKeyText
 
 NodeState = Literal["joining", "online", "suspect", "offline"]
 """A registered node's health as the tracker sees it."""
@@ -137,6 +138,9 @@ class NodeRegistration(BaseModel):
     """Bytes the node's weights take in memory (packed where quantized; a tied matrix counted once)."""
     kv_bytes: int = Field(default=0, ge=0, le=MAX_MEMORY_BYTES)
     """Bytes its open sessions' KV caches take now."""
+    hop_key: PublicKeyText | None = None
+    """The node's public hop key (Ed25519, base64url): the tracker names it in every route through the node,
+    and the next hop accepts only frames signed with it (every meshnet node registers one)."""
 
     @model_validator(mode="after")
     def _check_shard(self) -> NodeRegistration:

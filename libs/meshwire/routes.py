@@ -4,22 +4,23 @@ A :class:`Route` lists the hops in layer order; each hop runs layers
 ``start_layer..shard_end`` (0-based, inclusive). Where a hop's range overlaps
 the previous one, it starts just after it (:func:`plan_start_layers`).
 
-The tracker signs a route into a token carried in ``X-Meshnet-Route``:
-``base64url(orjson(payload)) + "." + base64url(hmac_sha256(secret, first_part))``
-with payload ``{"route": ..., "exp": ..., "iat": ..., "v": 1}``. A node
-forwards activations only along a route whose signature verifies and has not
-expired, so a caller cannot make a node POST to an address of its choosing
-(the reference node trusted any route header).
+The tracker signs a route with its Ed25519 key into a compact JWS carried in
+``X-Meshnet-Route``: ``base64url(header) "." base64url(payload) "." base64url(signature)``
+with header ``{"alg": "EdDSA", "kid": ...}`` (the key's id in the tracker's
+JWK set, ``GET /v1/keys``) and payload ``{"route": ..., "exp": ..., "iat": ..., "v": 2}``;
+the signature covers ``header "." payload``. A node forwards activations only
+along a route whose signature verifies with a key of the tracker's it holds
+(:class:`~meshwire.route_keys.KeySet`) and that has not expired, so a caller
+cannot make a node POST to an address of its choosing (the reference node
+trusted any route header), and a node, holding only public keys, cannot mint
+a route either. Each hop names the node's own public *hop key*, with which the
+next hop checks that a frame comes from the route's previous hop
+(:mod:`meshwire.hop_proof`).
 """
 
 from __future__ import annotations
 
-import base64
-import binascii
-import hashlib
-import hmac
 import itertools
-import re
 import time
 from collections.abc import Sequence
 from typing import Annotated, Any, Literal
@@ -38,10 +39,13 @@ from meshwire.fields import (
     NodeId,
     WsAddress,
 )
+from meshwire.route_keys import KeyProblem, KeySet, PublicKeyText, SigningKey, b64decode, b64encode
 
-TOKEN_VERSION = 1
-RouteErrorCode = Literal["malformed", "bad_signature", "expired"]
-_B64URL = re.compile(r"[A-Za-z0-9_\-]+")
+TOKEN_VERSION = 2
+ALGORITHM = "EdDSA"
+MAX_TOKEN_HEADER_BYTES = 256
+"""Largest JWS header read (``{"alg": "EdDSA", "kid": ...}``)."""
+RouteErrorCode = Literal["malformed", "bad_signature", "unknown_key", "expired"]
 
 RouteNodes = Annotated[tuple["RouteNode", ...], AsTuple, Field(min_length=1, max_length=limits.MAX_ROUTE_HOPS)]
 """1..MAX_ROUTE_HOPS hops, in layer order."""
@@ -70,6 +74,8 @@ class RouteNode(BaseModel):
     shard_end: LayerIndex
     start_layer: LayerIndex
     relay_addr: WsAddress | None = None
+    hop_key: PublicKeyText | None = None
+    """The node's public hop key (Ed25519, base64url): frames it sends the next hop are signed with it."""
 
     @model_validator(mode="before")
     @classmethod
@@ -148,7 +154,14 @@ class _TokenPayload(BaseModel):
     route: Route
     exp: float
     iat: float
-    v: Literal[1]
+    v: Literal[2]
+
+
+class _TokenHeader(BaseModel):
+    model_config = STRICT_MODEL
+
+    alg: Literal["EdDSA"]
+    kid: str = Field(min_length=1, max_length=64)
 
 
 def _check_contiguous(nodes: Sequence[RouteNode], num_layers: int) -> None:
@@ -186,69 +199,100 @@ def plan_start_layers(nodes: Sequence[RouteNode]) -> tuple[RouteNode, ...]:
     return tuple(planned)
 
 
-def _b64encode(data: bytes) -> str:
-    return base64.urlsafe_b64encode(data).rstrip(b"=").decode("ascii")
-
-
-def _b64decode(text: str) -> bytes:
-    if not _B64URL.fullmatch(text):
-        raise RouteError("malformed", "route token is not base64url")
+def _decode(text: str, what: str) -> bytes:
     try:
-        return base64.urlsafe_b64decode(text + "=" * (-len(text) % 4))
-    except (binascii.Error, ValueError):
-        raise RouteError("malformed", "route token is not base64url") from None
+        return b64decode(text)
+    except KeyProblem:
+        raise RouteError("malformed", f"route token {what} is not base64url") from None
 
 
-def _mac(secret: str, first_part: str) -> bytes:
-    return hmac.new(secret.encode("utf-8"), first_part.encode("ascii"), hashlib.sha256).digest()
+def _header(kid: str) -> str:
+    return b64encode(orjson.dumps({"alg": ALGORITHM, "kid": kid}))
 
 
-def sign_route(route: Route, secret: str, ttl_s: float = limits.ROUTE_TTL_S, now: float | None = None) -> str:
-    """Sign ``route`` with ``secret`` into an ``X-Meshnet-Route`` token valid for ``ttl_s`` seconds."""
-    if not secret:
-        raise ValueError("cannot sign a route with an empty secret")
+def sign_route(route: Route, key: SigningKey, ttl_s: float = limits.ROUTE_TTL_S, now: float | None = None) -> str:
+    """Sign ``route`` with the tracker's ``key`` into an ``X-Meshnet-Route`` token valid for ``ttl_s`` seconds."""
+    if not isinstance(key, SigningKey):
+        raise TypeError("routes are signed with the tracker's Ed25519 SigningKey")
     if ttl_s <= 0:
         raise ValueError(f"ttl_s must be positive, got {ttl_s}")
     issued = time.time() if now is None else now
-    payload = {"route": route.model_dump(mode="json"), "exp": issued + ttl_s, "iat": issued, "v": TOKEN_VERSION}
-    first = _b64encode(orjson.dumps(payload))
-    token = f"{first}.{_b64encode(_mac(secret, first))}"
+    payload = {"route": route.model_dump(mode="json", exclude_none=True), "exp": issued + ttl_s, "iat": issued,
+               "v": TOKEN_VERSION}
+    signed = f"{_header(key.kid)}.{b64encode(orjson.dumps(payload))}"
+    token = f"{signed}.{b64encode(key.sign(signed.encode('ascii')))}"
     if len(token) > limits.MAX_ROUTE_TOKEN_BYTES:
         raise RouteError("malformed", f"route token would be {len(token)} bytes, over "
                                       f"{limits.MAX_ROUTE_TOKEN_BYTES}")
     return token
 
 
-def issue_signed_route(route: Route, secret: str, ttl_s: float = limits.ROUTE_TTL_S,
+def issue_signed_route(route: Route, key: SigningKey, ttl_s: float = limits.ROUTE_TTL_S,
                        now: float | None = None) -> SignedRoute:
     """Sign ``route`` and wrap it as the ``GET /v1/route`` answer."""
     issued = time.time() if now is None else now
-    token = sign_route(route, secret, ttl_s=ttl_s, now=issued)
+    token = sign_route(route, key, ttl_s=ttl_s, now=issued)
     return SignedRoute(model=route.model, nodes=route.nodes, num_layers=route.num_layers,
                        token=token, expires_at=issued + ttl_s)
 
 
-def verify_route(token: str, secret: str, now: float | None = None, check_expiry: bool = True) -> Route:
-    """Check a route token's signature (constant time) and expiry; return its route.
-
-    The payload is parsed only after its signature verifies. Raises
-    :class:`RouteError` with code ``malformed``, ``bad_signature`` or ``expired``.
-    """
+def _split(token: str) -> tuple[str, str, str, _TokenHeader]:
     if not isinstance(token, str) or not token:
         raise RouteError("malformed", "missing route token")
     if len(token) > limits.MAX_ROUTE_TOKEN_BYTES:
         raise RouteError("malformed", f"route token is longer than {limits.MAX_ROUTE_TOKEN_BYTES} bytes")
-    first, dot, signature_text = token.strip().partition(".")
-    if not dot or not first or not signature_text:
-        raise RouteError("malformed", "route token must be '<payload>.<signature>'")
-    signature = _b64decode(signature_text)
-    _b64decode(first)  # alphabet check before MAC: first is hashed as ASCII
-    if not hmac.compare_digest(signature, _mac(secret, first)):
+    parts = token.strip().split(".")
+    if len(parts) != 3 or not all(parts):
+        raise RouteError("malformed", "route token must be '<header>.<payload>.<signature>' signed with the "
+                                      "tracker's Ed25519 key")
+    header_text, payload_text, signature_text = parts
+    if len(header_text) > MAX_TOKEN_HEADER_BYTES:
+        raise RouteError("malformed", "route token header is too long")
+    try:
+        header = _TokenHeader.model_validate_json(_decode(header_text, "header"))
+    except ValidationError:
+        raise RouteError("malformed", "route token header must be {\"alg\": \"EdDSA\", \"kid\": ...}") from None
+    _decode(payload_text, "payload")  # alphabet check before the signature: it is signed as ASCII
+    return header_text, payload_text, signature_text, header
+
+
+def route_key_id(token: str) -> str | None:
+    """The id of the key ``token`` claims to be signed with, or ``None`` when it is not a route token.
+
+    Read before verification only to know whether the key is one the node holds.
+    """
+    try:
+        return _split(token)[3].kid
+    except RouteError:
+        return None
+
+
+def _verified_payload(token: str, keys: KeySet) -> _TokenPayload:
+    header_text, payload_text, signature_text, header = _split(token)
+    signature = _decode(signature_text, "signature")
+    if header.kid not in keys:
+        raise RouteError("unknown_key", f"route is signed with key {header.kid!r}, which is not one of the "
+                                        "tracker's keys this node holds")
+    if not keys.verify(header.kid, signature, f"{header_text}.{payload_text}".encode("ascii")):
         raise RouteError("bad_signature", "route signature does not verify")
     try:
-        payload = _TokenPayload.model_validate_json(_b64decode(first))
+        return _TokenPayload.model_validate_json(_decode(payload_text, "payload"))
     except ValidationError as exc:
         raise RouteError("malformed", f"route token payload is invalid: {exc.errors()[0]['msg']}") from None
+
+
+def verify_route(token: str, keys: KeySet, now: float | None = None, check_expiry: bool = True) -> Route:
+    """Check a route token's Ed25519 signature against ``keys`` and its expiry; return its route.
+
+    The payload is parsed only after its signature verifies; a token ``keys`` already
+    verified is not verified again (its expiry is checked every time). Raises
+    :class:`RouteError` with code ``malformed``, ``unknown_key`` (signed with
+    a key not in ``keys``), ``bad_signature`` or ``expired``.
+    """
+    payload = keys.remembered(token) if isinstance(token, str) else None
+    if not isinstance(payload, _TokenPayload):
+        payload = _verified_payload(token, keys)
+        keys.remember(token, payload)
     if check_expiry and payload.exp <= (time.time() if now is None else now):
         raise RouteError("expired", "route token has expired; ask the tracker for a new route")
     return payload.route

@@ -141,7 +141,8 @@ def _app_from_env() -> Starlette:
             "node with %s (as `meshnet node` does)", ", ".join(unset),
             " ".join(f"{k}={v}" for k, v in openmp.OPENMP_DEFAULTS.items()))
     settings = NodeSettings()
-    exposure.require_private_secret("the node", settings.host, settings.secret)
+    if not settings.join_token:  # a node that joins by token holds no secret: nothing to leak
+        exposure.require_private_secret("the node", settings.host, settings.secret)
     return create_app(settings)
 
 

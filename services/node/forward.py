@@ -2,12 +2,19 @@
 
 The order of checks is the security model:
 
-1. the mesh's credential (``Authorization: Bearer``), before anything else is read: 401/403;
+1. the sender's credential, before anything else is read: the proof headers
+   of :mod:`meshwire.hop_proof` (``X-Meshnet-Signer``, ``X-Meshnet-Proof``),
+   401 when missing or malformed; a node that holds no join token (a mesh of
+   one shared secret) also takes ``Authorization: Bearer <MESHNET_SECRET>``
+   in their place, as before;
 2. every header, read once before the body (:func:`meshwire.forward_step.parse_forward`):
    400 with the :class:`~meshwire.frames.FrameError` code;
-3. the signed route (``X-Meshnet-Route``): it must verify, name this node at
-   ``X-Meshnet-Hop-Index`` and agree with the layers it holds: 403 ``bad_route``;
-   then the body: 400 when it does not match its headers;
+3. the signed route (``X-Meshnet-Route``): it must verify with the tracker's
+   key, name this node at ``X-Meshnet-Hop-Index`` and agree with the layers it
+   holds: 403 ``bad_route``; then the sender: the route's previous hop must be
+   the signer, and the proof must verify with the hop key the route names for
+   it, over these headers and this body: 403 ``bad_proof``; then the body:
+   400 when it does not match its headers;
 4. the session: step order (409 ``bad_step``), position (409 ``bad_position``),
    unknown session (409 ``unknown_session``), KV budget (503 ``kv_budget``
    with ``Retry-After``).
@@ -44,6 +51,8 @@ from meshwire.forward_step import (
     parse_forward,
 )
 from meshwire.frames import FrameError, FrameLimits, compress_bound, decode_frame_body
+from meshwire.hop_proof import Claim, ProofProblem, check_claim, read_claim
+from meshwire.route_keys import KeyProblem, public_key_from_text
 from meshwire.row_batch import MAX_INDEX_BYTES, RowAnswer, decode_rows, encode_answers
 from meshwire.sampling_params import SamplingParams
 from services.node.bodies import BodyIncomplete, BodyTooLarge, read_bounded
@@ -55,12 +64,15 @@ from services.node.route_step import Onward, RouteStepper
 from services.node.routing import RoutedHop, RouteRefused, verify_hop
 from services.node.sampling import Sampler, SamplingFailed
 from services.node.sessions import Session, SessionExists, SessionRefused, SessionTable, log_tag, route_key
+from services.node.trust import RouteTrust
 
 logger = logging.getLogger(__name__)
 
 JSON: Final = "application/json"
 BodyReader = Callable[[int], Awaitable[bytes]]
 """Reads a frame's body, refusing (``too_large``) one longer than the bytes given."""
+FORWARD_PATH: Final = "/forward"
+ROWS_PATH: Final = "/forward/rows"
 _ERROR_TYPES: Final = {
     400: errors.INVALID_REQUEST, 401: errors.AUTHENTICATION, 403: errors.PERMISSION,
     409: errors.INVALID_REQUEST, 500: errors.SERVER_ERROR, 502: errors.SERVER_ERROR, 503: errors.UNAVAILABLE,
@@ -91,12 +103,13 @@ def _response(answer: RowAnswer) -> Response:
 class ForwardService:
     """The ``/forward`` endpoint of one node."""
 
-    def __init__(self, *, node_id: str, model_id: str, secret: str, runner: ShardRunner, sessions: SessionTable,
-                 hops: HopClient, stepper: RouteStepper, metrics: NodeMetrics, frame_limits: FrameLimits,
-                 grammar: GrammarEngine | None = None) -> None:
+    def __init__(self, *, node_id: str, model_id: str, trust: RouteTrust, legacy_secret: str | None,
+                 runner: ShardRunner, sessions: SessionTable, hops: HopClient, stepper: RouteStepper,
+                 metrics: NodeMetrics, frame_limits: FrameLimits, grammar: GrammarEngine | None = None) -> None:
         self.node_id = node_id
         self.model_id = model_id
-        self._secret = secret
+        self._trust = trust
+        self._legacy_secret = legacy_secret
         self._runner = runner
         self._sessions = sessions
         self._hops = hops
@@ -110,10 +123,10 @@ class ForwardService:
     async def handle(self, request: Request) -> Response:
         """Answer one ``POST /forward``."""
         began = time.perf_counter()
-        refused = self._check_credential(request)
-        if refused is not None:
-            return _response(refused)
-        answer = await self._frame(request.headers, lambda max_bytes: self._read_body(request, max_bytes))
+        sender = self._check_credential(request, FORWARD_PATH)
+        if isinstance(sender, RowAnswer):
+            return _response(sender)
+        answer = await self._frame(request.headers, lambda max_bytes: self._read_body(request, max_bytes), sender)
         if answer.status == 200:
             self._metrics.forward_latency.observe(time.perf_counter() - began)
         return _response(answer)
@@ -125,31 +138,48 @@ class ForwardService:
         and run as one batch; each row's answer is its own.
         """
         began = time.perf_counter()
-        refused = self._check_credential(request)
-        if refused is not None:
-            return _response(refused)
+        sender = self._check_credential(request, ROWS_PATH)
+        if isinstance(sender, RowAnswer):
+            return _response(sender)
         try:
-            frames = decode_rows(await self._read_body(request, self._limits.max_bytes + MAX_INDEX_BYTES))
+            body = await self._read_body(request, self._limits.max_bytes + MAX_INDEX_BYTES)
+            frames = decode_rows(body)
         except FrameError as exc:
             return _response(self._refuse(ForwardRefusal(400, exc.code, str(exc))))
-        answers = await asyncio.gather(*(self._frame(frame.headers, _given(frame.body)) for frame in frames))
+        if sender is not None:  # one proof covers the whole batch: every row's route must vouch for its signer
+            sender = sender.with_body(body)
+        answers = await asyncio.gather(*(self._frame(frame.headers, _given(frame.body), sender) for frame in frames))
         self._metrics.forward_latency.observe(time.perf_counter() - began)
         return Response(encode_answers(answers), media_type=JSON)
 
-    def _check_credential(self, request: Request) -> RowAnswer | None:
-        failure = check_bearer(request.headers.get("authorization"), self._secret)
-        if failure is None:
-            return None
-        return self._refuse(ForwardRefusal(failure.status, failure.code, failure.message))
+    def _check_credential(self, request: Request, path: str) -> Sender | RowAnswer | None:
+        """The sender's proof to check once the route is known, ``None`` for the legacy secret, or the refusal."""
+        has_proof = any(name in request.headers for name in ("x-meshnet-signer", "x-meshnet-proof"))
+        if not has_proof and self._legacy_secret is not None and request.headers.get("authorization"):
+            failure = check_bearer(request.headers.get("authorization"), self._legacy_secret)
+            if failure is None:
+                return None
+            return self._refuse(ForwardRefusal(failure.status, failure.code, failure.message))
+        try:
+            claim = read_claim(request.headers)
+        except ProofProblem as exc:
+            code = "unauthorized" if exc.status == 401 else "bad_proof"
+            return self._refuse(ForwardRefusal(exc.status, code, str(exc)))
+        return Sender(claim=claim, path=path, headers=request.headers, body=None)
 
-    async def _frame(self, headers: Mapping[str, str], read_body: BodyReader) -> RowAnswer:
+    async def _frame(self, headers: Mapping[str, str], read_body: BodyReader, sender: Sender | None) -> RowAnswer:
         """One frame, after the credential: its route, then a close or a data frame; every refusal answered."""
         try:
             request = parse_forward(headers, self._limits)
+            await self._trust.ensure(request.address.route_token or None)
             hop = self._verify_route(request.address, request.session)
+            if sender is not None:
+                sender.check_route(hop, closing=isinstance(request, CloseRequest))
             if isinstance(request, CloseRequest):
+                if sender is not None:
+                    sender.check_body(b"")
                 return await self._close(request.session, hop)
-            return await self._data_frame(request, headers, read_body, hop)
+            return await self._data_frame(request, headers, read_body, hop, sender)
         except FrameError as exc:
             return self._refuse(ForwardRefusal(400, exc.code, str(exc)))
         except ForwardRefusal as exc:
@@ -175,7 +205,7 @@ class ForwardService:
         """
         opens_session = self._sessions.get(session_id) is None
         try:
-            hop = verify_hop(address.route_token or None, address.hop_index, secret=self._secret,
+            hop = verify_hop(address.route_token or None, address.hop_index, keys=self._trust.keys,
                              node_id=self.node_id, model_id=self.model_id, shard=self._runner.shard,
                              check_expiry=opens_session)
         except RouteRefused as exc:
@@ -213,7 +243,7 @@ class ForwardService:
     # --- data frames ------------------------------------------------------------------
 
     async def _data_frame(self, request: DataRequest, headers: Mapping[str, str], read_body: BodyReader,
-                          hop: RoutedHop) -> RowAnswer:
+                          hop: RoutedHop, sender: Sender | None) -> RowAnswer:
         shard = self._runner.shard
         if hop.hop_index == 0:
             raise FrameError("bad_header", f"{h.HOP_INDEX} 0 is the head, which takes tokens through the chat API, "
@@ -223,6 +253,8 @@ class ForwardService:
             raise FrameError("bad_shape", f"frame shape {list(spec.shape)} is not [1, n, {shard.hidden_size}] "
                                           "(this model's hidden size)")
         body = await read_body(spec.nbytes if spec.encoding == "identity" else compress_bound(spec.nbytes))
+        if sender is not None:
+            sender.check_body(body)
         frame = decode_frame_body(spec, headers, body)
         samples = shard.is_tail and frame.chunk_index == frame.chunk_total - 1
         params = info.sampling_params() if samples else None
@@ -340,6 +372,60 @@ def _check_bound(session: Session, route_token: str) -> None:
     if session.route_key is not None and session.route_key != route_key(route_token):
         raise ForwardRefusal(403, "bad_route", f"session {log_tag(session.session_id)} was opened along another "
                                                "route; only that route may step or close it")
+
+
+class Sender:
+    """Who sent a request, as its proof claims, checked against each frame's route (:mod:`meshwire.hop_proof`).
+
+    For ``/forward`` the proof covers the request's headers and its body, read
+    later; for ``/forward/rows`` it covers the whole batch, known up front
+    (:meth:`with_body`), and is verified once per hop key however many rows name it.
+    """
+
+    def __init__(self, *, claim: Claim, path: str, headers: Mapping[str, str], body: bytes | None) -> None:
+        self.claim = claim
+        self._path = path
+        self._headers = headers
+        self._body = body
+        self._key_text: str | None = None
+        self._verified: set[str] = set()
+
+    def with_body(self, body: bytes) -> Sender:
+        return Sender(claim=self.claim, path=self._path, headers=self._headers, body=body)
+
+    def check_route(self, hop: RoutedHop, *, closing: bool = False) -> None:
+        """Refuse (403 ``bad_proof``) a frame whose route does not name the signer as its previous hop.
+
+        A close may also come from the route's head, which owns the session: after a hop
+        fails, the head closes the session on the hops past it directly.
+        """
+        if hop.hop_index == 0:
+            raise ForwardRefusal(403, "bad_proof", "hop 0 has no previous hop to send it frames")
+        previous = hop.route.nodes[hop.hop_index - 1]
+        if closing and previous.node_id != self.claim.signer and hop.route.head.node_id == self.claim.signer:
+            previous = hop.route.head
+        if previous.node_id != self.claim.signer:
+            raise ForwardRefusal(403, "bad_proof", f"the route's previous hop is {previous.node_id}, but the frame "
+                                                   f"is signed by {self.claim.signer[:100]}")
+        if previous.hop_key is None:
+            raise ForwardRefusal(403, "bad_proof", f"the route names no hop key for {previous.node_id}")
+        self._key_text = previous.hop_key
+        if self._body is not None:
+            self.check_body(self._body)
+
+    def check_body(self, body: bytes) -> None:
+        """Verify the proof over ``body`` with the key the route named (once per key for a batch)."""
+        key_text = self._key_text
+        assert key_text is not None, "check_route first"
+        if self._body is not None:
+            body = self._body
+            if key_text in self._verified:
+                return
+        try:
+            check_claim(self.claim, public_key_from_text(key_text), self._path, self._headers, body)
+        except (ProofProblem, KeyProblem) as exc:
+            raise ForwardRefusal(403, "bad_proof", str(exc)) from None
+        self._verified.add(key_text)
 
 
 def _given(body: bytes) -> BodyReader:

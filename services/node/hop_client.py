@@ -1,6 +1,8 @@
 """Sending a frame to the next hop of a route: directly, or through the relay.
 
-A hop is dialled at its ``endpoint`` over keep-alive HTTP/1.1 connections
+Every frame is signed with this node's hop key (:mod:`meshwire.hop_proof`): the
+next hop accepts it because the tracker's signed route names that key for
+this node, not because the sender knows a secret. A hop is dialled at its ``endpoint`` over keep-alive HTTP/1.1 connections
 (:mod:`services.node.hop_http`), so a decode step costs one small request on
 an open connection. A
 hop behind NAT also has a ``relay_addr``: when it cannot be dialled directly
@@ -37,8 +39,9 @@ import orjson
 from pydantic import ValidationError
 
 from meshwire import errors
-from meshwire.auth import bearer_headers
 from meshwire.forward_step import ForwardAnswer
+from meshwire.hop_proof import sign_request
+from meshwire.route_keys import SigningKey
 from meshwire.routes import RouteNode
 from services.node.hop_http import HopConnectFailed, HopHttp, HopHttpError, HopTimedOut
 
@@ -134,16 +137,18 @@ class HopClient:
     the caller).
     """
 
-    def __init__(self, http: httpx.AsyncClient, secret: str, timeout_s: float, *,
-                 connect_timeout_s: float = DIRECT_CONNECT_TIMEOUT_S, relay_only_ttl_s: float = RELAY_ONLY_TTL_S,
-                 clock: Callable[[], float] = time.monotonic, tls_context: ssl.SSLContext | None = None) -> None:
+    def __init__(self, http: httpx.AsyncClient, relay_credential: str, timeout_s: float, *, node_id: str,
+                 hop_key: SigningKey, connect_timeout_s: float = DIRECT_CONNECT_TIMEOUT_S,
+                 relay_only_ttl_s: float = RELAY_ONLY_TTL_S, clock: Callable[[], float] = time.monotonic,
+                 tls_context: ssl.SSLContext | None = None) -> None:
         self._http = http
-        self._secret = secret
+        self._node_id = node_id
+        self._hop_key = hop_key
         self._timeout_s = timeout_s
         self._timeout = httpx.Timeout(timeout_s, connect=min(connect_timeout_s, timeout_s))
         self._frames = HopHttp(connect_timeout_s=min(connect_timeout_s, timeout_s), max_answer_bytes=MAX_ANSWER_BYTES,
                                tls=tls_context)
-        self._relay = RelayCaller(secret, ssl_context=tls_context) if RelayCaller is not None else None
+        self._relay = RelayCaller(relay_credential, ssl_context=tls_context) if RelayCaller is not None else None
         self._paths = DirectPaths(relay_only_ttl_s, clock)
         self._probes: dict[str, asyncio.Task[None]] = {}
 
@@ -154,7 +159,9 @@ class HopClient:
     async def post_frame(self, node: RouteNode, headers: Mapping[str, str], body: bytes, *,
                          path: str = FORWARD_PATH, content_type: str = OCTET_STREAM) -> HopAnswer:
         """POST one frame (or a batch, at ``path``) to ``node``; raise :class:`HopUnreachable` when it is gone."""
-        out_headers = {**headers, **bearer_headers(self._secret), "Content-Type": content_type}
+        out_headers = {**headers, "Content-Type": content_type}
+        # Signed with this node's hop key, which the route names for it: the next hop checks it came from here.
+        out_headers.update(sign_request(self._hop_key, self._node_id, path, out_headers, body))
         relayable = node.relay_addr is not None and self._relay is not None
         if relayable and self._paths.relay_only(node.endpoint):
             if self._paths.probe_due(node.endpoint):

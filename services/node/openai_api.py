@@ -1,7 +1,7 @@
 """The head's OpenAI-compatible endpoints: ``/v1/chat/completions`` and ``/v1/completions``.
 
-Only the mesh may call them: the tracker (``Authorization: Bearer`` with the
-mesh secret), or a client holding one of the node's ``api_keys`` (the
+Only the mesh may call them: the tracker (a request signed with its route key,
+see :mod:`meshwire.hop_proof`; or the shared secret on a node without a join token), or a client holding one of the node's ``api_keys`` (the
 tracker's client keys, given to the node too). Anything else is refused
 with 401/403 before the body is read, so nobody who merely reaches a node can
 spend the mesh's sessions and KV budget.
@@ -40,6 +40,7 @@ from meshwire import errors, sse
 from meshwire import headers as h
 from meshwire import openai as oa
 from meshwire.auth import check_bearer, check_bearer_any
+from meshwire.hop_proof import TRACKER_SIGNER_PREFIX, ProofProblem, check_claim, read_claim
 from meshwire.limits import MAX_HEADER_VALUE_CHARS
 from meshwire.responses_api import ResponseEvents, ResponsesRequest, usage_of
 from meshwire.resume import RESUME_KEY, Progress, Resume, take_resume, with_progress
@@ -128,13 +129,9 @@ class OpenAIService:
         return await self._serve(request, oa.CompletionRequest, chat=False)
 
     async def _serve(self, request: Request, schema: type[oa.SamplingRequest], *, chat: bool) -> Response:
-        settings = self._node.settings
-        failure = check_bearer_any(request.headers.get("authorization"), (settings.secret, *settings.api_keys))
-        if failure is not None:  # before anything is read: only the mesh (the tracker) or a client key may ask
-            return ApiError(failure.status, failure.message, failure.code).response()
-        from_mesh = check_bearer(request.headers.get("authorization"), settings.secret) is None
-        try:
-            prepared = await self._prepare(request, schema, chat=chat, from_mesh=from_mesh)
+        try:  # before anything else is read: only the mesh (the tracker) or a client key may ask
+            from_mesh, body = await self._caller(request)
+            prepared = await self._prepare(request, schema, chat=chat, from_mesh=from_mesh, body=body)
             response_id = oa.new_id("chatcmpl" if chat else "cmpl")
             events = self._events(prepared)
             first = await _first_event(events)  # errors before the first token are plain HTTP errors
@@ -178,13 +175,12 @@ class OpenAIService:
 
     async def responses(self, request: Request) -> Response:
         """``POST /v1/responses``: the Responses API, served as the chat it means (:mod:`meshwire.responses_api`)."""
-        settings = self._node.settings
-        failure = check_bearer_any(request.headers.get("authorization"), (settings.secret, *settings.api_keys))
-        if failure is not None:
-            return ApiError(failure.status, failure.message, failure.code).response()
         try:
+            _, body = await self._caller(request)
             self._check_head()
-            parsed = await self._read(request, ResponsesRequest)
+            if body is None:
+                body = await _read_json_body(request, self._node.settings.max_body_bytes)
+            parsed = self._validate(body, ResponsesRequest)
             assert isinstance(parsed, ResponsesRequest)
             try:
                 chat = parsed.to_chat()
@@ -231,10 +227,47 @@ class OpenAIService:
             raise ApiError(400, oa.validation_error_message(exc), "invalid_request",
                            oa.validation_error_param(exc)) from None
 
+    async def _caller(self, request: Request) -> tuple[bool, bytes | None]:
+        """Who asks: ``(from_mesh, body)``; :class:`ApiError` 401/403 for anyone but the mesh or a client key.
+
+        The tracker signs its requests with its route key (:mod:`meshwire.hop_proof`): the proof
+        covers the body, which is read (boundedly) to check it and handed back. A node without a
+        join token also takes the shared secret as the mesh's credential, as before; client API
+        keys (``MESHNET_API_KEYS``) are clients.
+        """
+        node = self._node
+        settings = node.settings
+        if any(name in request.headers for name in ("x-meshnet-signer", "x-meshnet-proof")):
+            try:
+                claim = read_claim(request.headers)
+            except ProofProblem as exc:
+                raise ApiError(exc.status, str(exc), "unauthorized") from None
+            if not claim.signer.startswith(TRACKER_SIGNER_PREFIX):
+                raise ApiError(403, f"{claim.signer[:100]} may not call a head's API; only the tracker signs here",
+                               "forbidden")
+            kid = claim.signer[len(TRACKER_SIGNER_PREFIX):]
+            await node.trust.ensure_kid(kid)
+            key = node.trust.keys.get(kid)
+            if key is None:
+                raise ApiError(403, f"{kid[:64]!r} is not one of the tracker's keys this node holds", "forbidden")
+            body = await _read_json_body(request, settings.max_body_bytes)
+            try:
+                check_claim(claim, key, request.url.path, request.headers, body)
+            except ProofProblem as exc:
+                raise ApiError(exc.status, str(exc), "forbidden") from None
+            return True, body
+        legacy = () if settings.join_token else (settings.secret,)
+        failure = check_bearer_any(request.headers.get("authorization"), (*legacy, *settings.api_keys))
+        if failure is not None:
+            raise ApiError(failure.status, failure.message, failure.code)
+        from_mesh = bool(legacy) and check_bearer(request.headers.get("authorization"), settings.secret) is None
+        return from_mesh, None
+
     async def _prepare(self, request: Request, schema: type[oa.SamplingRequest], *, chat: bool,
-                       from_mesh: bool) -> Prepared:
+                       from_mesh: bool, body: bytes | None = None) -> Prepared:
         self._check_head()
-        body = await _read_json_body(request, self._node.settings.max_body_bytes)
+        if body is None:
+            body = await _read_json_body(request, self._node.settings.max_body_bytes)
         resume = None
         if from_mesh:  # only the tracker continues a stream whose head died (meshwire.resume)
             try:
@@ -361,7 +394,8 @@ class OpenAIService:
                 raise ApiError(exc.status, str(exc), "no_route") from None
             token = signed.token
         try:
-            return verify_hop(token, 0, secret=node.settings.secret, node_id=node.node_id, model_id=node.model_id,
+            await node.trust.ensure(token)
+            return verify_hop(token, 0, keys=node.trust.keys, node_id=node.node_id, model_id=node.model_id,
                               shard=node.shard)
         except RouteRefused as exc:
             raise ApiError(403, str(exc), "bad_route") from None

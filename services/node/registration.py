@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Final
 
 import httpx
@@ -54,14 +54,16 @@ class _TrackerDown(Exception):
 class Registrar:
     """Keeps this node registered with the first of its trackers that answers, until :meth:`deregister`."""
 
-    def __init__(self, http: httpx.AsyncClient, tracker: str | Sequence[str], secret: str,
-                 registration: Callable[[], NodeRegistration], heartbeat_s: float) -> None:
+    def __init__(self, http: httpx.AsyncClient, tracker: str | Sequence[str], credential: str,
+                 registration: Callable[[], NodeRegistration], heartbeat_s: float, *,
+                 on_new_lease: Callable[[], Awaitable[object]] | None = None) -> None:
         self._http = http
         self._trackers: tuple[str, ...] = (tracker,) if isinstance(tracker, str) else tuple(tracker)
         if not self._trackers:
             raise ValueError("a registrar needs at least one tracker URL")
         self._current = 0
-        self._secret = secret
+        self._credential = credential
+        self._on_new_lease = on_new_lease
         self._registration = registration
         self._heartbeat_s = heartbeat_s
         self._lease: str | None = None
@@ -112,7 +114,7 @@ class Registrar:
 
     async def _beat_at(self, tracker: str) -> bool:
         body = self._registration()
-        headers = bearer_headers(self._secret)
+        headers = bearer_headers(self._credential)
         if self._lease is not None:
             headers[h.LEASE] = self._lease
         try:
@@ -132,11 +134,21 @@ class Registrar:
                            "another node): retrying until that entry expires: %s", body.node_id,
                            response.text[:300])
             return False
+        if response.status_code in (401, 403):
+            logger.error("tracker refused %s's credential (HTTP %d): %s; check MESHNET_JOIN_TOKEN / MESHNET_SECRET",
+                         body.node_id, response.status_code, response.text[:300])
+            return False
         if response.status_code >= 300:
             logger.warning("tracker refused registration of %s: HTTP %d %s", body.node_id, response.status_code,
                            response.text[:300])
             return False
+        before = self._lease
         self._take_answer(response)
+        if self._lease != before and self._on_new_lease is not None:
+            try:  # e.g. fetch the tracker's route keys: a tracker that registered us afresh may hold new ones
+                await self._on_new_lease()
+            except Exception:
+                logger.exception("after registering with %s", tracker)
         if not self.registered.is_set():
             logger.info("registered %s (layers %d-%d of %s) with %s", body.node_id, body.shard_start,
                         body.shard_end, body.model, tracker)
@@ -162,7 +174,7 @@ class Registrar:
         if self._lease is None:
             logger.info("%s never registered with %s: nothing to leave", node_id, self.tracker)
             return
-        headers = {**bearer_headers(self._secret), h.LEASE: self._lease}
+        headers = {**bearer_headers(self._credential), h.LEASE: self._lease}
         count = len(self._trackers)
         for step in range(count):
             tracker = self._trackers[(self._current + step) % count]

@@ -1,6 +1,6 @@
 """Routes as a node sees them: verifying its place in one, and getting one from the tracker.
 
-Every hop checks that a route token verifies (HMAC, expiry), names this node
+Every hop checks that a route token verifies (the tracker's Ed25519 key, expiry), names this node
 at the hop index the frame claims, and gives it the layers it actually holds
 (:func:`verify_hop`). A head without a route from the tracker serves alone
 when it holds every layer, and otherwise asks the tracker
@@ -22,12 +22,15 @@ from pydantic import ValidationError
 
 from meshwire.auth import bearer_headers
 from meshwire.errors import STORE_UNAVAILABLE
+from meshwire.route_keys import MAX_JWKS_BYTES, KeyProblem, KeySet
 from meshwire.routes import Route, RouteError, RouteNode, SignedRoute, verify_route
 from services.node.shard import Shard
+from services.node.trust import KeyFetchFailed, RouteTrust
 
 logger = logging.getLogger(__name__)
 
 ROUTE_PATH: Final = "/v1/route"
+KEYS_PATH: Final = "/v1/keys"
 MAX_ROUTE_ANSWER_BYTES: Final = 64 * 1024
 TRACKER_TIMEOUT_S: Final = 10.0
 MAX_REASON_CHARS: Final = 500
@@ -69,7 +72,7 @@ class RoutedHop:
         return tuple(node.node_id for node in self.route.nodes)
 
 
-def verify_hop(token: str | None, hop_index: int, *, secret: str, node_id: str, model_id: str,
+def verify_hop(token: str | None, hop_index: int, *, keys: KeySet, node_id: str, model_id: str,
                shard: Shard, check_expiry: bool = True) -> RoutedHop:
     """Verify ``token`` and that its hop ``hop_index`` is this node with the layers it holds.
 
@@ -80,7 +83,7 @@ def verify_hop(token: str | None, hop_index: int, *, secret: str, node_id: str, 
     if not token:
         raise RouteRefused("missing X-Meshnet-Route: a node forwards only along a signed route")
     try:
-        route = verify_route(token, secret, check_expiry=check_expiry)
+        route = verify_route(token, keys, check_expiry=check_expiry)
     except RouteError as exc:
         raise RouteRefused(f"route refused ({exc.code}): {exc}") from None
     if not 0 <= hop_index < len(route.nodes):
@@ -106,13 +109,15 @@ class TrackerRoutes:
     (:data:`STORE_UNAVAILABLE`); any other answer is the mesh's answer.
     """
 
-    def __init__(self, http: httpx.AsyncClient, trackers: str | Sequence[str] | None, secret: str,
+    def __init__(self, http: httpx.AsyncClient, trackers: str | Sequence[str] | None, credential: str,
                  node_id: str) -> None:
         self._http = http
         self._trackers = (trackers,) if isinstance(trackers, str) else tuple(trackers or ())
         self._current = 0
-        self._secret = secret
+        self._credential = credential
         self._node_id = node_id
+        self.trust = RouteTrust(KeySet(), self.fetch_keys if self._trackers else None)
+        """The route keys routes from the tracker are verified with (the node's runtime gives its own)."""
 
     @property
     def available(self) -> bool:
@@ -127,7 +132,7 @@ class TrackerRoutes:
             index = (self._current + attempt) % len(self._trackers)
             tracker = self._trackers[index]
             try:
-                response = await self._http.request(method, f"{tracker}{path}", headers=bearer_headers(self._secret),
+                response = await self._http.request(method, f"{tracker}{path}", headers=bearer_headers(self._credential),
                                                     timeout=TRACKER_TIMEOUT_S, **kwargs)
             except httpx.HTTPError as exc:
                 failures.append(f"tracker {tracker} unreachable: {exc}")
@@ -158,6 +163,21 @@ class TrackerRoutes:
         except ValidationError as exc:
             raise NoRoute(f"tracker's route answer is invalid: {exc.errors()[0]['msg']}") from None
 
+    async def fetch_keys(self) -> KeySet:
+        """``GET /v1/keys``: the trackers' route-signing public keys (:class:`KeyFetchFailed` when none answers)."""
+        try:
+            response = await self._call("GET", KEYS_PATH)
+        except NoRoute as exc:
+            raise KeyFetchFailed(str(exc)) from None
+        if response.status_code != 200:
+            raise KeyFetchFailed(f"tracker answered {response.status_code} for its keys: {_error_message(response)}")
+        if len(response.content) > MAX_JWKS_BYTES:
+            raise KeyFetchFailed("tracker's key set is too large")
+        try:
+            return KeySet.parse(response.content)
+        except KeyProblem as exc:
+            raise KeyFetchFailed(f"tracker's key set: {exc}") from None
+
     async def route_from_here(self, model: str, shard: Shard, exclude: Collection[str] = ()) -> RoutedHop:
         """A verified route that this node heads and that avoids ``exclude`` (failover).
 
@@ -174,8 +194,9 @@ class TrackerRoutes:
                 logger.info("the tracker's route starts at %s, not here; asking again without it", head)
                 avoid.add(head)
                 continue
+            await self.trust.ensure(signed.token)
             try:
-                return verify_hop(signed.token, 0, secret=self._secret, node_id=self._node_id, model_id=model,
+                return verify_hop(signed.token, 0, keys=self.trust.keys, node_id=self._node_id, model_id=model,
                                   shard=shard)
             except RouteRefused as exc:
                 raise NoRoute(f"the tracker's route cannot be run from here: {exc}") from None

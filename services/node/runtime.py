@@ -48,6 +48,7 @@ from services.node.sessions import SessionTable, run_sweeper
 from services.node.settings import NodeSettings
 from services.node.shard import Shard, load_shard
 from services.node.tokens import HeadTokenizer, eos_ids_of
+from services.node.trust import RouteTrust
 
 logger = logging.getLogger(__name__)
 
@@ -78,9 +79,15 @@ class NodeRuntime:
             timeout=httpx.Timeout(settings.hop_timeout_s, connect=CONNECT_TIMEOUT_S),
             verify=tls.httpx_verify(settings.tls_ca),
         )
-        self.hops = HopClient(self.http, settings.secret, settings.hop_timeout_s,
-                              tls_context=tls.client_context(settings.tls_ca))
-        self.tracker_routes = TrackerRoutes(self.http, settings.tracker, settings.secret, self.node_id)
+        self.hop_key = settings.hop_key()
+        """This node's own Ed25519 key: it signs the frames this node sends; its public half is registered."""
+        self.hops = HopClient(self.http, settings.mesh_credential(), settings.hop_timeout_s, node_id=self.node_id,
+                              hop_key=self.hop_key, tls_context=tls.client_context(settings.tls_ca))
+        self.tracker_routes = TrackerRoutes(self.http, settings.tracker, settings.mesh_credential(), self.node_id)
+        self.trust = RouteTrust(settings.pinned_keys(),
+                                self.tracker_routes.fetch_keys if self.tracker_routes.available else None)
+        """The tracker's route keys this node verifies routes with (pinned, and fetched at registration)."""
+        self.tracker_routes.trust = self.trust
         self.shard: Shard | None = None
         self.runner: ShardRunner | None = None
         self.forward: ForwardService | None = None
@@ -132,7 +139,8 @@ class NodeRuntime:
         stepper = RouteStepper(node_id=self.node_id, runner=self.runner, sessions=self.sessions,
                                sender=RowSender(self.hops, max_rows=s.max_batch), metrics=self.metrics)
         self.grammar = GrammarEngine(resolved.path, self.shard.vocab_size, eos_ids_of(resolved.path, self.shard.config))
-        self.forward = ForwardService(node_id=self.node_id, model_id=self.model_id, secret=s.secret,
+        self.forward = ForwardService(node_id=self.node_id, model_id=self.model_id, trust=self.trust,
+                                      legacy_secret=None if s.join_token else s.secret,
                                       runner=self.runner, sessions=self.sessions, hops=self.hops, stepper=stepper,
                                       metrics=self.metrics, frame_limits=FrameLimits(max_bytes=s.max_frame_bytes),
                                       grammar=self.grammar)
@@ -149,7 +157,8 @@ class NodeRuntime:
         if s.relay is not None and app is not None:
             self._start_relay_peer(app)
         if s.tracker is not None:
-            self.registrar = Registrar(self.http, s.tracker, s.secret, self.registration, s.heartbeat_s)
+            self.registrar = Registrar(self.http, s.tracker, s.mesh_credential(), self.registration, s.heartbeat_s,
+                                       on_new_lease=self.trust.refresh)
             self._tasks.append(asyncio.create_task(self.registrar.run(), name="registration"))
         self.state = "ready"
         logger.info("node %s ready in %.1f s: %s layers %d-%d of %d on %s as %s at %s", self.node_id,
@@ -161,7 +170,7 @@ class NodeRuntime:
             logger.error("--relay given but meshwire.relay_client is not installed; serving directly only")
             return
         assert self.settings.relay is not None
-        peer = RelayPeer(self.settings.relay, self.node_id, self.settings.secret, asgi_handler(app),
+        peer = RelayPeer(self.settings.relay, self.node_id, self.settings.mesh_credential(), asgi_handler(app),
                          ssl_context=tls.client_context(self.settings.tls_ca))
         self._relay_peer = peer
         self.relay_addr = peer.relay_addr
@@ -178,7 +187,7 @@ class NodeRuntime:
             kv_capacity_tokens=self.sessions.kv_budget_tokens, kv_free_tokens=self.sessions.free_tokens,
             active_sessions=len(self.sessions), decode_tokens_per_s=round(self.runner.decode_tokens_per_s, 3),
             weights=self.shard.weights_format, weight_bytes=self.shard.weight_bytes(),
-            kv_bytes=self.sessions.cache_bytes(),
+            kv_bytes=self.sessions.cache_bytes(), hop_key=self.hop_key.public_text,
         )
 
     # --- stop -------------------------------------------------------------------------

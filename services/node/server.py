@@ -23,12 +23,13 @@ def serve(settings: NodeSettings) -> None:
     (:class:`~meshwire.exposure.UnsafeSecret`) to listen beyond loopback with
     an empty or published secret.
     """
-    exposure.require_private_secret("the node", settings.host, settings.secret)
+    if not settings.join_token:  # a node that joins by token holds no secret: nothing to leak
+        exposure.require_private_secret("the node", settings.host, settings.secret)
     openmp.configure()  # before torch loads: the node's modules import it
     from services.node.app import create_app
 
     configure_logging()
-    if settings.secret == DEFAULT_SECRET:
+    if settings.secret == DEFAULT_SECRET and not settings.join_token:  # with a join token the secret is unused
         logger.warning("MESHNET_SECRET is the development default: anyone who knows it can use this mesh")
     logger.info("starting node on %s:%d (model %s, layers %s, device %s, dtype %s)", settings.host, settings.port,
                 settings.model, settings.layers or "all", settings.device, settings.dtype)

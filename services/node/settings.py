@@ -19,6 +19,7 @@ from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 from meshwire import limits, slow_clients, tls
 from meshwire.auth import DEFAULT_SECRET
 from meshwire.fields import ApiKeyList
+from meshwire.route_keys import KeyProblem, KeySet, SigningKey
 from services.node.cpu_gate import DEFAULT_CPU_LOCK
 
 DEFAULT_MODEL: Final = "HuggingFaceTB/SmolLM2-135M-Instruct"
@@ -114,7 +115,13 @@ class NodeSettings(BaseSettings):
     group-wise scales; ``auto`` serves a quantized file (the default model's Q4_1 GGUF) quantized, a float
     checkpoint as float."""
     secret: str = Field(default=DEFAULT_SECRET, min_length=1, max_length=1024)
-    """The mesh's shared secret: authenticates hops and registration, verifies routes."""
+    """The mesh's shared secret: admits this node where it holds no join token (a mesh that issues none)."""
+    join_token: str | None = Field(default=None, min_length=1, max_length=256)
+    """This node's own credential (``meshnet token create``), used in place of the secret with the tracker and relay."""
+    route_keys: str | None = Field(default=None, max_length=16 * 1024)
+    """Route-signing public keys pinned by hand (a JWK set, JSON), trusted besides the tracker's ``GET /v1/keys``."""
+    node_key: str | None = Field(default=None, min_length=43, max_length=43)
+    """This node's hop key (an Ed25519 seed, base64url) that signs the frames it sends; default: a fresh one."""
     api_keys: Annotated[tuple[str, ...], NoDecode, ApiKeyList] = ()
     """Client API keys this head's ``/v1`` endpoints accept besides the mesh secret (comma-separated);
     give it the tracker's ``MESHNET_API_KEYS``. Empty: only the mesh (the tracker) may call them."""
@@ -172,6 +179,43 @@ class NodeSettings(BaseSettings):
         tls.check_pair(self.tls_cert, self.tls_key)
         tls.check_ca(self.tls_ca)
         return self
+
+    @field_validator("join_token", "route_keys", "node_key", mode="before")
+    @classmethod
+    def _empty_is_none(cls, value: object) -> object:
+        return None if isinstance(value, str) and not value.strip() else value
+
+    @field_validator("route_keys")
+    @classmethod
+    def _check_route_keys(cls, value: str | None) -> str | None:
+        if value is not None:
+            try:
+                KeySet.parse(value)
+            except KeyProblem as exc:
+                raise ValueError(str(exc)) from None
+        return value
+
+    @field_validator("node_key")
+    @classmethod
+    def _check_node_key(cls, value: str | None) -> str | None:
+        if value is not None:
+            try:
+                SigningKey.from_seed(value)
+            except (KeyProblem, ValueError) as exc:
+                raise ValueError(f"node_key: {exc}") from None
+        return value
+
+    def pinned_keys(self) -> KeySet:
+        """The route keys pinned by hand (``route_keys``); empty when none."""
+        return KeySet.parse(self.route_keys) if self.route_keys else KeySet()
+
+    def hop_key(self) -> SigningKey:
+        """This node's hop key: ``node_key``, or a fresh one (callers keep the result)."""
+        return SigningKey.from_seed(self.node_key) if self.node_key else SigningKey.generate()
+
+    def mesh_credential(self) -> str:
+        """What this node shows the tracker and the relay: its join token, else the shared secret."""
+        return self.join_token or self.secret
 
     @field_validator("layers")
     @classmethod

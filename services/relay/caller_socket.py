@@ -65,7 +65,9 @@ from meshwire.relay_client import (
 )
 from services.relay.access import caller_kind, is_public, refusal_message
 from services.relay.budgets import CallerKind, CallerSlot, Refusal
+from services.relay.join_tokens import bearer_token
 from services.relay.metrics import Transport
+from services.relay.peer_socket import admit_credential
 from services.relay.peers import RelayFailure, TransportClosed
 from services.relay.state import RelayState
 from services.relay.transport import PEER_ID, WebSocketTransport, refuse
@@ -117,8 +119,12 @@ async def admit_caller(websocket: WebSocket, peer_id: str, state: RelayState,
         metrics.caller_refusals.labels("bad_peer_id").inc()
         await refuse(websocket, 400, "bad_peer_id", "peer id must be 1-128 characters of [A-Za-z0-9._:-]")
         return None
-    kind = caller_kind(websocket.headers.get("authorization"), settings.secret, transport,
-                       rpc_requires_auth=settings.rpc_requires_auth)
+    authorization = websocket.headers.get("authorization")
+    if bearer_token(authorization) is not None:  # a node that joined by its join token
+        refused = await admit_credential(authorization, state, None)
+        kind: CallerKind | AuthFailure = "authenticated" if refused is None else refused
+    else:
+        kind = caller_kind(authorization, settings.secret, transport, rpc_requires_auth=settings.rpc_requires_auth)
     if isinstance(kind, AuthFailure):
         metrics.caller_refusals.labels(kind.code).inc()
         await refuse(websocket, kind.status, kind.code, kind.message)

@@ -17,10 +17,11 @@ from typing import Final
 
 from fastapi import WebSocket
 
-from meshwire.auth import check_bearer
+from meshwire.auth import AuthFailure, check_bearer
 from meshwire.envelope import EnvelopeError
 from meshwire.relay_client import peek_mux_id, read_mux
 from services.relay.budgets import CallerKind, InflightBudget
+from services.relay.join_tokens import bearer_token
 from services.relay.peers import ClaimRefused, PeerLink
 from services.relay.state import RelayState
 from services.relay.transport import PEER_ID, WebSocketTransport, refuse
@@ -31,6 +32,17 @@ CLOSE_UNSUPPORTED_DATA: Final = 1003
 """The WebSocket close code for a message of a kind the endpoint does not take (peers send binary)."""
 
 
+async def admit_credential(authorization: str | None, state: RelayState, peer_id: str | None) -> AuthFailure | None:
+    """Check a handshake's credential: a join token (asked of the tracker; for a peer, it must bind
+    ``peer_id``) or the shared secret. ``None`` when it admits."""
+    token = bearer_token(authorization)
+    if token is None:
+        return check_bearer(authorization, state.settings.secret)
+    if state.tokens is None:
+        return AuthFailure(403, "this relay checks no join tokens: start it with MESHNET_TRACKER set")
+    return await state.tokens.check(token, peer_id)
+
+
 async def serve_peer(websocket: WebSocket, peer_id: str, state: RelayState) -> None:
     """Admit a peer under ``peer_id`` and relay its answers until it goes away."""
     settings, metrics = state.settings, state.metrics
@@ -38,7 +50,7 @@ async def serve_peer(websocket: WebSocket, peer_id: str, state: RelayState) -> N
         metrics.peer_connections.labels("bad_id").inc()
         await refuse(websocket, 400, "bad_peer_id", "peer id must be 1-128 characters of [A-Za-z0-9._:-]")
         return
-    failure = check_bearer(websocket.headers.get("authorization"), settings.secret)
+    failure = await admit_credential(websocket.headers.get("authorization"), state, peer_id)
     if failure is not None:
         metrics.peer_connections.labels("unauthorized").inc()
         await refuse(websocket, failure.status, failure.code, failure.message)

@@ -75,6 +75,8 @@ class RelaySettings(BaseSettings):
     port: int = Field(DEFAULT_PORT, ge=0, le=65535)
     secret: str = Field(DEFAULT_SECRET, min_length=1, max_length=1024)
     """The mesh's shared secret: peers, ``/mux`` callers and full ``/rpc`` callers present it as a bearer token."""
+    tracker: str | None = Field(None, max_length=4 * limits.MAX_URL_CHARS)
+    """Tracker URL(s), comma-separated, that check the join tokens peers and callers show; none: only the secret."""
     rpc_requires_auth: bool = False
     """Refuse ``/rpc`` callers without the secret at the handshake (401). Off: they are admitted, but reach only a peer's ``GET /health``."""
 
@@ -131,6 +133,10 @@ class RelaySettings(BaseSettings):
             raise ValueError(f"max_inflight_bytes_per_peer ({self.max_inflight_bytes_per_peer}) must be at least "
                              f"max_message_bytes ({self.max_message_bytes}), or a largest request could never pass")
         return self
+
+    def tracker_urls(self) -> tuple[str, ...]:
+        """The trackers that check join tokens, in the order they are asked."""
+        return tuple(url.strip() for url in (self.tracker or "").split(",") if url.strip())
 
     @property
     def url(self) -> str:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from services.relay.budgets import CallerSlots
+from services.relay.join_tokens import TokenChecker
 from services.relay.metrics import RelayMetrics
 from services.relay.peers import PeerTable
 from services.relay.settings import RelaySettings
@@ -19,6 +20,8 @@ class RelayState:
     callers: CallerSlots
     """Caller connections (``/rpc`` and ``/mux``) open now, by kind and address."""
     metrics: RelayMetrics = field(default_factory=RelayMetrics)
+    tokens: TokenChecker | None = None
+    """Checks join tokens with the tracker (``MESHNET_TRACKER``); ``None``: only the shared secret admits."""
 
     @classmethod
     def build(cls, settings: RelaySettings) -> RelayState:
@@ -26,4 +29,5 @@ class RelayState:
                    peers=PeerTable(max_peers=settings.max_peers, probe_timeout_s=settings.takeover_probe_s),
                    callers=CallerSlots(max_authenticated=settings.max_callers,
                                        max_anonymous=settings.max_anonymous_callers,
-                                       max_anonymous_per_address=settings.max_anonymous_callers_per_address))
+                                       max_anonymous_per_address=settings.max_anonymous_callers_per_address),
+                   tokens=TokenChecker(settings.tracker_urls()) if settings.tracker_urls() else None)

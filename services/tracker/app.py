@@ -11,8 +11,11 @@ Routes (the rest live in :mod:`.openai_api` and :mod:`.mesh_api`):
   ``GET /v1/models``;
 - the mesh: ``POST|GET /v1/nodes``, ``DELETE /v1/nodes/{id}``,
   ``POST /v1/nodes/{id}/failures``, ``GET /v1/route``, ``GET /v1/mesh``
-  (the three ``GET`` views need an API key or the mesh secret when
-  ``MESHNET_API_KEYS`` is set).
+  (the three ``GET`` views need an API key, a join token or the mesh secret when
+  ``MESHNET_API_KEYS`` is set);
+- trust (:mod:`.admin_api`): ``GET /v1/keys`` (the route-signing public keys),
+  ``POST /v1/tokens/check`` (the relay asks whether a join token admits a peer),
+  and the operator's ``/v1/admin/tokens`` and ``/v1/admin/keys/rotate``.
 
 Every error, including unknown paths and wrong methods, is answered in the
 OpenAI error shape. ``uvicorn services.tracker.app:app`` builds the app from
@@ -40,7 +43,7 @@ from meshwire import errors, exposure, tls
 from meshwire.body_guard import BodyGuard
 from meshwire.logs import configure_logging
 
-from . import mesh_api, openai_api
+from . import admin_api, mesh_api, openai_api
 from .key_limits import KeyLimits
 from .metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from .responses import HTTPError, error_response
@@ -89,6 +92,7 @@ def create_app(settings: TrackerSettings | None = None, *, clock: Callable[[], f
         async with _head_client(settings) as client:
             state.client = client
             await state.store.start()
+            await state.trust.start()
             logger.info("tracker serving at %s (store %s, node TTL %.1f s, heartbeat %.1f s, API keys %s)",
                         settings.url, state.store.kind, settings.node_ttl_s, settings.heartbeat_s,
                         "on" if settings.api_keys else "off")
@@ -98,12 +102,14 @@ def create_app(settings: TrackerSettings | None = None, *, clock: Callable[[], f
                 state.client = None
                 if state.key_limiter is not None:
                     await state.key_limiter.close()
+                await state.trust.close()
                 await state.store.close()
 
     app = FastAPI(title="meshnet tracker", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.tracker = state
     app.include_router(openai_api.router)
     app.include_router(mesh_api.router)
+    app.include_router(admin_api.router)
     if state.store.kind != MEMORY:
         app.add_middleware(StoreFence, store=state.store, retry_after_s=settings.heartbeat_s)
     if state.key_limiter is not None:

@@ -1,6 +1,6 @@
 """Which answers of a head node the tracker relays to a client, and in what form.
 
-The tracker POSTs to a head's endpoint with the mesh's bearer secret, so what
+The tracker POSTs to a head's endpoint as the mesh (signed with its route key), so what
 comes back must not become a way to read another service through the
 tracker. Only two kinds of answer reach the client:
 

@@ -2,16 +2,17 @@
 
 Routes:
 
-- ``POST /v1/nodes`` (mesh secret): register or heartbeat with a
+- ``POST /v1/nodes`` (the node's join token, or the mesh secret where the
+  id is bound to no token; see :mod:`.trust`): register or heartbeat with a
   :class:`~meshwire.registry.NodeRegistration`; heartbeats carry the lease in
   ``X-Meshnet-Lease``. Answers :class:`~meshwire.registry.RegistrationAnswer`
   (the first time with a fresh lease); 409 ``lease_conflict`` when the id is
   live and the request does not carry its lease; 400 naming the field for an
   endpoint or relay address that is not a plain ``scheme://host:port[/prefix]``.
-- ``DELETE /v1/nodes/{node_id}`` (mesh secret and the node's lease): leave
-  now; 403 ``lease_required`` without the lease.
-- ``POST /v1/nodes/{node_id}/failures`` (mesh secret): a caller could not use
-  the node; it backs off (see :mod:`.registry`).
+- ``DELETE /v1/nodes/{node_id}`` (its join token or the mesh secret, and the
+  node's lease): leave now; 403 ``lease_required`` without the lease.
+- ``POST /v1/nodes/{node_id}/failures`` (a join token or the mesh secret): a
+  caller could not use the node; it backs off (see :mod:`.registry`).
 - ``GET /v1/nodes``: every listed node (state, load, last heartbeat) and each
   model's coverage.
 - ``GET /v1/mesh``: the same plus the tracker's clocks, for the live page.
@@ -23,8 +24,8 @@ registration changes nothing. Registration, departure and failure reports
 are applied by the tracker's store (see :mod:`.store`); while a shared store
 is away they answer 503 ``store_unavailable`` with ``Retry-After``. The three views hand out every endpoint, relay
 address and failure reason: with ``MESHNET_API_KEYS`` set they need a client
-API key or the mesh secret (401 otherwise); without it the mesh's layout is
-public.
+API key, a valid join token or the mesh secret (401 otherwise); without it the
+mesh's layout is public.
 """
 
 from __future__ import annotations
@@ -42,9 +43,10 @@ from meshwire.headers import LEASE
 from meshwire.openai import validation_error_message, validation_error_param
 from meshwire.registry import NodeRegistration, RegistrationAnswer
 
+from .join_tokens import TokenRefused
 from .registry import MAX_REASON_CHARS, RegistryError
-from .responses import HTTPError, read_body, require_mesh_reader, require_mesh_secret
-from .state import parse_exclude, store_unavailable, tracker_state
+from .responses import HTTPError, read_body, require_api_key
+from .state import TrackerState, parse_exclude, store_unavailable, tracker_state
 from .store import StoreUnavailable
 
 logger = logging.getLogger(__name__)
@@ -76,6 +78,46 @@ def _refused(exc: RegistryError) -> HTTPError:
     return HTTPError(exc.status, str(exc), error_type, exc.code)
 
 
+def _token_refused(exc: TokenRefused) -> HTTPError:
+    kind = errors.AUTHENTICATION if exc.status == 401 else errors.PERMISSION
+    return HTTPError(exc.status, str(exc), kind, exc.code,
+                     headers={"WWW-Authenticate": "Bearer"} if exc.status == 401 else None)
+
+
+async def require_member(request: Request, state: TrackerState) -> str:
+    """Refuse a request without a node's credential (a valid join token or the mesh secret): 401/403.
+
+    Answers ``"secret"`` or ``"token:<node id>"``. Reads no body.
+    """
+    try:
+        member = await state.trust.member(request.headers.get("authorization"))
+    except TokenRefused as exc:
+        raise _token_refused(exc) from None
+    except StoreUnavailable as exc:
+        raise store_unavailable(str(exc), state.settings.heartbeat_s) from None
+    if member is None:
+        if request.headers.get("authorization"):
+            raise HTTPError(403, "invalid credential", errors.PERMISSION, "invalid_credential")
+        raise HTTPError(401, "missing Authorization header (expected 'Bearer <join token or mesh secret>')",
+                        errors.AUTHENTICATION, "missing_credential", headers={"WWW-Authenticate": "Bearer"})
+    return member
+
+
+async def require_reader(request: Request, state: TrackerState) -> None:
+    """Guard the mesh's layout: with API keys set, an API key, a join token or the mesh secret (401 otherwise)."""
+    if not state.settings.api_keys:
+        return
+    try:
+        require_api_key(request, state.settings.api_keys, also=(state.settings.secret,))
+    except HTTPError:
+        try:
+            member = await state.trust.member(request.headers.get("authorization"))
+        except (TokenRefused, StoreUnavailable):
+            member = None
+        if member is None:
+            raise
+
+
 def _lease(request: Request) -> str | None:
     lease = request.headers.get(LEASE)
     if lease is not None and (not lease.strip() or len(lease) > limits.MAX_ID_CHARS):
@@ -88,12 +130,21 @@ def _lease(request: Request) -> str | None:
 async def register(request: Request) -> JSONResponse:
     """Register a node or take its heartbeat."""
     state = tracker_state(request)
-    require_mesh_secret(request, state.settings.secret)
+    await require_member(request, state)
     try:
         registration = NodeRegistration.model_validate_json(await read_body(request, MAX_REGISTRATION_BYTES))
     except ValidationError as exc:
         state.metrics.registrations.labels("refused").inc()
         raise _invalid(exc) from None
+    try:
+        await state.trust.admit(request.headers.get("authorization"), registration)
+    except TokenRefused as exc:
+        state.metrics.registrations.labels("refused").inc()
+        logger.warning("refused registration of %s from %s: %s", registration.node_id, registration.endpoint, exc)
+        raise _token_refused(exc) from None
+    except StoreUnavailable as exc:
+        state.metrics.registrations.labels("refused").inc()
+        raise store_unavailable(str(exc), state.settings.heartbeat_s) from None
     try:
         registered = await state.store.register(registration, _lease(request), state.now())
     except StoreUnavailable as exc:
@@ -113,7 +164,10 @@ async def register(request: Request) -> JSONResponse:
 async def deregister(node_id: str, request: Request) -> JSONResponse:
     """A node leaves (with its lease): it is listed ``offline`` at once and leaves every new route."""
     state = tracker_state(request)
-    require_mesh_secret(request, state.settings.secret)
+    member = await require_member(request, state)
+    if member.startswith("token:") and member != f"token:{node_id}":
+        raise HTTPError(403, f"this join token is not node {node_id[:limits.MAX_ID_CHARS]!r}'s", errors.PERMISSION,
+                        "token_node_mismatch")
     try:
         await state.store.deregister(node_id, _lease(request), state.now())
     except StoreUnavailable as exc:
@@ -128,7 +182,7 @@ async def deregister(node_id: str, request: Request) -> JSONResponse:
 async def report_failure(node_id: str, request: Request) -> JSONResponse:
     """A caller could not use ``node_id``: put it in backoff."""
     state = tracker_state(request)
-    require_mesh_secret(request, state.settings.secret)
+    await require_member(request, state)
     try:
         report = FailureReport.model_validate_json(await read_body(request, MAX_REGISTRATION_BYTES))
     except ValidationError as exc:
@@ -146,9 +200,9 @@ async def report_failure(node_id: str, request: Request) -> JSONResponse:
                          "state": state.registry.state(node_id, state.now())})
 
 
-def _mesh_view(request: Request) -> dict[str, Any]:
+async def _mesh_view(request: Request) -> dict[str, Any]:
     state = tracker_state(request)
-    require_mesh_reader(request, state.settings.api_keys, state.settings.secret)
+    await require_reader(request, state)
     now = state.now()
     return {
         "nodes": [node.model_dump(mode="json") for node in state.registry.snapshot(now)],
@@ -159,14 +213,14 @@ def _mesh_view(request: Request) -> dict[str, Any]:
 @router.get("/v1/nodes")
 async def list_nodes(request: Request) -> JSONResponse:
     """Who holds what, in which state, under which load; and each model's coverage."""
-    return JSONResponse(_mesh_view(request))
+    return JSONResponse(await _mesh_view(request))
 
 
 @router.get("/v1/mesh")
 async def mesh(request: Request) -> JSONResponse:
     """The mesh at a glance, for the live page: nodes, coverage, and the tracker's clocks."""
     settings = tracker_state(request).settings
-    return JSONResponse({**_mesh_view(request), "node_ttl_s": settings.node_ttl_s,
+    return JSONResponse({**(await _mesh_view(request)), "node_ttl_s": settings.node_ttl_s,
                          "heartbeat_s": settings.heartbeat_s, "offline_keep_s": settings.offline_keep_s})
 
 
@@ -174,12 +228,13 @@ async def mesh(request: Request) -> JSONResponse:
 async def route(request: Request) -> JSONResponse:
     """A signed route for ``model`` that avoids the ``exclude``d nodes."""
     state = tracker_state(request)
-    require_mesh_reader(request, state.settings.api_keys, state.settings.secret)
+    await require_reader(request, state)
     model = request.query_params.get("model")
     if not model:
         raise HTTPError(400, "missing query parameter 'model'", errors.INVALID_REQUEST, "missing_model", "model")
     if len(model) > limits.MAX_URL_CHARS:
         raise HTTPError(400, "model name is too long", errors.INVALID_REQUEST, "bad_model", "model")
     exclude = parse_exclude(request.query_params.getlist("exclude"))
+    await state.trust.ready()
     signed = state.route_for(state.resolve_model(model), exclude)
     return JSONResponse(signed.model_dump(mode="json"))

@@ -125,6 +125,7 @@ async def _proxy(state: TrackerState, model: str, path: str, body: bytes, *, str
     """
     exclude: set[str] = set()
     refused: HeadRefused | None = None
+    await state.trust.ready()
     for attempt in range(ROUTE_ATTEMPTS):
         try:
             route = state.route_for(model, exclude)
@@ -135,7 +136,7 @@ async def _proxy(state: TrackerState, model: str, path: str, body: bytes, *, str
         node_ids = [hop.node_id for hop in route.nodes]
         state.registry.begin_request(node_ids)
         elapsed = first_byte_timer()
-        outcome = await open_head(state.http(), route, path, body, state.settings.secret, progress=stream)
+        outcome = await open_head(state.http(), route, path, body, state.trust.signing_key(), progress=stream)
         if isinstance(outcome, HeadError):
             state.registry.end_request(node_ids)
             raise outcome.error
@@ -198,7 +199,7 @@ async def _continued(state: TrackerState, model: str, path: str, body: bytes, ro
 
     async def reopen(new: SignedRoute, new_body: bytes) -> httpx.Response | HeadRefused | HeadError:
         state.metrics.proxy_retries.inc()
-        return await open_head(state.http(), new, path, new_body, state.settings.secret, progress=True)
+        return await open_head(state.http(), new, path, new_body, state.trust.signing_key(), progress=True)
 
     stream = ContinuedStream(body=body, route_for=route_for, open_head=reopen,
                              on_failed=lambda node_id, reason: _report(state, node_id, reason), on_route=on_route,

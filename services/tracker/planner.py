@@ -69,6 +69,8 @@ class Candidate:
     shard_start: int
     shard_end: int
     relay_addr: str | None = None
+    hop_key: str | None = None
+    """The node's public hop key, named in the route so the next hop can check its frames."""
     active_sessions: int = 0
     """Sessions open on the node (the larger of its report and the tracker's in-flight count)."""
     kv_free_tokens: int = 0
@@ -215,7 +217,7 @@ def plan_route(candidates: Iterable[Candidate], num_layers: int,
         assert candidate is not None  # every boundary but 0 was reached through a hop
         hops.append(RouteNode(node_id=candidate.node_id, endpoint=candidate.endpoint,
                               shard_start=candidate.shard_start, shard_end=candidate.shard_end,
-                              start_layer=start, relay_addr=candidate.relay_addr))
+                              start_layer=start, relay_addr=candidate.relay_addr, hop_key=candidate.hop_key))
         boundary = start
     hops.reverse()
     if len(hops) > max_hops:

@@ -1,7 +1,7 @@
 """Forwarding a front-door request to the head node of its route, and its answer back.
 
 The request that reaches the head is built afresh: the validated JSON body,
-``Content-Type``, the mesh's bearer secret and the tracker's signed route in
+``Content-Type``, the tracker's signature (its route key) and the tracker's signed route in
 ``X-Meshnet-Route``. Nothing else the client sent is passed on, so neither a
 client's ``Authorization`` (its API key) nor a route header it forged ever
 reaches a node.
@@ -32,7 +32,8 @@ from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from meshwire import errors, headers, limits
-from meshwire.auth import bearer_headers
+from meshwire.hop_proof import TRACKER_SIGNER_PREFIX, sign_request
+from meshwire.route_keys import SigningKey
 from meshwire.routes import SignedRoute
 from meshwire.sse import MEDIA_TYPE as SSE_MEDIA_TYPE
 from meshwire.sse import sse_error
@@ -81,19 +82,24 @@ class HeadError:
     error: HTTPError
 
 
-def head_request_headers(route: SignedRoute, secret: str, *, progress: bool = False) -> dict[str, str]:
-    """The only headers a head receives from the tracker (``progress``: token ids in every stream event)."""
-    return {
+def head_request_headers(route: SignedRoute, key: SigningKey, path: str, body: bytes, *,
+                         progress: bool = False) -> dict[str, str]:
+    """The only headers a head receives from the tracker (``progress``: token ids in every stream event).
+
+    The request is signed with the tracker's route key (:mod:`meshwire.hop_proof`), which the head
+    holds from ``GET /v1/keys``: no secret goes to the node.
+    """
+    sent = {
         "Content-Type": "application/json",
         "Accept": "application/json, text/event-stream",
         headers.ROUTE: route.token,
-        **bearer_headers(secret),
         **({headers.PROGRESS: "1"} if progress else {}),
     }
+    return {**sent, **sign_request(key, f"{TRACKER_SIGNER_PREFIX}{key.kid}", path, sent, body)}
 
 
 async def open_head(client: httpx.AsyncClient, route: SignedRoute, path: str, body: bytes,
-                    secret: str, *, progress: bool = False) -> httpx.Response | HeadRefused | HeadError:
+                    key: SigningKey, *, progress: bool = False) -> httpx.Response | HeadRefused | HeadError:
     """Send ``body`` to the head's ``path``; return its streaming response, or why not to use it.
 
     A returned response is a relayable 2xx, open, and must be closed by the
@@ -104,7 +110,7 @@ async def open_head(client: httpx.AsyncClient, route: SignedRoute, path: str, bo
     """
     head = route.nodes[0]
     request = client.build_request("POST", head.endpoint.rstrip("/") + path, content=body,
-                                   headers=head_request_headers(route, secret, progress=progress))
+                                   headers=head_request_headers(route, key, path, body, progress=progress))
     try:
         response = await client.send(request, stream=True)
     except httpx.HTTPError as exc:

@@ -335,6 +335,11 @@ class Registry:
             raise RegistryFull(f"the tracker already holds {self.policy.max_nodes} live nodes")
         del self._entries[min(offline)[1]]
 
+    def lease_of(self, node_id: str) -> str | None:
+        """The lease ``node_id`` is registered under, or ``None`` (for an eviction, see the store)."""
+        entry = self._entries.get(node_id)
+        return None if entry is None else entry.lease
+
     def deregister(self, node_id: str, lease: str | None, now: float) -> None:
         """Mark ``node_id`` offline now (it stays listed for ``offline_keep_s``).
 
@@ -485,7 +490,7 @@ class Registry:
                 continue
             out.append(Candidate(
                 node_id=reg.node_id, endpoint=reg.endpoint, shard_start=reg.shard_start, shard_end=reg.shard_end,
-                relay_addr=reg.relay_addr, active_sessions=max(reg.active_sessions, entry.inflight),
+                relay_addr=reg.relay_addr, hop_key=reg.hop_key, active_sessions=max(reg.active_sessions, entry.inflight),
                 kv_free_tokens=reg.kv_free_tokens, kv_capacity_tokens=reg.kv_capacity_tokens,
                 decode_tokens_per_s=reg.decode_tokens_per_s, backoff=entry.backoff_until > now,
                 failure_age_s=None if entry.last_failure_at is None else now - entry.last_failure_at,

@@ -29,7 +29,9 @@ class TrackerSettings(BaseSettings):
     host: str = "127.0.0.1"
     port: int = Field(DEFAULT_PORT, ge=0, le=65535)
     secret: str = Field(DEFAULT_SECRET, min_length=1)
-    """The mesh's shared secret: authenticates nodes and signs routes."""
+    """The mesh's shared secret: admits nodes that hold no join token (a mesh that issues none)."""
+    admin_key: str = Field("", max_length=1024)
+    """The operator's credential for the admin API (join tokens, key rotation); empty: the admin API is off."""
     api_keys: Annotated[tuple[str, ...], NoDecode, ApiKeyList] = ()
     """Client API keys for the OpenAI front door; empty means the front door is open."""
     key_requests_per_minute: int = Field(0, ge=0, le=1_000_000)
@@ -69,6 +71,10 @@ class TrackerSettings(BaseSettings):
     # --- routes ----------------------------------------------------------------------
     route_ttl_s: float = Field(limits.ROUTE_TTL_S, gt=0, le=86400)
     """Lifetime of a signed route."""
+    route_key_rotate_s: float = Field(7 * 86400.0, ge=0, le=365 * 86400)
+    """Age at which the route-signing key (Ed25519) is replaced by a new one; 0: only when rotated by hand."""
+    route_key_lead_s: float = Field(60.0, ge=0, le=86400)
+    """How long a new route key is published (``GET /v1/keys``) before it signs."""
 
     # --- the OpenAI front door -------------------------------------------------------
     max_body_bytes: int = Field(limits.MAX_REQUEST_BYTES, ge=1024, le=256 * limits.MIB)

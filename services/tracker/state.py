@@ -30,6 +30,7 @@ from .registry import Registry, RegistryPolicy, resolve_model_name
 from .responses import HTTPError
 from .settings import TrackerSettings
 from .store import NodeStore, open_store
+from .trust import NoSigningKey, TrackerTrust
 
 logger = logging.getLogger(__name__)
 
@@ -46,6 +47,7 @@ class TrackerState:
     settings: TrackerSettings
     store: NodeStore
     metrics: TrackerMetrics
+    trust: TrackerTrust
     clock: Callable[[], float] = time.monotonic
     client: httpx.AsyncClient | None = field(default=None)
     """The HTTP client to head nodes; opened and closed by the app's lifespan."""
@@ -64,7 +66,9 @@ class TrackerState:
                                  store_up=lambda: store.available)
         limiter = (store.key_limiter(settings.key_requests_per_minute, settings.key_max_streams)
                    if settings.api_keys else None)
-        return cls(settings=settings, store=store, metrics=metrics, clock=clock, key_limiter=limiter)
+        trust = TrackerTrust(store, secret=settings.secret, route_ttl_s=settings.route_ttl_s,
+                             rotate_s=settings.route_key_rotate_s, lead_s=settings.route_key_lead_s)
+        return cls(settings=settings, store=store, metrics=metrics, trust=trust, clock=clock, key_limiter=limiter)
 
     @property
     def registry(self) -> Registry:
@@ -118,7 +122,11 @@ class TrackerState:
             raise HTTPError(503, str(exc), errors.UNAVAILABLE, "route_too_long", "model") from None
         self.metrics.routes.labels("planned").inc()
         route = Route(model=model, nodes=hops, num_layers=num_layers)
-        return issue_signed_route(route, self.settings.secret, ttl_s=self.settings.route_ttl_s, now=time.time())
+        try:
+            key = self.trust.signing_key()
+        except NoSigningKey as exc:
+            raise store_unavailable(str(exc), self.settings.heartbeat_s) from None
+        return issue_signed_route(route, key, ttl_s=self.settings.route_ttl_s, now=time.time())
 
 
 def store_unavailable(reason: str, retry_after_s: float) -> HTTPError:

@@ -25,8 +25,9 @@ from typing import Final, Protocol
 
 from meshwire.registry import NodeRegistration
 
+from .join_tokens import MAX_TOKENS, JoinTokenRecord
 from .key_limits import KeyLimiter, MemoryKeyLimiter
-from .registry import Registered, Registry, RegistryPolicy
+from .registry import Registered, Registry, RegistryPolicy, UnknownNode
 
 MEMORY: Final = "memory"
 """``MESHNET_STORE`` for a registry in the tracker's own memory."""
@@ -86,6 +87,26 @@ class NodeStore(Protocol):
     def key_limiter(self, requests_per_minute: int, max_streams: int) -> KeyLimiter:
         """Where the API keys' limits are counted: this process (memory), or shared by every tracker (Redis)."""
 
+    async def evict(self, node_id: str, now: float) -> bool:
+        """Take ``node_id`` out of every new route now, lease or not (its join token was revoked)."""
+
+    # --- trust: the route-signing key ring and join tokens (see .trust) ---------------------
+
+    async def read_doc(self, name: str) -> str | None:
+        """A small document the trackers share (the key ring), or ``None``."""
+
+    async def swap_doc(self, name: str, expected: str | None, new: str) -> bool:
+        """Replace document ``name`` with ``new`` if it is still ``expected``; whether it was replaced."""
+
+    async def put_token(self, record: JoinTokenRecord) -> None:
+        """Store (or update) a join token's record."""
+
+    async def get_token(self, token_id: str) -> JoinTokenRecord | None:
+        """A join token's record, or ``None``."""
+
+    async def all_tokens(self) -> list[JoinTokenRecord]:
+        """Every join token's record (at most :data:`~.join_tokens.MAX_TOKENS`)."""
+
 
 class MemoryStore:
     """The registry in this process: every operation is the registry's own, nothing can be away."""
@@ -94,6 +115,8 @@ class MemoryStore:
 
     def __init__(self, policy: RegistryPolicy) -> None:
         self.registry = Registry(policy)
+        self._docs: dict[str, str] = {}
+        self._tokens: dict[str, JoinTokenRecord] = {}
 
     @property
     def available(self) -> bool:
@@ -122,6 +145,36 @@ class MemoryStore:
 
     def key_limiter(self, requests_per_minute: int, max_streams: int) -> KeyLimiter:
         return MemoryKeyLimiter(requests_per_minute, max_streams)
+
+    async def evict(self, node_id: str, now: float) -> bool:
+        lease = self.registry.lease_of(node_id)
+        if lease is None:
+            return False
+        try:
+            self.registry.deregister(node_id, lease, now)
+        except UnknownNode:
+            return False
+        return True
+
+    async def read_doc(self, name: str) -> str | None:
+        return self._docs.get(name)
+
+    async def swap_doc(self, name: str, expected: str | None, new: str) -> bool:
+        if self._docs.get(name) != expected:
+            return False
+        self._docs[name] = new
+        return True
+
+    async def put_token(self, record: JoinTokenRecord) -> None:
+        if record.token_id not in self._tokens and len(self._tokens) >= MAX_TOKENS:
+            raise ValueError(f"the mesh already keeps {MAX_TOKENS} join tokens; revoke and prune some")
+        self._tokens[record.token_id] = record
+
+    async def get_token(self, token_id: str) -> JoinTokenRecord | None:
+        return self._tokens.get(token_id)
+
+    async def all_tokens(self) -> list[JoinTokenRecord]:
+        return list(self._tokens.values())
 
 
 def open_store(url: str, policy: RegistryPolicy, clock: Callable[[], float]) -> NodeStore:

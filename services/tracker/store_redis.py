@@ -11,6 +11,9 @@ Keys (all under :data:`PREFIX`; one Redis database per mesh):
 - ``nodes``: the set of listed ids (bounded by ``max_nodes`` live leases).
 - ``failures:{id}`` and ``backoff:{id}``: a failure run (expires after
   ``failure_reset_s``) and its backoff (expires when the backoff ends).
+- ``doc:{name}`` (the route-signing key ring, see :mod:`.trust`) and
+  ``join_tokens`` (a hash: token id to its record, the secret only hashed):
+  what every tracker of the mesh must agree on to sign routes and admit nodes.
 - ``version`` and ``epoch``: a counter bumped by every change of membership
   or state, and a random id a Redis that restarted empty lacks.
 
@@ -59,6 +62,7 @@ from redis.exceptions import RedisError
 from meshwire.headers import LEASE as LEASE_HEADER
 from meshwire.registry import NodeRegistration
 
+from .join_tokens import MAX_TOKENS, JoinTokenRecord
 from .key_limits import KeyLimiter, RedisKeyLimiter
 from .registry import (
     LEASE_BYTES,
@@ -179,6 +183,15 @@ return {'ok', running}
 """KEYS: node, failures, backoff, version. ARGV: reason, backoff ms, max backoff ms, reset ms, channel, node id."""
 
 
+_SWAP = """
+local cur = redis.call('GET', KEYS[1])
+if (cur or '') ~= ARGV[1] then return 0 end
+redis.call('SET', KEYS[1], ARGV[2])
+return 1
+"""
+"""KEYS: the document. ARGV: the value expected ('' for none), the new value. Compare and set."""
+
+
 def _ms(seconds: float) -> int:
     return max(int(seconds * 1000), 1)
 
@@ -230,6 +243,7 @@ class RedisStore:
         self._register = self._redis.register_script(_REGISTER)
         self._deregister = self._redis.register_script(_DEREGISTER)
         self._failure = self._redis.register_script(_FAILURE)
+        self._swap = self._redis.register_script(_SWAP)
         self._down: str | None = "not connected yet"
         self._epoch: str | None = None
         self._applied = 0
@@ -373,6 +387,49 @@ class RedisStore:
         except (RedisError, OSError) as exc:
             raise StoreUnavailable(f"store {_redact(self.url)} unreachable: {exc}") from None
         return answer
+
+    async def evict(self, node_id: str, now: float) -> bool:
+        lease = await self._command(self._redis.hget(self._key("node", node_id), "lease"))
+        if not lease:
+            return False
+        try:
+            await self.deregister(node_id, lease, now)
+        except (UnknownNode, LeaseRequired):
+            return False
+        return True
+
+    # --- trust ----------------------------------------------------------------------------------------
+
+    async def _command(self, awaitable: Any) -> Any:
+        if self._down is not None:
+            raise StoreUnavailable(self._down)
+        try:
+            return await awaitable
+        except (RedisError, OSError) as exc:
+            raise StoreUnavailable(f"store {_redact(self.url)} unreachable: {exc}") from None
+
+    async def read_doc(self, name: str) -> str | None:
+        value = await self._command(self._redis.get(self._key("doc", name)))
+        return value or None
+
+    async def swap_doc(self, name: str, expected: str | None, new: str) -> bool:
+        answer = await self._call(self._swap, [self._key("doc", name)], [expected or "", new])
+        return bool(int(answer))  # type: ignore[call-overload]
+
+    async def put_token(self, record: JoinTokenRecord) -> None:
+        key = self._key("join_tokens")
+        known = await self._command(self._redis.hexists(key, record.token_id))
+        if not known and int(await self._command(self._redis.hlen(key))) >= MAX_TOKENS:
+            raise ValueError(f"the mesh already keeps {MAX_TOKENS} join tokens; revoke and prune some")
+        await self._command(self._redis.hset(key, record.token_id, record.model_dump_json()))
+
+    async def get_token(self, token_id: str) -> JoinTokenRecord | None:
+        raw = await self._command(self._redis.hget(self._key("join_tokens"), token_id))
+        return None if not raw else JoinTokenRecord.parse(raw)
+
+    async def all_tokens(self) -> list[JoinTokenRecord]:
+        raw = await self._command(self._redis.hvals(self._key("join_tokens")))
+        return [record for text in raw[:MAX_TOKENS] if (record := JoinTokenRecord.parse(text)) is not None]
 
     # --- reads -------------------------------------------------------------------------------------
 
