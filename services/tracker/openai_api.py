@@ -43,7 +43,7 @@ from meshwire.routes import SignedRoute
 from .collect import as_streamed
 from .collect import collect as collected
 from .continuation import ContinuedStream
-from .proxy import HeadError, HeadRefused, ProxiedResponse, first_byte_timer, open_head
+from .proxy import HeadError, HeadRefused, PrefillOffer, ProxiedResponse, first_byte_timer, open_head
 from .registry import UnknownNode
 from .responses import HTTPError, read_body, require_api_key
 from .state import TrackerState, tracker_state
@@ -122,7 +122,8 @@ async def _proxy(state: TrackerState, model: str, path: str, body: bytes, *, str
         node_ids = [hop.node_id for hop in route.nodes]
         state.registry.begin_request(node_ids)
         elapsed = first_byte_timer()
-        outcome = await open_head(state.http(), route, path, body, state.settings.secret, progress=stream)
+        outcome = await open_head(state.http(), route, path, body, state.settings.secret, progress=stream,
+                                  prefill=_prefill_offer(state, model))
         if isinstance(outcome, HeadError):
             state.registry.end_request(node_ids)
             raise outcome.error
@@ -186,6 +187,12 @@ async def _continued(state: TrackerState, model: str, path: str, body: bytes, ro
             on_close()
     return ProxiedResponse(upstream, on_broken=lambda _: None, on_close=on_close,
                            body=stream.events(upstream, route))
+
+
+def _prefill_offer(state: TrackerState, model: str) -> PrefillOffer | None:
+    """A prefill route for the head to prefill a long prompt along, when the mesh has a ready prefill group."""
+    route = state.prefill_route_for(model)
+    return None if route is None else PrefillOffer(route, state.settings.pd_min_prompt_tokens)
 
 
 def _report(state: TrackerState, node_id: str, reason: str) -> None:

@@ -81,19 +81,34 @@ class HeadError:
     error: HTTPError
 
 
-def head_request_headers(route: SignedRoute, secret: str, *, progress: bool = False) -> dict[str, str]:
-    """The only headers a head receives from the tracker (``progress``: token ids in every stream event)."""
-    return {
+@dataclass(frozen=True)
+class PrefillOffer:
+    """A prefill route the head may prefill a long prompt along, and from which prompt length."""
+
+    route: SignedRoute
+    min_prompt_tokens: int
+
+
+def head_request_headers(route: SignedRoute, secret: str, *, progress: bool = False,
+                         prefill: PrefillOffer | None = None) -> dict[str, str]:
+    """The only headers a head receives from the tracker (``progress``: token ids in every stream event;
+    ``prefill``: a prefill route for a prompt of at least its ``min_prompt_tokens``)."""
+    out = {
         "Content-Type": "application/json",
         "Accept": "application/json, text/event-stream",
         headers.ROUTE: route.token,
         **bearer_headers(secret),
         **({headers.PROGRESS: "1"} if progress else {}),
     }
+    if prefill is not None:
+        out[headers.PREFILL_ROUTE] = prefill.route.token
+        out[headers.PD_MIN_PROMPT_TOKENS] = str(prefill.min_prompt_tokens)
+    return out
 
 
 async def open_head(client: httpx.AsyncClient, route: SignedRoute, path: str, body: bytes,
-                    secret: str, *, progress: bool = False) -> httpx.Response | HeadRefused | HeadError:
+                    secret: str, *, progress: bool = False,
+                    prefill: PrefillOffer | None = None) -> httpx.Response | HeadRefused | HeadError:
     """Send ``body`` to the head's ``path``; return its streaming response, or why not to use it.
 
     A returned response is a relayable 2xx, open, and must be closed by the
@@ -104,7 +119,8 @@ async def open_head(client: httpx.AsyncClient, route: SignedRoute, path: str, bo
     """
     head = route.nodes[0]
     request = client.build_request("POST", head.endpoint.rstrip("/") + path, content=body,
-                                   headers=head_request_headers(route, secret, progress=progress))
+                                   headers=head_request_headers(route, secret, progress=progress,
+                                                                prefill=prefill))
     try:
         response = await client.send(request, stream=True)
     except httpx.HTTPError as exc:

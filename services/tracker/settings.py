@@ -65,6 +65,9 @@ class TrackerSettings(BaseSettings):
     # --- routes ----------------------------------------------------------------------
     route_ttl_s: float = Field(limits.ROUTE_TTL_S, gt=0, le=86400)
     """Lifetime of a signed route."""
+    pd_min_prompt_tokens: int = Field(256, ge=1, le=1 << 20)
+    """A prompt at least this long is prefilled on the mesh's prefill nodes (``--role prefill``) and decoded
+    on the others, when the mesh has a complete prefill group; shorter prompts take the plain route."""
 
     # --- the OpenAI front door -------------------------------------------------------
     max_body_bytes: int = Field(limits.MAX_REQUEST_BYTES, ge=1024, le=256 * limits.MIB)
