@@ -37,6 +37,7 @@ from meshwire.frames import (
     parse_int_header,
     parse_position_ids,
 )
+from meshwire.kv_handoff import HANDOFF_FROM, HOLD, HandoffSource
 from meshwire.limits import MAX_HEADER_VALUE_CHARS, MAX_LAYERS, MAX_ROUTE_HOPS
 from meshwire.sampling_params import SamplingParams, TokenLogprobs
 
@@ -88,6 +89,10 @@ class StepInfo:
     """The ``X-Meshnet-Sampling`` JSON, passed along unread; only the tail parses it (:meth:`sampling_params`)."""
     sample_draws: int | None = None
     """On a failover replay: draws the session's sampler has already made."""
+    hold: bool = False
+    """On a prefill route: keep the session's KV for a handoff once its prompt ran (``X-Meshnet-Handoff-Hold``)."""
+    handoff: HandoffSource | None = None
+    """On a decode route's first frame: where the prompt's KV is held, to pull before the step."""
 
     def headers(self) -> dict[str, str]:
         """The headers that carry this step, besides the frame's own."""
@@ -104,6 +109,10 @@ class StepInfo:
             out[h.SAMPLING] = self.sampling
         if self.sample_draws is not None:
             out[h.SAMPLE_DRAWS] = str(self.sample_draws)
+        if self.hold:
+            out[HOLD] = "1"
+        if self.handoff is not None:
+            out[HANDOFF_FROM] = self.handoff.header()
         return out
 
     def for_next_hop(self, start_layer: int) -> StepInfo:
@@ -205,6 +214,10 @@ def _step_info(headers: Mapping[str, str], address: HopAddress, tokens: int) -> 
         raise FrameError("bad_header", f"{h.SAMPLING} is too long")
     reserve = get_header(headers, h.RESERVE)
     draws = get_header(headers, h.SAMPLE_DRAWS)
+    hold = get_header(headers, HOLD)
+    if hold is not None and hold.strip() != "1":
+        raise FrameError("bad_header", f"{HOLD} must be 1 when given")
+    handoff = get_header(headers, HANDOFF_FROM)
     return StepInfo(
         route_token=address.route_token,
         hop_index=address.hop_index,
@@ -216,6 +229,8 @@ def _step_info(headers: Mapping[str, str], address: HopAddress, tokens: int) -> 
         sampling=sampling,
         sample_draws=None if draws is None else parse_int_header(h.SAMPLE_DRAWS, draws, minimum=0,
                                                                  maximum=MAX_SAMPLE_DRAWS),
+        hold=hold is not None,
+        handoff=None if handoff is None else HandoffSource.parse(handoff),
     )
 
 

@@ -57,6 +57,8 @@ HANDOFF_FROM: Final = "X-Meshnet-Handoff-From"
 """On a decode route's first frame: where its prompt's KV is held (:class:`HandoffSource`)."""
 KV_LAYERS: Final = "X-Meshnet-KV-Layers"
 """On a pull: the layers wanted, ``A-B`` inclusive."""
+KV_CHUNK_POSITIONS: Final = "X-Meshnet-KV-Chunk-Positions"
+"""On a pull: positions per chunk (whole pages); chunk ``i`` is positions ``i*P..(i+1)*P-1``."""
 KV_POSITIONS: Final = "X-Meshnet-KV-Positions"
 """On a pull's answer: the positions held in all (the chunks together)."""
 
