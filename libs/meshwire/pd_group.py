@@ -48,7 +48,8 @@ class PrefillAssignment(BaseModel):
     pp_size: Annotated[int, Field(ge=1, le=MAX_ROUTE_HOPS)]
     dp_group: Annotated[int, Field(ge=0)]
     stage: Annotated[int, Field(ge=0)]
-    stages: Annotated[tuple[tuple[int, int], ...], AsTuple, Field(min_length=1, max_length=MAX_ROUTE_HOPS)]
+    stages: Annotated[tuple[Annotated[tuple[int, int], AsTuple], ...], AsTuple,
+                      Field(min_length=1, max_length=MAX_ROUTE_HOPS)]
     """Each stage's layers ``(first, last)`` inclusive, stage 0 first."""
 
 

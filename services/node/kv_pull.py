@@ -209,7 +209,11 @@ class KvPuller:
         headers = {**bearer_headers(self._secret), h.WIRE: h.WIRE_VERSION, h.SESSION: source.session,
                    KV_LAYERS: format_layers(stage.first, stage.last), h.CHUNK_INDEX: str(index),
                    KV_CHUNK_POSITIONS: str(per_chunk)}
-        limit = self._max_chunk_bytes + MAX_PULL_ANSWER_EXTRA
+        nbytes = 1
+        for dim in expected:
+            nbytes *= dim
+        nbytes *= self.shape.itemsize
+        limit = nbytes + MAX_PULL_ANSWER_EXTRA
         try:
             async with self._http.stream("POST", f"{stage.url}{PULL_PATH}", headers=headers) as response:
                 body = bytearray()
@@ -225,7 +229,7 @@ class KvPuller:
             raise HandoffFailed("pull_refused", f"prefill stage {stage.stage} refused the pull: HTTP {status} "
                                                 f"{bytes(body[:300]).decode('utf-8', 'replace')}")
         try:
-            frame = decode_frame(answer_headers, bytes(body), FrameLimits(max_bytes=self._max_chunk_bytes))
+            frame = decode_frame(answer_headers, bytes(body), FrameLimits(max_bytes=nbytes))
         except FrameError as exc:
             raise HandoffFailed("bad_chunk", f"a KV chunk from stage {stage.stage} is not a frame: {exc}") from None
         if (tuple(frame.tensor.shape) != expected or frame.chunk_index != index or frame.chunk_total != total
