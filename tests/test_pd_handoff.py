@@ -116,7 +116,7 @@ def plain_chat(mesh: PdMesh, messages: list[dict[str, str]], sampling: dict[str,
 
 def counters(mesh: PdMesh) -> dict[str, dict[str, float]]:
     out: dict[str, dict[str, float]] = {}
-    for name in mesh.nodes:
+    for name in (name for name, service in mesh.nodes.items() if service.alive()):
         out[name] = {
             "positions": mesh.metric(name, "meshnet_node_positions_computed_total"),
             "handoff": mesh.metric(name, "meshnet_node_pd_requests_total", outcome="handoff"),

@@ -4,6 +4,7 @@ and the bootstrap registry (a real process) accepting a prefill group and refusi
 from __future__ import annotations
 
 import asyncio
+import socket
 from collections.abc import Iterator
 
 import httpx
@@ -188,3 +189,35 @@ def test_prefill_nodes_register_their_group_and_a_node_of_another_layout_is_refu
 def test_a_rank_address_is_the_host_and_port_the_node_is_reached_at() -> None:
     assert rank_address("http://10.0.0.5:8101") == ("10.0.0.5", 8101)
     assert rank_address("https://node.example") == ("node.example", 443)
+
+
+def test_a_pull_from_a_prefill_node_that_never_answers_times_out_as_a_handoff_failure(bootstrap: Service) -> None:
+    """A rank that accepts the connection and never answers: the pull gives up after its timeout (the decode
+    route then prefills itself). Runs after the registration test, whose layout and placement it reuses."""
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(8)
+    port = silent.getsockname()[1]
+    sizes = httpx.get(f"{bootstrap.url}/route", params={"engine_rank": -1, "target_dp_group": -1}).json()
+    registration = {"role": "Prefill", "world_size": 2, "dp_size": 1, "rank_ip": "127.0.0.1", "rank_port": port,
+                    "engine_rank": 0, "pp_size": sizes["prefill_pp_size"], "cache_layout": sizes["cache_layout"],
+                    "cache_fields_by_stage": sizes["cache_fields_by_stage"]}
+    assert httpx.put(f"{bootstrap.url}/route", json=registration).status_code == 200
+
+    async def pull() -> HandoffFailed:
+        async with httpx.AsyncClient() as http:
+            puller = KvPuller(http=http, secret="s", bootstrap_url=bootstrap.url, shape=F32,
+                              max_chunk_bytes=1 << 20, timeout_s=1.0)
+            try:
+                await puller.pull_into(None, HandoffSource("s-x", 0, 40), 0, 1, "cpu")  # type: ignore[arg-type]
+            except HandoffFailed as exc:
+                return exc
+            finally:
+                await puller.aclose()
+        raise AssertionError("the pull did not fail")
+
+    try:
+        failure = asyncio.run(pull())
+    finally:
+        silent.close()
+    assert failure.reason == "timeout"
