@@ -27,6 +27,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, P
 from meshwire import headers as h
 from meshwire.kv_handoff import KV_CHUNK_POSITIONS, KV_LAYERS, PREFILL_PATH, PULL_PATH
 from meshwire.routes import Route, RouteNode, issue_signed_route
+from services.node.kv_pull import LAYOUT_CACHE_S
 from tests.pd_mesh import AUTH, PD_MIN_PROMPT_TOKENS, PdMesh, start_pd_mesh, wait_for
 from tests.procs import TEST_SECRET, free_port, start_service, wait_healthy
 
@@ -285,6 +286,47 @@ def test_a_prefill_stage_unreachable_when_decode_pulls_falls_back_and_the_answer
     finally:
         registration["rank_port"] = mesh.nodes[name].port
         assert httpx.put(f"{mesh.bootstrap.url}/route", json=registration).status_code == 200
+
+
+def test_a_registry_holding_another_layout_is_refused_with_its_reason_and_the_decode_route_prefills(
+        mesh: PdMesh, reference: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> None:
+    """The registry restarted and a group whose KV is bfloat16 registered first: the decode head refuses that
+    layout (saying why), the decode route prefills the prompt itself, and the answer is exact."""
+    params = {"engine_rank": -1, "target_dp_group": -1}
+    sizes = httpx.get(f"{mesh.bootstrap.url}/route", params=params).json()
+    ranks = [httpx.get(f"{mesh.bootstrap.url}/route", params={"engine_rank": stage, "target_dp_group": 0}).json()
+             for stage in range(sizes["prefill_pp_size"])]
+
+    def registrations(layout: str) -> list[dict[str, Any]]:
+        return [{"role": "Prefill", "world_size": sizes["prefill_tp_size"], "dp_size": sizes["prefill_dp_size"],
+                 "engine_rank": stage, "pp_size": sizes["prefill_pp_size"], "cache_layout": layout,
+                 "cache_fields_by_stage": sizes["cache_fields_by_stage"], **rank} for stage, rank in enumerate(ranks)]
+
+    def restart_registry(layout: str) -> None:
+        port = mesh.bootstrap.port
+        mesh.bootstrap.stop()
+        mesh.bootstrap = start_service("bootstrap", {"MESHNET_REGISTRY": "cache-layouts"}, port=port)
+        for registration in registrations(layout):
+            assert httpx.put(f"{mesh.bootstrap.url}/route", json=registration).status_code == 200
+        time.sleep(LAYOUT_CACHE_S + 1)  # decode nodes ask the registry again once their copy is this old
+
+    bf16 = orjson.loads(sizes["cache_layout"])
+    for field in bf16["plan"]["fields"]:
+        field["dtype"] = "bfloat16"
+    head = mesh.extra["decode"][0]
+    restart_registry(orjson.dumps(bf16).decode())
+    try:
+        want_text, want_tokens, _ = expected(reference, tokenizer, LONG, None)
+        before = counters(mesh)
+        assert chat(mesh, LONG, None) == (want_text, want_tokens)
+        after = counters(mesh)
+        assert delta(after, before, head, "fallback") == 1 and delta(after, before, head, "handoff") == 0
+        assert all(delta(after, before, name, "positions") == 0 for name in mesh.extra["prefill"])
+        assert mesh.metric(head, "meshnet_node_pd_fallbacks_total", reason="layout_mismatch") == 1
+        assert ("refusing the prefill group's KV: the prefill group keeps KV with dtype bfloat16, this node with "
+                "dtype float32") in mesh.nodes[head].log()
+    finally:
+        restart_registry(sizes["cache_layout"])
 
 
 def test_a_dead_prefill_node_leaves_the_decode_route_to_prefill_and_the_answer_is_exact(
