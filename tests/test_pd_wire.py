@@ -27,8 +27,10 @@ from meshwire.kv_handoff import (
 from meshwire.pd_group import PrefillMember, plan_prefill_group
 from meshwire.registry import RegistrationAnswer
 from services.bootstrap.layout import check_placement_covers, parse_layout_wire
+from services.node.handoff_limits import HandoffLimits
 from services.node.kv_pull import HandoffFailed, KvPuller
 from services.node.pd_member import PrefillMembership, rank_address
+from services.node.sessions import SessionRefused, SessionTable
 from services.tracker.pd_routes import plan_prefill_route
 from services.tracker.planner import Candidate
 from services.tracker.state import _plan_decode_route
@@ -221,3 +223,42 @@ def test_a_pull_from_a_prefill_node_that_never_answers_times_out_as_a_handoff_fa
     finally:
         silent.close()
     assert failure.reason == "timeout"
+
+
+# --- the held handoffs on a prefill node ----------------------------------------------------------------------------
+
+
+class _Cache:
+    def __init__(self, tokens: int, nbytes: int) -> None:
+        self.seq_len = tokens
+        self._nbytes = nbytes
+
+    def nbytes(self) -> int:
+        return self._nbytes
+
+
+def test_held_handoffs_are_counted_bounded_and_freed_by_the_sweeper_after_their_ttl() -> None:
+    now = [100.0]
+    table = SessionTable(kv_budget_tokens=10_000, max_sessions=16, idle_timeout_s=300, clock=lambda: now[0],
+                         handoff_ttl_s=10)
+    expired: list[int] = []
+    table.on_handoff_expired = expired.append
+    limits = HandoffLimits(max_held=2, max_bytes=1000, position_bytes=1)
+    held = table.open("s-a", 10, _Cache(10, 400))
+    table.hold(held)
+    limits.check_room(table, 10, 4)
+    other = table.open("s-b", 10, _Cache(10, 500))
+    other.hold = True  # being prefilled: counted already, not yet held (no TTL)
+    assert table.handoffs == 2 and table.handoff_bytes() == 900
+    with pytest.raises(SessionRefused):
+        limits.check_room(table, 1, 1)  # two held: the count bound
+    table.close("s-b")
+    with pytest.raises(SessionRefused):
+        limits.check_room(table, 200, 4)  # 400 held + 800 > 1000: the byte bound
+    assert table.sweep_interval_s() == 2.5
+    now[0] += 9.9
+    table.sweep()
+    assert "s-a" in table and expired == []
+    now[0] += 0.2
+    table.sweep()
+    assert "s-a" not in table and expired == [1] and table.handoffs == 0
