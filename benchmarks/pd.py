@@ -53,23 +53,28 @@ RESULTS = Path(__file__).resolve().parent / "results" / "pd.json"
 
 
 def long_prompt(tokens: int) -> list[dict[str, str]]:
-    """A user message of about ``tokens`` tokens (the paragraph is about 40 tokens)."""
-    return [{"role": "user", "content": PARAGRAPH * max(1, tokens // 40) + "Summarise the story."}]
+    """A user message of about ``tokens`` tokens (the paragraph is about 33.7 tokens of SmolLM2's tokenizer)."""
+    return [{"role": "user", "content": PARAGRAPH * max(1, round(tokens / 33.7)) + "Summarise the story."}]
 
 
 async def stream(client: httpx.AsyncClient, url: str, model: str, messages: list[dict[str, str]], max_tokens: int,
-                 headers: dict[str, str] | None = None) -> tuple[float, list[float]]:
-    """One streamed chat: (time to first token, arrival time of every content chunk)."""
-    body = {"model": model, "messages": messages, "max_tokens": max_tokens, "stream": True, "temperature": 0}
+                 headers: dict[str, str] | None = None) -> tuple[float, list[float], int]:
+    """One streamed chat: (time to first token, arrival time of every content chunk, prompt tokens)."""
+    body = {"model": model, "messages": messages, "max_tokens": max_tokens, "stream": True, "temperature": 0,
+            "stream_options": {"include_usage": True}}
     began = time.perf_counter()
     arrivals: list[float] = []
+    prompt_tokens = 0
     async with client.stream("POST", f"{url}/v1/chat/completions", content=orjson.dumps(body),
                              headers={"Content-Type": "application/json", **(headers or {})}) as response:
         response.raise_for_status()
         async for line in response.aiter_lines():
             if line.startswith("data: {") and '"content"' in line:
                 arrivals.append(time.perf_counter())
-    return (arrivals[0] - began if arrivals else float("nan")), arrivals
+            elif line.startswith("data: {") and '"usage"' in line:
+                usage = orjson.loads(line[6:]).get("usage") or {}
+                prompt_tokens = int(usage.get("prompt_tokens") or 0)
+    return (arrivals[0] - began if arrivals else float("nan")), arrivals, prompt_tokens
 
 
 async def phase(name: str, tracker: str, decode: str, model: str, seconds: float, long_tokens: int | None,
@@ -77,25 +82,28 @@ async def phase(name: str, tracker: str, decode: str, model: str, seconds: float
     """Four streams for ``seconds`` (restarted as they end), long prompts arriving meanwhile (if any)."""
     gaps: list[float] = []
     ttfts: list[float] = []
+    prompt_tokens: list[int] = []
     deadline = time.perf_counter() + seconds
     async with httpx.AsyncClient(timeout=600) as client:
         async def streamer() -> None:
             while time.perf_counter() < deadline:
-                _, arrivals = await stream(client, tracker, model, SHORT, STREAM_TOKENS)
+                _, arrivals, _ = await stream(client, tracker, model, SHORT, STREAM_TOKENS)
                 gaps.extend(b - a for a, b in itertools.pairwise(arrivals))
 
         async def prompter() -> None:
             assert long_tokens is not None
             while time.perf_counter() < deadline:
                 url, headers = (tracker, None) if pd else (decode, AUTH)
-                ttft, _ = await stream(client, url, model, long_prompt(long_tokens), 4, headers)
+                ttft, _, tokens = await stream(client, url, model, long_prompt(long_tokens), 4, headers)
                 ttfts.append(ttft)
+                prompt_tokens.append(tokens)
 
         tasks = [streamer() for _ in range(STREAMS)] + ([prompter()] if long_tokens else [])
         await asyncio.gather(*tasks)
     ms = sorted(g * 1000 for g in gaps)
     out = {"phase": name, "gaps": len(ms), "tbt_p50_ms": _pct(ms, 50), "tbt_p99_ms": _pct(ms, 99),
-           "long_prompts": len(ttfts), "ttft_median_s": statistics.median(ttfts) if ttfts else None}
+           "long_prompts": len(ttfts), "long_prompt_tokens": sum(prompt_tokens),
+           "ttft_s": [round(t, 2) for t in ttfts], "ttft_median_s": statistics.median(ttfts) if ttfts else None}
     print(json.dumps(out), file=sys.stderr, flush=True)
     return out
 
@@ -110,7 +118,8 @@ def metrics(url: str) -> dict[str, float]:
     out: dict[str, float] = {}
     for family in text_string_to_metric_families(httpx.get(f"{url}/metrics").text):
         for sample in family.samples:
-            if sample.name.startswith(("meshnet_node_kv_pull", "meshnet_node_pd_")) and not sample.labels.get("le"):
+            if (sample.name.startswith(("meshnet_node_kv_pull", "meshnet_node_pd_")) and not sample.labels.get("le")
+                    and not sample.name.endswith("_created")):
                 key = sample.name + "".join(f"{{{k}={v}}}" for k, v in sorted(sample.labels.items()))
                 out[key] = float(sample.value)
     return out
@@ -159,8 +168,7 @@ def main() -> int:
                    asyncio.run(phase("PD", tracker.url, decode.url, model, args.seconds, args.long_tokens, True))]
         after = metrics(decode.url)
         pulled = {k: after.get(k, 0) - before.get(k, 0) for k in after}
-        pd_prompts = results[2]["long_prompts"]
-        prompt_tokens = pd_prompts * args.long_tokens
+        prompt_tokens = results[2]["long_prompt_tokens"]
         summary = {
             "machine_load_at_start": load, "model": model, "long_tokens": args.long_tokens,
             "phases": results, "decode_node_metrics_delta": pulled,
