@@ -123,3 +123,37 @@ def test_chat_against_no_mesh_says_it_cannot_reach_it() -> None:
     result = run_cli("chat", "--url", f"http://127.0.0.1:{free_port()}", "hello")
     assert result.returncode == 1
     assert "cannot reach" in result.stderr
+
+
+def test_up_with_prefill_nodes_wires_them_to_the_bootstrap_registry_and_long_prompts_use_them(
+        tiny_model_dir: Path) -> None:
+    ports = [free_port() for _ in range(3)] + [free_ports_in_a_row(2)]
+    up = UpProcess(["--model", str(tiny_model_dir), "--nodes", "1", "--prefill-nodes", "1", "--dtype", "float32",
+                    "--port", str(ports[0]), "--relay-port", str(ports[1]), "--bootstrap-port", str(ports[2]),
+                    "--node-port", str(ports[3])])
+    base, auth = f"http://127.0.0.1:{ports[0]}", {"Authorization": "Bearer meshnet-dev-secret"}
+    try:
+        up.wait_for("meshnet is up", UP_READY_TIMEOUT_S)
+        deadline = time.monotonic() + UP_READY_TIMEOUT_S
+        nodes: dict[str, dict[str, object]] = {}
+        while time.monotonic() < deadline:
+            nodes = {n["node_id"]: n for n in httpx.get(f"{base}/v1/nodes", headers=auth).json()["nodes"]}
+            if nodes.get("prefill-0", {}).get("pd_rank") == 0:
+                break
+            time.sleep(0.5)
+        assert {name: node["role"] for name, node in nodes.items()} == {"node-0": "decode", "prefill-0": "prefill"}
+        assert nodes["prefill-0"]["pd_rank"] == 0
+        sizes = httpx.get(f"http://127.0.0.1:{ports[2]}/route", params={"engine_rank": -1, "target_dp_group": -1})
+        assert sizes.json()["prefill_pp_size"] == 1 and sizes.json()["cache_layout"]
+        client = OpenAI(base_url=f"{base}/v1", api_key="unused")
+        model = client.models.list().data[0].id
+        long = "the river and the mill " * 60  # over the tracker's default 256 prompt tokens
+        answer = client.chat.completions.create(model=model, messages=[{"role": "user", "content": long}],
+                                                max_tokens=4, temperature=0)
+        assert answer.choices[0].finish_reason in ("stop", "length")
+        metrics = httpx.get(str(nodes["node-0"]["endpoint"]) + "/metrics").text
+        assert 'meshnet_node_pd_requests_total{outcome="handoff"} 1.0' in metrics
+    finally:
+        if up.proc.poll() is None:
+            up.proc.kill()
+            up.proc.wait()

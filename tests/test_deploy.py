@@ -20,7 +20,7 @@ from tests.procs import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 COMPOSE = ROOT / "deploy" / "docker-compose.yml"
-EXPECTED_SERVICES = {"tracker", "relay", "bootstrap", "node-0", "node-1", "redis", "tracker-b", "gateway"}
+EXPECTED_SERVICES = {"tracker", "relay", "bootstrap", "node-0", "node-1", "prefill-0", "redis", "tracker-b", "gateway"}
 NOT_MESHNET = {"redis", "gateway"}
 """The `ha` profile's Redis and HAProxy: they run no meshnet service, so they take no mesh secret."""
 

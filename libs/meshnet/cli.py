@@ -1,6 +1,6 @@
 """The `meshnet` command line.
 
-    meshnet up        [--model M] [--nodes N] [--port 8000] [--dtype D]
+    meshnet up        [--model M] [--nodes N] [--prefill-nodes N] [--port 8000] [--dtype D]
     meshnet tracker   [--host H] [--port P]
     meshnet node      --model M --layers A-B --tracker URL[,URL2...] [--host H] [--port P] [--relay URL] [--dtype D] [--device D]
     meshnet relay     [--host H] [--port P]

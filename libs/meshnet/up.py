@@ -46,6 +46,9 @@ class UpSettings(BaseSettings):
 
     model: str = Field(DEFAULT_MODEL, description="a local model folder or a model name")
     nodes: int = Field(2, ge=1, le=MAX_NODES, description="how many nodes split the model's layers")
+    prefill_nodes: int = Field(0, ge=0, le=MAX_NODES, description="prefill nodes (--role prefill) splitting the "
+                                                                   "layers beside the others, which then decode; "
+                                                                   "0: none")
     port: int = Field(8000, ge=1, le=65535, description="the tracker's port (the OpenAI base URL)")
     dtype: str = Field("auto", description="auto, float32, bfloat16 or float16")
     device: str = Field("auto", description="auto, cpu or cuda[:N]")
@@ -158,7 +161,7 @@ def run_up(settings: UpSettings, log_level: str = "info") -> int:
     except exposure.UnsafeSecret as exc:
         print(f"meshnet up: {exc}", file=sys.stderr)
         return 2
-    node_ports = [settings.node_port + i for i in range(settings.nodes)]
+    node_ports = [settings.node_port + i for i in range(settings.nodes + settings.prefill_nodes)]
     wanted = {"--port": settings.port, "--relay-port": settings.relay_port,
               "--bootstrap-port": settings.bootstrap_port, **{f"node {i}": p for i, p in enumerate(node_ports)}}
     taken = [f"{what} {port}" for what, port in wanted.items() if not _port_free(settings.host, port)]
@@ -168,8 +171,9 @@ def run_up(settings: UpSettings, log_level: str = "info") -> int:
         return 2
 
     model_path, num_layers = _prepare_model(settings)
-    if settings.nodes > num_layers:
-        print(f"meshnet up: {settings.nodes} nodes cannot split {num_layers} layers", file=sys.stderr)
+    if max(settings.nodes, settings.prefill_nodes) > num_layers:
+        print(f"meshnet up: {max(settings.nodes, settings.prefill_nodes)} nodes cannot split {num_layers} layers",
+              file=sys.stderr)
         return 2
 
     host = settings.host
@@ -186,15 +190,22 @@ def run_up(settings: UpSettings, log_level: str = "info") -> int:
                                          "--tracker", base], env,
                                relay_url, log_level))
         boot_url = f"http://{host}:{settings.bootstrap_port}"
+        registry = ["--registry", "cache-layouts"] if settings.prefill_nodes else []
         children.append(_spawn("bootstrap", ["bootstrap", "--host", host, "--port", str(settings.bootstrap_port),
-                                             "--no-access-log"],
+                                             "--no-access-log", *registry],
                                env, boot_url, log_level))
         _wait(children, lambda: all(_healthy(c.url) for c in children), "the tracker, relay and bootstrap")
-        for index, ((first, last), port) in enumerate(zip(split_layers(num_layers, settings.nodes), node_ports)):
+        pd = ["--bootstrap", boot_url] if settings.prefill_nodes else []
+        plan = [(f"node-{i}", r, ["--role", "decode", *pd] if pd else [])
+                for i, r in enumerate(split_layers(num_layers, settings.nodes))]
+        if settings.prefill_nodes:
+            plan += [(f"prefill-{i}", r, ["--role", "prefill", *pd])
+                     for i, r in enumerate(split_layers(num_layers, settings.prefill_nodes))]
+        for (name, (first, last), extra), port in zip(plan, node_ports, strict=True):
             args = ["node", "--model", settings.model, "--layers", f"{first}-{last}", "--tracker", base,
                     "--host", host, "--port", str(port), "--dtype", settings.dtype, "--device", settings.device,
-                    "--node-id", f"node-{index}"]
-            children.append(_spawn(f"node-{index} (layers {first}-{last})", args, env, f"http://{host}:{port}",
+                    "--node-id", name, *extra]
+            children.append(_spawn(f"{name} (layers {first}-{last})", args, env, f"http://{host}:{port}",
                                    log_level))
 
         def model_listed() -> bool:

@@ -39,6 +39,7 @@ from meshwire.frames import (
     parse_int_header,
     parse_position_ids,
 )
+from meshwire.kv_handoff import HANDOFF_FROM, HOLD, HandoffSource
 from meshwire.limits import MAX_HEADER_VALUE_CHARS, MAX_LAYERS, MAX_ROUTE_HOPS
 from meshwire.sampling_params import MAX_REPLAY_IDS_PER_FRAME, MAX_TOP_LOGPROBS, SamplingParams, TokenLogprobs
 
@@ -115,6 +116,10 @@ class StepInfo:
     """On a replayed frame of a grammar-constrained session: the generated token ids among its positions."""
     score: Scoring | None = None
     """On a prompt frame whose tokens' log-probabilities the tail must report."""
+    hold: bool = False
+    """On a prefill route: keep the session's KV for a handoff once its prompt ran (``X-Meshnet-Handoff-Hold``)."""
+    handoff: HandoffSource | None = None
+    """On a decode route's first frame: where the prompt's KV is held, to pull before the step."""
 
     def headers(self) -> dict[str, str]:
         """The headers that carry this step, besides the frame's own."""
@@ -135,6 +140,10 @@ class StepInfo:
             out[h.SAMPLE_IDS] = encode_ids(self.sample_ids)
         if self.score is not None and self.score.ids:
             out[h.SCORE] = self.score.header()
+        if self.hold:
+            out[HOLD] = "1"
+        if self.handoff is not None:
+            out[HANDOFF_FROM] = self.handoff.header()
         return out
 
     def for_next_hop(self, start_layer: int) -> StepInfo:
@@ -238,6 +247,10 @@ def _step_info(headers: Mapping[str, str], address: HopAddress, tokens: int) -> 
     draws = get_header(headers, h.SAMPLE_DRAWS)
     sample_ids = get_header(headers, h.SAMPLE_IDS)
     score = get_header(headers, h.SCORE)
+    hold = get_header(headers, HOLD)
+    if hold is not None and hold.strip() != "1":
+        raise FrameError("bad_header", f"{HOLD} must be 1 when given")
+    handoff = get_header(headers, HANDOFF_FROM)
     return StepInfo(
         route_token=address.route_token,
         hop_index=address.hop_index,
@@ -251,6 +264,8 @@ def _step_info(headers: Mapping[str, str], address: HopAddress, tokens: int) -> 
                                                                  maximum=MAX_SAMPLE_DRAWS),
         sample_ids=None if sample_ids is None else decode_ids(sample_ids, tokens),
         score=None if score is None else Scoring.parse(score, tokens),
+        hold=hold is not None,
+        handoff=None if handoff is None else HandoffSource.parse(handoff),
     )
 
 

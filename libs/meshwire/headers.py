@@ -45,6 +45,10 @@ SCORE: Final = "X-Meshnet-Score"
 alternatives wanted and, per position of the frame, the prompt token that follows it (base64 of
 little-endian uint32); the tail answers each one's log-probability (``scored``)."""
 LEASE: Final = "X-Meshnet-Lease"
+PREFILL_ROUTE: Final = "X-Meshnet-Prefill-Route"
+"""From the tracker to a head: a signed route through the mesh's prefill nodes (``meshwire.kv_handoff``)."""
+PD_MIN_PROMPT_TOKENS: Final = "X-Meshnet-PD-Min-Prompt-Tokens"
+"""With :data:`PREFILL_ROUTE`: the shortest prompt (in tokens) the head prefills along it."""
 PROGRESS: Final = "X-Meshnet-Progress"
 """From the tracker to a head: add the token ids behind each stream event (see :mod:`meshwire.resume`)."""
 

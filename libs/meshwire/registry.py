@@ -37,6 +37,7 @@ from meshwire.fields import (
     ModelName,
     NodeId,
 )
+from meshwire.pd_group import PrefillAssignment
 from meshwire.route_keys import PublicKeyText
 
 NodeState = Literal["joining", "online", "suspect", "offline"]
@@ -52,6 +53,9 @@ MAX_MEMORY_BYTES: Final = 1 << 50
 """Largest memory figure (weights, KV cache) a node may report."""
 WeightsFormat = Literal["float", "int8", "int4"]
 """How a node holds its weights (``meshnet node --weights``)."""
+NodeRole = Literal["prefill", "decode", "both"]
+"""What a node serves (``meshnet node --role``): prompts handed off to decode nodes (``prefill``),
+decode steps of handed-off prompts (``decode``), or whole requests as before (``both``)."""
 ENDPOINT_SCHEMES: Final = ("http", "https")
 RELAY_SCHEMES: Final = ("ws", "wss")
 
@@ -141,6 +145,10 @@ class NodeRegistration(BaseModel):
     hop_key: PublicKeyText | None = None
     """The node's public hop key (Ed25519, base64url): the tracker names it in every route through the node,
     and the next hop accepts only frames signed with it (every meshnet node registers one)."""
+    role: NodeRole = "both"
+    """What the node serves (``--role``)."""
+    pd_rank: int | None = Field(default=None, ge=0, le=1 << 20)
+    """A prefill node: the ``engine_rank`` the bootstrap registry accepted it under (``None``: not registered)."""
 
     @model_validator(mode="after")
     def _check_shard(self) -> NodeRegistration:
@@ -165,3 +173,5 @@ class RegistrationAnswer(BaseModel):
     lease: str = Field(min_length=1, max_length=limits.MAX_ID_CHARS)
     heartbeat_s: float = Field(gt=0, allow_inf_nan=False)
     ttl_s: float = Field(gt=0, allow_inf_nan=False)
+    prefill_group: PrefillAssignment | None = None
+    """A prefill node's place in the mesh's prefill group (``meshwire.pd_group``), once there is one."""

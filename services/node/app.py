@@ -6,6 +6,8 @@ Routes:
   warm; 503 while starting or draining.
 * ``GET /metrics`` — Prometheus metrics.
 * ``POST /forward`` — node-to-node frames (:mod:`services.node.forward`).
+* ``POST /kv/prefill``, ``POST /kv/pull`` — on a prefill node (``--role prefill``), the
+  prefill/decode handoff (:mod:`services.node.kv_serve`); 409 ``not_prefill`` elsewhere.
 * ``POST /v1/chat/completions``, ``POST /v1/completions`` — on a head node
   (one holding layer 0) the OpenAI-compatible API (:mod:`services.node.openai_api`);
   any other node answers 409 ``not_head``.
@@ -32,8 +34,10 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from meshwire import errors, exposure
+from meshwire.auth import check_bearer
 from meshwire.body_guard import BodyGuard
 from meshwire.frames import DTYPE_NAMES
+from meshwire.kv_handoff import PREFILL_PATH, PULL_PATH
 from meshwire.logs import configure_logging
 from meshwire.row_batch import ROWS_PATH
 from services.node import openmp
@@ -90,6 +94,11 @@ def create_app(settings: NodeSettings | None = None) -> Starlette:
             "sessions": len(node.sessions), "kv_budget_tokens": node.sessions.kv_budget_tokens,
             "kv_free_tokens": node.sessions.free_tokens, "kv_used_tokens": node.sessions.used_tokens,
             "decode_tokens_per_s": round(node.runner.decode_tokens_per_s, 3),
+            "role": node.settings.role, "bootstrap": node.settings.bootstrap is not None,
+            **({} if node.membership is None else {
+                "prefill_group": None if node.membership.assignment is None
+                else node.membership.assignment.model_dump(mode="json"),
+                "pd_rank": node.membership.pd_rank, "bootstrap_error": node.membership.error}),
         })
 
     async def metrics(_: Request) -> Response:
@@ -104,6 +113,26 @@ def create_app(settings: NodeSettings | None = None) -> Starlette:
         if node.forward is None or node.state == "starting":
             return ApiError(503, "this node is still loading its layers", "not_ready", retry_after="2").response()
         return await node.forward.handle_rows(request)
+
+    async def kv_endpoint(request: Request, pull: bool) -> Response:
+        if node.settings.join_token:  # the handoff's credential is the mesh secret (README: prefill and decode)
+            return ApiError(403, "KV handoffs are authenticated with the mesh secret, and this node joined by "
+                                 "token: it neither serves nor pulls KV", "forbidden").response()
+        failure = check_bearer(request.headers.get("authorization"), node.settings.secret)
+        if failure is not None:  # the credential first, whatever this node is
+            return ApiError(failure.status, failure.message, failure.code).response()
+        if node.state == "starting":
+            return ApiError(503, "this node is still loading its layers", "not_ready", retry_after="2").response()
+        if node.kv_serve is None:
+            return ApiError(409, f"node {node.node_id} is not a prefill node with a bootstrap registry "
+                                 "(--role prefill --bootstrap URL)", "not_prefill").response()
+        return await (node.kv_serve.handle_pull(request) if pull else node.kv_serve.handle_prefill(request))
+
+    async def kv_prefill(request: Request) -> Response:
+        return await kv_endpoint(request, pull=False)
+
+    async def kv_pull(request: Request) -> Response:
+        return await kv_endpoint(request, pull=True)
 
     async def http_error(_: Request, exc: Exception) -> Response:
         assert isinstance(exc, StarletteHTTPException)
@@ -120,6 +149,8 @@ def create_app(settings: NodeSettings | None = None) -> Starlette:
             Route("/metrics", metrics, methods=["GET"]),
             Route("/forward", counted("forward", forward), methods=["POST"]),
             Route(ROWS_PATH, counted("forward_rows", forward_rows), methods=["POST"]),
+            Route(PREFILL_PATH, counted("kv_prefill", kv_prefill), methods=["POST"]),
+            Route(PULL_PATH, counted("kv_pull", kv_pull), methods=["POST"]),
             Route("/v1/chat/completions", counted("chat", api.chat), methods=["POST"]),
             Route("/v1/completions", counted("completions", api.completions), methods=["POST"]),
             Route("/v1/responses", counted("responses", api.responses), methods=["POST"]),

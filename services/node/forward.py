@@ -52,13 +52,16 @@ from meshwire.forward_step import (
 )
 from meshwire.frames import FrameError, FrameLimits, compress_bound, decode_frame_body
 from meshwire.hop_proof import Claim, ProofProblem, check_claim, read_claim
+from meshwire.kv_handoff import HANDOFF_FAILED
 from meshwire.route_keys import KeyProblem, public_key_from_text
 from meshwire.row_batch import MAX_INDEX_BYTES, RowAnswer, decode_rows, encode_answers
 from meshwire.sampling_params import SamplingParams
 from services.node.bodies import BodyIncomplete, BodyTooLarge, read_bounded
 from services.node.compute import ShardRunner
 from services.node.grammar import GrammarEngine, GrammarError
+from services.node.handoff_limits import HandoffLimits
 from services.node.hop_client import INVALID_SAMPLING, ChainFailure, HopClient, send_along
+from services.node.kv_pull import HandoffFailed, KvPuller
 from services.node.metrics import NodeMetrics
 from services.node.route_step import Onward, RouteStepper
 from services.node.routing import RoutedHop, RouteRefused, verify_hop
@@ -105,7 +108,8 @@ class ForwardService:
 
     def __init__(self, *, node_id: str, model_id: str, trust: RouteTrust, legacy_secret: str | None,
                  runner: ShardRunner, sessions: SessionTable, hops: HopClient, stepper: RouteStepper,
-                 metrics: NodeMetrics, frame_limits: FrameLimits, grammar: GrammarEngine | None = None) -> None:
+                 metrics: NodeMetrics, frame_limits: FrameLimits, grammar: GrammarEngine | None = None,
+                 puller: KvPuller | None = None, handoff_limits: HandoffLimits | None = None) -> None:
         self.node_id = node_id
         self.model_id = model_id
         self._trust = trust
@@ -117,6 +121,8 @@ class ForwardService:
         self._limits = frame_limits
         self._stepper = stepper
         self._grammar = grammar
+        self._puller = puller
+        self._handoff_limits = handoff_limits
 
     # --- entry point ---------------------------------------------------------------
 
@@ -270,6 +276,8 @@ class ForwardService:
         else:
             _check_bound(session, hop.token)
         async with session.lock:
+            if info.handoff is not None and info.step == 0 and session.position == 0 and not session.closed:
+                await self._take_over(session, info)
             self._check_order(session, info)
             if info.sample_ids and shard.is_tail and session.sampler is None:
                 if len(session.replayed_ids) + len(info.sample_ids) > (info.sample_draws or 0):
@@ -297,12 +305,35 @@ class ForwardService:
                 raise ForwardRefusal(500, "compute_failed", "this node failed to run its layers; "
                                                             "the session is closed") from None
             self._stepped(session, tokens)
+            if info.hold and frame.chunk_index == frame.chunk_total - 1:
+                self._sessions.hold(session)
+                self._metrics.handoffs_held.inc()
             body: dict[str, Any] = {"token": done.token, "node_timings_ms": done.node_timings_ms}
             if done.logprobs is not None:
                 body["logprobs"] = done.logprobs.model_dump()
             if done.scored:
                 body["scored"] = [item.model_dump() for item in done.scored]
             return _answer(200, body)
+
+    async def _take_over(self, session: Session, info: StepInfo) -> None:
+        """Pull this hop's layers of a handoff's KV into the fresh ``session``; 409 ``handoff_failed`` if it cannot.
+
+        A refused handoff closes the session here: the head opens a new one and prefills along the same route.
+        """
+        assert info.handoff is not None
+        shard = self._runner.shard
+        if self._puller is None:
+            self._sessions.close(session.session_id)
+            raise ForwardRefusal(409, HANDOFF_FAILED, f"node {self.node_id} has no bootstrap registry "
+                                                      "(MESHNET_BOOTSTRAP) to find a handoff's KV with")
+        try:
+            await self._puller.pull_into(session.cache, info.handoff, info.start_layer, shard.end,  # type: ignore[arg-type]
+                                         shard.device)
+        except HandoffFailed as exc:
+            self._sessions.close(session.session_id)
+            logger.warning("node %s could not take the handoff of %s over (%s): %s", self.node_id,
+                           log_tag(session.session_id), exc.reason, exc)
+            raise ForwardRefusal(409, HANDOFF_FAILED, f"node {self.node_id}: {exc}") from None
 
     def _stepped(self, session: Session, tokens: int) -> None:
         """``session`` took its step on this node (whatever became of it further down the route)."""
@@ -322,12 +353,18 @@ class ForwardService:
         if info.step != 0:
             raise ForwardRefusal(409, "unknown_session", f"session {log_tag(session_id)} is not open on this node "
                                                          f"(closed, expired, or never opened); step {info.step}")
-        if info.position_offset != 0:
+        start = 0 if info.handoff is None else info.handoff.positions
+        if info.position_offset != start:
             raise ForwardRefusal(409, "bad_position", f"the first frame of session {log_tag(session_id)} must start at "
-                                                      f"position 0, not {info.position_offset}")
+                                                      f"position {start}, not {info.position_offset}")
         reserve = max(info.reserve or 0, info.position_offset + tokens)
         try:
-            return self._sessions.open(session_id, reserve, self._runner.new_cache(reserve), route_key(route_token))
+            if info.hold and self._handoff_limits is not None:
+                self._handoff_limits.check_room(self._sessions, reserve,
+                                                  self._runner.shard.end - info.start_layer + 1)
+            session = self._sessions.open(session_id, reserve, self._runner.new_cache(reserve), route_key(route_token))
+            session.hold = info.hold
+            return session
         except SessionRefused as exc:
             raise ForwardRefusal(503, exc.code, str(exc), exc.retry_after_s) from None
         except SessionExists:  # another frame of the same session opened it meanwhile

@@ -46,13 +46,16 @@ from typing import Any, Final, Literal
 import orjson
 
 from meshwire.forward_step import Scoring, StepInfo, close_headers
+from meshwire.kv_handoff import HandoffSource
 from meshwire.sampling_params import MAX_REPLAY_IDS_PER_FRAME, MAX_SEED, SamplingParams, TokenLogprobs
 from services.node.compute import ShardRunner
 from services.node.failover import Failover, FailoverGaveUp, FailoverPolicy
 from services.node.grammar import GrammarEngine, GrammarError
 from services.node.hop_client import INVALID_SAMPLING, ChainFailure, HopClient, send_along
+from services.node.kv_pull import HandoffFailed, KvPuller
 from services.node.metrics import NodeMetrics
-from services.node.route_step import Onward, RouteStepper
+from services.node.pd_head import PdHead, PrefillPlan, PrefillUnavailable
+from services.node.route_step import Onward, RouteStepper, StepDone
 from services.node.routing import RoutedHop, TrackerRoutes
 from services.node.sampling import Pick, Sampler, SamplingFailed
 from services.node.sessions import Session, SessionRefused, SessionTable, log_tag
@@ -85,6 +88,8 @@ class GenerationRequest:
     resume: tuple[int, ...] = ()
     """Tokens of this answer already generated and relayed by a head that died (``meshwire.resume``):
     they are replayed, not sent again, and the answer goes on after them."""
+    prefill: PrefillPlan | None = None
+    """A prefill route to run the prompt along (a long prompt, on a mesh with prefill nodes)."""
 
 
 @dataclass(frozen=True)
@@ -152,6 +157,14 @@ class RouteFailed(GenerationFailed):
         super().__init__(502, "hop_failed", message, failed_node=failed_node)
 
 
+class HandoffRefused(GenerationFailed):
+    """The decode route could not take a prefill handoff's KV over (``reason``): it prefills the prompt itself."""
+
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(409, "handoff_failed", message)
+        self.reason = reason
+
+
 class RouteBusy(GenerationFailed):
     """A hop of the route refused the session for load (503 ``kv_budget``...): another route may take it."""
 
@@ -195,7 +208,7 @@ class SessionChain:
     def __init__(self, *, runner: ShardRunner, sessions: SessionTable, hops: HopClient, stepper: RouteStepper,
                  hop: RoutedHop | None, session_id: str, sampling: SamplingParams, reserve: int,
                  sample_draws: int = 0, replayed: tuple[int, ...] = (), prompt_tokens: int = 0,
-                 grammar: GrammarEngine | None = None) -> None:
+                 grammar: GrammarEngine | None = None, hold: bool = False) -> None:
         self._runner = runner
         self._sessions = sessions
         self._hops = hops
@@ -213,10 +226,14 @@ class SessionChain:
         self._session: Session | None = None
         self._step = 0
         self._closed = False
+        self._hold = hold
+        """A prefill route's chain: every hop keeps the prompt's KV for a handoff (``X-Meshnet-Handoff-Hold``)."""
         self.prefilled = False
         """True once the route produced its first token (the prefill is done; decode steps follow)."""
         self.scored: list[TokenLogprobs] = []
         """The prompt tokens' log-probabilities the tail reported (an echoed completion's), in order."""
+        self.pulled_bytes = 0
+        """Bytes of KV this head pulled for a handoff (:meth:`adopt`)."""
 
     @property
     def solo(self) -> bool:
@@ -249,6 +266,7 @@ class SessionChain:
                     sample_draws=self._sample_draws if self._sample_draws and not self.prefilled else None,
                     sample_ids=self._replayed_in(offset, len(ids)),
                     score=score,
+                    hold=self._hold,
                 ), chunk_index, chunk_total)
             sampler = (await self._local_sampler(session)) if self.solo and samples else None
             try:
@@ -267,6 +285,56 @@ class SessionChain:
                 assert self.hop is not None
                 raise RouteFailed(self.hop.route.nodes[-1].node_id, "the tail did not score the prompt tokens")
             self.scored.extend(answer.scored)
+        return self._picked(answer, samples)
+
+    async def adopt(self, handoff: HandoffSource, token: int, draws: int, puller: KvPuller) -> Pick:
+        """The decode route's first step on a prompt prefilled elsewhere: pull, then feed ``token`` back.
+
+        This head pulls its own layers' KV of the prompt (:mod:`services.node.kv_pull`); the
+        step's frame carries ``handoff`` so every later hop pulls its layers before it runs;
+        the tail's sampler skips the ``draws`` the prefill route's tail made. Raises
+        :class:`HandoffRefused` when this node or a hop could not take the KV over.
+        """
+        session = self._open() if self._session is None else self._session
+        self._sample_draws = draws
+        async with session.lock:
+            if session.closed:
+                raise GenerationFailed(503, "session_expired", f"session {self.session_id} was closed on the head")
+            if session.position == 0:
+                shard = self._runner.shard
+                try:
+                    pulled = await puller.pull_into(session.cache, handoff, 0, shard.end, shard.device)  # type: ignore[arg-type]
+                except HandoffFailed as exc:
+                    raise HandoffRefused(exc.reason, str(exc)) from None
+                self.pulled_bytes = pulled
+            offset = session.position
+            onward = None
+            if not self.solo:
+                assert self.hop is not None and self.hop.next is not None
+                nxt = self.hop.next
+                onward = Onward(nxt, StepInfo(
+                    route_token=self.hop.token, hop_index=1, start_layer=nxt.start_layer, step=self._step,
+                    position_offset=offset, reserve=self._reserve, sampling=self._sampling_json,
+                    sample_draws=draws or None, handoff=handoff))
+            sampler = (await self._local_sampler(session)) if self.solo else None
+            try:
+                answer = await self._stepper.run(session, position_offset=offset, from_layer=0, tokens=1,
+                                                 ids=[token], sampler=sampler, onward=onward)
+            except SessionRefused as exc:
+                raise GenerationFailed(503, exc.code, str(exc), retry_after=str(exc.retry_after_s)) from None
+            except SamplingFailed as exc:
+                raise GenerationFailed(400, INVALID_SAMPLING, str(exc)) from None
+            except ChainFailure as exc:
+                self._step += 1
+                if exc.handoff_failed:
+                    raise HandoffRefused("hop_refused", str(exc)) from exc
+                raise _generation_failure(exc) from exc
+            self._step += 1
+        pick = self._picked(answer, True)
+        assert pick is not None
+        return pick
+
+    def _picked(self, answer: StepDone, samples: bool) -> Pick | None:
         if samples and answer.token is None:
             assert self.hop is not None  # a head alone always samples its own token
             raise RouteFailed(self.hop.route.nodes[-1].node_id, "the tail answered no token")
@@ -276,6 +344,7 @@ class SessionChain:
     def _open(self) -> Session:
         try:
             self._session = self._sessions.open(self.session_id, self._reserve, self._runner.new_cache(self._reserve))
+            self._session.hold = self._hold
         except SessionRefused as exc:
             raise GenerationFailed(503, exc.code, str(exc), retry_after=str(exc.retry_after_s)) from None
         return self._session
@@ -363,6 +432,8 @@ class _Run:
 
     chain: SessionChain
     failover: Failover
+    handoff: HandoffSource | None = None
+    """Where the prompt's KV is held, until the decode route's first step takes it over."""
 
 
 class Generator:
@@ -371,7 +442,8 @@ class Generator:
     def __init__(self, *, runner: ShardRunner, sessions: SessionTable, hops: HopClient, tokenizer: HeadTokenizer,
                  stepper: RouteStepper, metrics: NodeMetrics, prefill_chunk_tokens: int,
                  routes: TrackerRoutes | None = None, model_id: str = "",
-                 failover: FailoverPolicy = DEFAULT_FAILOVER, grammar: GrammarEngine | None = None) -> None:
+                 failover: FailoverPolicy = DEFAULT_FAILOVER, grammar: GrammarEngine | None = None,
+                 pd: PdHead | None = None) -> None:
         self._runner = runner
         self._sessions = sessions
         self._hops = hops
@@ -384,6 +456,7 @@ class Generator:
         self._failover = failover
         self.grammar = grammar
         """Structured outputs' engine (``None``: requests with a grammar are refused)."""
+        self._pd = pd
         self._closing: set[asyncio.Task[None]] = set()
 
     async def generate(self, request: GenerationRequest, hop: RoutedHop | None) -> AsyncIterator[GenerationEvent]:
@@ -403,7 +476,7 @@ class Generator:
         pending: list[TokenInfo] = []
         """Log-probabilities of tokens whose text has not gone out yet."""
         try:
-            pick = await self._next_token(run, request, history)
+            pick = await self._first_token(run, request, history)
             echo = None
             if request.echo is not None and not request.resume:
                 scored = None if request.sampling.logprobs is None else (None, *run.chain.scored)
@@ -457,6 +530,54 @@ class Generator:
                             sample_draws=history.draws, replayed=tuple(history.generated),
                             prompt_tokens=len(request.prompt_ids), grammar=self.grammar)
 
+    async def _first_token(self, run: _Run, request: GenerationRequest, history: History) -> Pick:
+        """The answer's first token: from the prefill route when there is one to use, else from the route."""
+        # A grammar's state and an echoed prompt's scores live at the tail that runs the prompt: those take
+        # the decode route's own prefill.
+        if (request.prefill is not None and self._pd is not None and not request.resume
+                and request.sampling.grammar is None and request.echo is None):
+            pick = await self._prefill_elsewhere(run, request, request.prefill, self._pd)
+            if pick is not None:
+                return pick
+        return await self._next_token(run, request, history)
+
+    async def _prefill_elsewhere(self, run: _Run, request: GenerationRequest, plan: PrefillPlan,
+                                 pd: PdHead) -> Pick | None:
+        """Run the prompt on the prefill route; its first token, or ``None`` when the decode route must prefill."""
+        problem = await pd.puller.layout_problem()
+        if problem is not None:
+            self._fallback(run, problem.reason, str(problem))
+            return None
+        session_id = new_session_id()
+        try:
+            answer = await pd.prefill(plan, session_id, request.prompt_ids, request.sampling)
+        except PrefillUnavailable as exc:
+            self._fallback(run, "prefill_failed", str(exc))
+            return None
+        run.handoff = HandoffSource(session=session_id, dp_group=answer.dp_group, positions=answer.positions)
+        return Pick(answer.token, answer.logprobs)
+
+    def _fallback(self, run: _Run, reason: str, message: str) -> None:
+        self._metrics.pd_fallbacks.labels(reason=reason).inc()
+        self._metrics.pd_requests.labels(outcome="fallback").inc()
+        logger.warning("session %s: no prefill/decode handoff (%s): %s; the decode route prefills the prompt",
+                       log_tag(run.chain.session_id), reason, message)
+
+    async def _adopt(self, run: _Run, request: GenerationRequest, history: History, handoff: HandoffSource) -> Pick:
+        """The decode route's first step on the pulled KV; on a refused handoff, its own prefill of the history."""
+        chain = run.chain
+        assert self._pd is not None
+        try:
+            pick = await chain.adopt(handoff, history.generated[-1], history.draws, self._pd.puller)
+        except HandoffRefused as exc:
+            self._fallback(run, exc.reason, str(exc))
+            closing = self._spawn_close(chain)
+            await asyncio.wait({closing}, timeout=RETIRE_WAIT_S)
+            run.chain = self._chain(chain.hop, request, history)
+            return await self._prefill(run.chain, history.tokens())
+        self._metrics.pd_requests.labels(outcome="handoff").inc()
+        return pick
+
     async def _next_token(self, run: _Run, request: GenerationRequest, history: History) -> Pick:
         """The token that follows ``history``, moving the request to a new route while hops fail.
 
@@ -470,6 +591,9 @@ class Generator:
                     async with run.failover.bounded():
                         if chain.prefilled:
                             token = await self._decode(chain, history.generated[-1])
+                        elif run.handoff is not None:
+                            handoff, run.handoff = run.handoff, None
+                            token = await self._adopt(run, request, history, handoff)
                         else:
                             token = await self._prefill(chain, history.tokens(), grammar=request.sampling.grammar
                                                         is not None and bool(history.generated),

@@ -41,6 +41,7 @@ from pydantic import ValidationError
 from meshwire import errors
 from meshwire.forward_step import ForwardAnswer
 from meshwire.hop_proof import sign_request
+from meshwire.kv_handoff import HANDOFF_FAILED
 from meshwire.route_keys import SigningKey
 from meshwire.routes import RouteNode
 from services.node.hop_http import HopConnectFailed, HopHttp, HopHttpError, HopTimedOut
@@ -238,18 +239,21 @@ class ChainFailure(Exception):
     """
 
     def __init__(self, status: int, body: dict[str, Any], *, failed_node: str | None = None,
-                 busy_node: str | None = None, retry_after: str | None = None) -> None:
+                 busy_node: str | None = None, retry_after: str | None = None, handoff_failed: bool = False) -> None:
         super().__init__(str(body.get("error", {}).get("message", "hop failed")))
         self.status = status
         self.body = body
         self.failed_node = failed_node
         self.busy_node = busy_node
         self.retry_after = retry_after
+        self.handoff_failed = handoff_failed
+        """A decode hop could not take a prefill handoff's KV over (409 ``handoff_failed``): nobody failed,
+        the head prefills the prompt along the same route instead."""
 
     @property
     def client_fault(self) -> bool:
         """True when the request, not a node, made the route fail."""
-        return self.failed_node is None and self.busy_node is None
+        return self.failed_node is None and self.busy_node is None and not self.handoff_failed
 
 
 def hop_failed(node_id: str, reason: str) -> ChainFailure:
@@ -295,6 +299,8 @@ def judge_payload(node: RouteNode, status: int, payload: Any, retry_after: str |
         raise ChainFailure(503, payload, busy_node=busy, retry_after=retry_after or DEFAULT_RETRY_AFTER_S)
     if status == 400 and code == INVALID_SAMPLING:
         raise ChainFailure(400, payload)
+    if status == 409 and code == HANDOFF_FAILED:
+        raise ChainFailure(409, payload, handoff_failed=True)
     culprit = named if isinstance(named, str) else node.node_id
     message = str(error.get("message", str(payload)[:200]))
     raise hop_failed(culprit, f"answered {status} {code or ''}: {message}".strip())

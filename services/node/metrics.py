@@ -54,6 +54,34 @@ class NodeMetrics:
                                  "and how it ended (moved, gave_up)", ["reason", "outcome"], registry=r)
         self.sessions_expired = Counter("meshnet_node_sessions_expired",
                                         "Sessions closed by the idle sweeper", registry=r)
+        self.positions_computed = Counter("meshnet_node_positions_computed",
+                                          "Token positions this node ran through its layers (prompts and decode steps)",
+                                          registry=r)
+        # --- prefill/decode handoffs (meshwire.kv_handoff) ---
+        self.handoffs_held = Counter("meshnet_node_kv_handoffs_held",
+                                     "Prompts this prefill node ran and held the KV of for decode nodes", registry=r)
+        self.handoffs_freed = Counter("meshnet_node_kv_handoffs_freed",
+                                      "Held handoffs freed, by how (pulled whole, or expired unpulled)", ["how"],
+                                      registry=r)
+        self.kv_served_bytes = Counter("meshnet_node_kv_served_bytes", "Bytes of KV served to decode nodes' pulls",
+                                       registry=r)
+        self.kv_pulls = Counter("meshnet_node_kv_pulls", "Handoff KV pulls by this node, by outcome (ok, failed)",
+                                ["outcome"], registry=r)
+        self.kv_pulled_bytes = Counter("meshnet_node_kv_pulled_bytes", "Bytes of KV pulled from prefill nodes",
+                                       registry=r)
+        self.kv_pull_seconds = Histogram("meshnet_node_kv_pull_seconds", "Time to pull one handoff's KV",
+                                         buckets=LATENCY_BUCKETS_S, registry=r)
+        self.pd_requests = Counter("meshnet_node_pd_requests",
+                                   "Requests this head prefilled on prefill nodes, by outcome (handoff: decoded on "
+                                   "the pulled KV; fallback: the decode route prefilled itself)", ["outcome"],
+                                   registry=r)
+        self.pd_fallbacks = Counter("meshnet_node_pd_fallbacks",
+                                    "Handoffs given up for the decode route's own prefill, by reason", ["reason"],
+                                    registry=r)
+        Gauge("meshnet_node_kv_handoffs_holding", "Handoffs held (or being prefilled) now",
+              registry=r).set_function(lambda: sessions.handoffs)
+        Gauge("meshnet_node_kv_handoff_bytes", "Bytes of KV held for handoffs now",
+              registry=r).set_function(sessions.handoff_bytes)
         Gauge("meshnet_node_sessions", "Open sessions", registry=r).set_function(lambda: len(sessions))
         Gauge("meshnet_node_kv_tokens_used", "KV tokens held in caches", registry=r).set_function(
             lambda: sessions.used_tokens)

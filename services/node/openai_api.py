@@ -25,6 +25,7 @@ the same :class:`~services.node.generation.TextDelta` events.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -58,7 +59,8 @@ from services.node.generation import (
 )
 from services.node.grammar import GrammarError, grammar_for_schema
 from services.node.logprob_render import chat_logprobs, completion_logprobs, echo_logprobs, joined
-from services.node.routing import NoRoute, RoutedHop, RouteRefused, verify_hop
+from services.node.pd_head import PrefillPlan
+from services.node.routing import NoRoute, RoutedHop, RouteRefused, verify_hop, verify_prefill_route
 from services.node.runtime import NodeRuntime
 from services.node.tokens import HeadTokenizer, TemplateError
 
@@ -303,6 +305,9 @@ class OpenAIService:
             raise ApiError(400, str(exc), "invalid_request", "messages") from None
         grammar = await self._grammar(parsed.response_format)
         generation = self._generation_request(parsed, prompt, chat=chat, resume=resume, grammar=grammar)
+        plan = self._prefill_plan(request, len(prompt))
+        if plan is not None:
+            generation = dataclasses.replace(generation, prefill=plan)
         return Prepared(generation=generation, hop=hop, stream=parsed.stream, include_usage=parsed.include_usage)
 
     async def _grammar(self, response_format: oa.ResponseFormat | None) -> str | None:
@@ -399,6 +404,25 @@ class OpenAIService:
                               shard=node.shard)
         except RouteRefused as exc:
             raise ApiError(403, str(exc), "bad_route") from None
+
+    def _prefill_plan(self, request: Request, prompt_tokens: int) -> PrefillPlan | None:
+        """The tracker's prefill route for this request, when its prompt is long enough to use it."""
+        node = self._node
+        token = request.headers.get(h.PREFILL_ROUTE)
+        if token is None or node.generator is None or node.puller is None or node.shard is None:
+            return None
+        try:
+            least = int(request.headers.get(h.PD_MIN_PROMPT_TOKENS) or "0")
+        except ValueError:
+            raise ApiError(400, f"{h.PD_MIN_PROMPT_TOKENS} is not an integer", "bad_header") from None
+        if prompt_tokens < max(least, 1):
+            return None
+        try:
+            hop = verify_prefill_route(token, keys=node.trust.keys, model_id=node.model_id,
+                                       num_layers=node.shard.num_layers)
+        except RouteRefused as exc:
+            raise ApiError(403, f"prefill route: {exc}", "bad_route") from None
+        return PrefillPlan(hop)
 
     def _events(self, prepared: Prepared) -> AsyncIterator[GenerationEvent]:
         assert self._node.generator is not None

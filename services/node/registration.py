@@ -56,7 +56,8 @@ class Registrar:
 
     def __init__(self, http: httpx.AsyncClient, tracker: str | Sequence[str], credential: str,
                  registration: Callable[[], NodeRegistration], heartbeat_s: float, *,
-                 on_new_lease: Callable[[], Awaitable[object]] | None = None) -> None:
+                 on_new_lease: Callable[[], Awaitable[object]] | None = None,
+                 on_answer: Callable[[RegistrationAnswer], None] | None = None) -> None:
         self._http = http
         self._trackers: tuple[str, ...] = (tracker,) if isinstance(tracker, str) else tuple(tracker)
         if not self._trackers:
@@ -66,6 +67,7 @@ class Registrar:
         self._on_new_lease = on_new_lease
         self._registration = registration
         self._heartbeat_s = heartbeat_s
+        self._on_answer = on_answer
         self._lease: str | None = None
         self.registered = asyncio.Event()
         """Set once the tracker has accepted this node."""
@@ -162,6 +164,8 @@ class Registrar:
             return  # a heartbeat answer need not repeat the lease
         self._lease = answer.lease
         self._heartbeat_s = max(MIN_HEARTBEAT_S, min(self._heartbeat_s, answer.heartbeat_s))
+        if self._on_answer is not None:
+            self._on_answer(answer)
 
     @property
     def lease(self) -> str | None:

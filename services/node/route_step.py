@@ -85,6 +85,7 @@ class RouteStepper:
                                          score=score if onward is None else None)
         self._sessions.touch(session)
         self._metrics.compute_latency.observe(result.compute_ms / 1000)
+        self._metrics.positions_computed.inc(tokens)
         timings = {self.node_id: round(result.compute_ms, 3)}
         if onward is None:
             return StepDone(result.token, timings, result.logprobs, result.scored)

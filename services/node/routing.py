@@ -100,6 +100,21 @@ def verify_hop(token: str | None, hop_index: int, *, keys: KeySet, node_id: str,
     return RoutedHop(route=route, token=token, hop_index=hop_index)
 
 
+def verify_prefill_route(token: str, *, keys: KeySet, model_id: str, num_layers: int) -> RoutedHop:
+    """Verify a prefill route a decode head was handed (``X-Meshnet-Prefill-Route``): signed, unexpired, this model.
+
+    The head is not on it: it only sends the prompt to the route's head, which checks its own place.
+    """
+    try:
+        route = verify_route(token, keys)
+    except RouteError as exc:
+        raise RouteRefused(f"route refused ({exc.code}): {exc}") from None
+    if route.model != model_id or route.num_layers != num_layers:
+        raise RouteRefused(f"the prefill route is for {route.model} ({route.num_layers} layers); "
+                           f"this node serves {model_id} ({num_layers} layers)")
+    return RoutedHop(route=route, token=token, hop_index=0)
+
+
 class TrackerRoutes:
     """The head's view of the trackers: ask for routes, report failed nodes.
 

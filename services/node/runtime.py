@@ -33,9 +33,15 @@ from services.node.device import pick_device, pick_dtype
 from services.node.forward import ForwardService
 from services.node.generation import Generator
 from services.node.grammar import GrammarEngine
+from services.node.handoff_limits import HandoffLimits
 from services.node.hop_client import HopClient
+from services.node.kv_pull import KvPuller
+from services.node.kv_serve import KvServeService
+from services.node.kv_transfer import kv_shape
 from services.node.metrics import NodeMetrics
 from services.node.model_source import resolve_model
+from services.node.pd_head import PdHead
+from services.node.pd_member import PrefillMembership
 from services.node.quant import QUANTIZED_DTYPE
 from services.node.quant_load import resolve_format
 from services.node.registration import Registrar
@@ -70,8 +76,9 @@ class NodeRuntime:
         self.state: NodeState = "starting"
         self.model_id = settings.model
         self.sessions = SessionTable(kv_budget_tokens=settings.kv_budget_tokens, max_sessions=settings.max_sessions,
-                                     idle_timeout_s=settings.idle_timeout_s)
+                                     idle_timeout_s=settings.idle_timeout_s, handoff_ttl_s=settings.handoff_ttl_s)
         self.metrics = NodeMetrics(self.sessions)
+        self.sessions.on_handoff_expired = self.metrics.handoffs_freed.labels(how="expired").inc
         self.worker = ComputeWorker(settings.threads)
         self.http = httpx.AsyncClient(
             http1=True, http2=False,
@@ -96,6 +103,11 @@ class NodeRuntime:
         """Structured outputs' grammar engine (built on first use): the head checks grammars, the tail enforces them."""
         self.registrar: Registrar | None = None
         self.relay_addr: str | None = None
+        self.puller: KvPuller | None = None
+        """Pulls handoffs' KV from prefill nodes (with ``--bootstrap``, on a node that decodes)."""
+        self.membership: PrefillMembership | None = None
+        """A prefill node's place in the bootstrap registry (``--role prefill --bootstrap URL``)."""
+        self.kv_serve: KvServeService | None = None
         self.sampling_defaults = SamplingDefaults()
         """Where other nodes reach this one through the relay (with ``--relay``)."""
         self._relay_peer: Any = None
@@ -139,18 +151,40 @@ class NodeRuntime:
         stepper = RouteStepper(node_id=self.node_id, runner=self.runner, sessions=self.sessions,
                                sender=RowSender(self.hops, max_rows=s.max_batch), metrics=self.metrics)
         self.grammar = GrammarEngine(resolved.path, self.shard.vocab_size, eos_ids_of(resolved.path, self.shard.config))
+        shape = kv_shape(self.shard)
+        handoff_limits = HandoffLimits(max_held=s.handoff_max_held, max_bytes=s.handoff_max_bytes,
+                                       position_bytes=shape.position_bytes_per_layer)
+        if s.bootstrap is not None and s.role != "prefill":
+            self.puller = KvPuller(http=self.http, secret=s.secret, bootstrap_url=s.bootstrap, shape=shape,
+                                   max_chunk_bytes=s.max_frame_bytes, timeout_s=s.handoff_pull_timeout_s,
+                                   metrics=self.metrics)
+        if s.role == "prefill":
+            if s.bootstrap is None:
+                logger.warning("--role prefill without --bootstrap: this node registers in no bootstrap registry, so "
+                               "decode nodes cannot find it and it takes no prefill routes")
+            else:
+                self.membership = PrefillMembership(bootstrap_url=s.bootstrap, public_url=s.public_url(), shape=shape)
         self.forward = ForwardService(node_id=self.node_id, model_id=self.model_id, trust=self.trust,
                                       legacy_secret=None if s.join_token else s.secret,
                                       runner=self.runner, sessions=self.sessions, hops=self.hops, stepper=stepper,
                                       metrics=self.metrics, frame_limits=FrameLimits(max_bytes=s.max_frame_bytes),
-                                      grammar=self.grammar)
+                                      grammar=self.grammar, puller=self.puller, handoff_limits=handoff_limits)
+        if self.membership is not None:
+            self.kv_serve = KvServeService(
+                node_id=self.node_id, model_id=self.model_id, secret=s.secret, trust=self.trust, runner=self.runner,
+                sessions=self.sessions, hops=self.hops, stepper=stepper, metrics=self.metrics,
+                membership=self.membership, shape=shape, limits=handoff_limits, max_chunk_bytes=s.max_frame_bytes,
+                prefill_chunk_tokens=s.prefill_chunk_tokens, max_prompt_tokens=s.max_prompt_tokens)
         if self.shard.is_head:
             tokenizer = await asyncio.to_thread(HeadTokenizer.from_folder, resolved.path, self.shard.config)
             self.sampling_defaults = SamplingDefaults.from_folder(resolved.path)
             self.generator = Generator(runner=self.runner, sessions=self.sessions, hops=self.hops, stepper=stepper,
                                        tokenizer=tokenizer, metrics=self.metrics,
                                        prefill_chunk_tokens=s.prefill_chunk_tokens,
-                                       routes=self.tracker_routes, model_id=self.model_id, grammar=self.grammar)
+                                       routes=self.tracker_routes, model_id=self.model_id, grammar=self.grammar,
+                                       pd=None if self.puller is None else PdHead(
+                                           http=self.http, secret=s.secret, puller=self.puller,
+                                           timeout_s=s.hop_timeout_s))
         await self.runner.warm_up()
         self._tasks.append(asyncio.create_task(
             run_sweeper(self.sessions, self.metrics.sessions_expired.inc), name="idle-sweeper"))
@@ -158,7 +192,8 @@ class NodeRuntime:
             self._start_relay_peer(app)
         if s.tracker is not None:
             self.registrar = Registrar(self.http, s.tracker, s.mesh_credential(), self.registration, s.heartbeat_s,
-                                       on_new_lease=self.trust.refresh)
+                                       on_new_lease=self.trust.refresh,
+                                       on_answer=None if self.membership is None else self.membership.on_answer)
             self._tasks.append(asyncio.create_task(self.registrar.run(), name="registration"))
         self.state = "ready"
         logger.info("node %s ready in %.1f s: %s layers %d-%d of %d on %s as %s at %s", self.node_id,
@@ -187,7 +222,8 @@ class NodeRuntime:
             kv_capacity_tokens=self.sessions.kv_budget_tokens, kv_free_tokens=self.sessions.free_tokens,
             active_sessions=len(self.sessions), decode_tokens_per_s=round(self.runner.decode_tokens_per_s, 3),
             weights=self.shard.weights_format, weight_bytes=self.shard.weight_bytes(),
-            kv_bytes=self.sessions.cache_bytes(), hop_key=self.hop_key.public_text,
+            kv_bytes=self.sessions.cache_bytes(), hop_key=self.hop_key.public_text, role=self.settings.role,
+            pd_rank=None if self.membership is None else self.membership.pd_rank,
         )
 
     # --- stop -------------------------------------------------------------------------
@@ -205,6 +241,10 @@ class NodeRuntime:
             await self.registrar.deregister()
         if self._relay_peer is not None:
             await self._relay_peer.close()
+        if self.membership is not None:
+            await self.membership.aclose()
+        if self.puller is not None:
+            await self.puller.aclose()
         if self.generator is not None:
             await self.generator.drain()
         await self.hops.aclose()

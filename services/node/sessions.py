@@ -13,6 +13,12 @@ that outgrows its reservation may grow while the budget has room.
 
 A session is freed when it is closed, or by the idle sweeper after
 ``idle_timeout_s`` without a step (a head that vanished must not pin memory).
+
+A prefill node's session of a prefill/decode handoff (:attr:`Session.hold`)
+is *held* once its prompt ran (:meth:`SessionTable.hold`): decode nodes pull
+its KV, and it is freed when every layer was pulled or ``handoff_ttl_s`` after
+it was held, whichever comes first. The table counts held sessions and their
+bytes, which the node bounds.
 """
 
 from __future__ import annotations
@@ -96,6 +102,12 @@ class Session:
     Only frames carrying that same route may step or close it, so a route token for another
     request, even a validly signed or expired one, cannot touch this session."""
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    hold: bool = False
+    """A prefill route's session: its KV is kept for decode nodes to pull once its prompt ran."""
+    held_until: float | None = None
+    """When a held session is freed if it was not pulled whole (``None``: not held yet)."""
+    pulled_layers: set[int] = field(default_factory=set)
+    """Layers whose KV a decode node has pulled to the end."""
 
     @property
     def position(self) -> int:
@@ -111,10 +123,13 @@ class SessionTable:
     """
 
     def __init__(self, *, kv_budget_tokens: int, max_sessions: int, idle_timeout_s: float,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, handoff_ttl_s: float | None = None) -> None:
         self.kv_budget_tokens = kv_budget_tokens
         self.max_sessions = max_sessions
         self.idle_timeout_s = idle_timeout_s
+        self.handoff_ttl_s = handoff_ttl_s
+        self.on_handoff_expired: Callable[[int], None] | None = None
+        """Called with the number of held handoffs a sweep freed unpulled."""
         self._clock = clock
         self._sessions: dict[str, Session] = {}
         self._draining = False
@@ -148,6 +163,21 @@ class SessionTable:
     def cache_bytes(self) -> int:
         """Bytes of key/value tensors held by all open sessions."""
         return sum(s.cache.nbytes() for s in self._sessions.values())
+
+    @property
+    def handoffs(self) -> int:
+        """Sessions kept (or being prefilled) for a handoff."""
+        return sum(s.hold for s in self._sessions.values())
+
+    def handoff_bytes(self) -> int:
+        """Bytes of KV the handoff sessions take."""
+        return sum(s.cache.nbytes() for s in self._sessions.values() if s.hold)
+
+    def hold(self, session: Session) -> None:
+        """Keep ``session``'s KV for a handoff, until pulled or ``handoff_ttl_s`` from now."""
+        session.hold = True
+        ttl = self.handoff_ttl_s if self.handoff_ttl_s is not None else self.idle_timeout_s
+        session.held_until = self._clock() + ttl
 
     @property
     def draining(self) -> bool:
@@ -223,19 +253,29 @@ class SessionTable:
     def sweep(self) -> list[str]:
         """Close every session idle for ``idle_timeout_s`` and not mid-step; their ids."""
         now = self._clock()
+        handoffs = [
+            s.session_id for s in self._sessions.values()
+            if s.held_until is not None and now >= s.held_until and not s.lock.locked()
+        ]
         expired = [
             s.session_id for s in self._sessions.values()
-            if now - s.last_used >= self.idle_timeout_s and not s.lock.locked()
+            if now - s.last_used >= self.idle_timeout_s and not s.lock.locked() and s.session_id not in handoffs
         ]
-        for session_id in expired:
+        for session_id in handoffs + expired:
             self.close(session_id)
+        if handoffs:
+            logger.info("freed %d handoff(s) never pulled whole: %s", len(handoffs), ", ".join(map(log_tag, handoffs)))
+            if self.on_handoff_expired is not None:
+                self.on_handoff_expired(len(handoffs))
         if expired:
             logger.info("closed %d idle session(s): %s", len(expired), ", ".join(map(log_tag, expired)))
         return expired
 
     def sweep_interval_s(self) -> float:
-        """How often the sweeper looks: a quarter of the idle timeout, at most :data:`SWEEP_INTERVAL_MAX_S`."""
-        return min(SWEEP_INTERVAL_MAX_S, self.idle_timeout_s / 4)
+        """How often the sweeper looks: a quarter of the idle timeout (or handoff TTL), at most
+        :data:`SWEEP_INTERVAL_MAX_S`."""
+        shortest = self.idle_timeout_s if self.handoff_ttl_s is None else min(self.idle_timeout_s, self.handoff_ttl_s)
+        return min(SWEEP_INTERVAL_MAX_S, shortest / 4)
 
 
 async def run_sweeper(table: SessionTable, on_expired: Callable[[int], None] | None = None) -> None:

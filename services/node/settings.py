@@ -39,7 +39,13 @@ DEFAULT_MAX_STEP_TOKENS: Final = 512
 """Tokens one compute turn takes by default, decode rows and prompt chunks together."""
 MAX_BATCH_LIMIT: Final = 256
 """Largest ``max_batch`` accepted (rows of one batched decode step)."""
+DEFAULT_HANDOFF_TTL_S: Final = 30.0
+"""How long a prefill node holds a handoff's KV for decode nodes to pull by default."""
+DEFAULT_HANDOFF_MAX_HELD: Final = 32
+DEFAULT_HANDOFF_MAX_BYTES: Final = 1 << 30
+DEFAULT_HANDOFF_PULL_TIMEOUT_S: Final = 30.0
 NodeDType = Literal["auto", "float32", "bfloat16", "float16"]
+NodeRole = Literal["prefill", "decode", "both"]
 WeightsMode = Literal["auto", "float", "int8", "int4"]
 """``--weights``: see :mod:`services.node.quant_load`."""
 
@@ -160,6 +166,21 @@ class NodeSettings(BaseSettings):
     cpu_lock: str = Field(default=DEFAULT_CPU_LOCK, max_length=limits.MAX_URL_CHARS)
     """File CPU nodes on one machine lock so their forwards take turns on its cores; ``off`` disables."""
 
+    role: NodeRole = "both"
+    """``prefill``: prefill long prompts and hold their KV for decode nodes to pull (registers in the bootstrap
+    registry); ``decode``: decode (pulling prompts' KV from prefill nodes); ``both``: whole requests, and pulls."""
+    bootstrap: str | None = Field(default=None, max_length=limits.MAX_URL_CHARS)
+    """The PD bootstrap registry's base URL (``meshnet bootstrap --registry cache-layouts``); needed for roles
+    ``prefill`` and ``decode``/``both`` to take part in prefill/decode handoffs."""
+    handoff_ttl_s: float = Field(default=DEFAULT_HANDOFF_TTL_S, gt=0, le=3600)
+    """A prefill node frees a handoff's KV this long after its prompt ran if no decode node pulled all of it."""
+    handoff_max_held: int = Field(default=DEFAULT_HANDOFF_MAX_HELD, ge=1, le=1 << 16)
+    """Handoffs a prefill node holds at once at most; a prefill beyond is refused (the decode route prefills)."""
+    handoff_max_bytes: int = Field(default=DEFAULT_HANDOFF_MAX_BYTES, ge=1 << 16, le=1 << 40)
+    """Bytes of KV a prefill node holds for handoffs at once at most."""
+    handoff_pull_timeout_s: float = Field(default=DEFAULT_HANDOFF_PULL_TIMEOUT_S, gt=0, le=3600)
+    """How long a decode node may take to pull a handoff's KV before it prefills the prompt itself."""
+
     # --- TLS and slow clients ------------------------------------------------------
     tls_cert: str | None = None
     """PEM certificate (chain) this service presents; with ``tls_key`` set too it serves HTTPS only."""
@@ -237,7 +258,7 @@ class NodeSettings(BaseSettings):
             raise ValueError(f"device must be auto, cpu, cuda, cuda:N or mps, got {value!r}")
         return value
 
-    @field_validator("advertise", "relay")
+    @field_validator("advertise", "relay", "bootstrap")
     @classmethod
     def _strip_url(cls, value: str | None) -> str | None:
         if value is None or not value.strip():

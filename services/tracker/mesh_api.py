@@ -156,7 +156,7 @@ async def register(request: Request) -> JSONResponse:
         raise _refused(exc) from None
     state.metrics.registrations.labels("new" if registered.new_lease else "heartbeat").inc()
     answer = RegistrationAnswer(lease=registered.lease, heartbeat_s=state.settings.heartbeat_s,
-                                ttl_s=state.settings.node_ttl_s)
+                                ttl_s=state.settings.node_ttl_s, prefill_group=state.prefill_assignment(registration))
     return JSONResponse(answer.model_dump(mode="json"))
 
 

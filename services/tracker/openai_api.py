@@ -45,7 +45,7 @@ from .collect import as_streamed
 from .collect import collect as collected
 from .continuation import ContinuedStream, StreamHistory
 from .key_limits import SCOPE_KEY_ID
-from .proxy import HeadError, HeadRefused, ProxiedResponse, first_byte_timer, open_head
+from .proxy import HeadError, HeadRefused, PrefillOffer, ProxiedResponse, first_byte_timer, open_head
 from .registry import UnknownNode
 from .responses import HTTPError, read_body, require_api_key
 from .state import TrackerState, tracker_state
@@ -136,7 +136,8 @@ async def _proxy(state: TrackerState, model: str, path: str, body: bytes, *, str
         node_ids = [hop.node_id for hop in route.nodes]
         state.registry.begin_request(node_ids)
         elapsed = first_byte_timer()
-        outcome = await open_head(state.http(), route, path, body, state.trust.signing_key(), progress=stream)
+        outcome = await open_head(state.http(), route, path, body, state.trust.signing_key(), progress=stream,
+                                  prefill=_prefill_offer(state, model))
         if isinstance(outcome, HeadError):
             state.registry.end_request(node_ids)
             raise outcome.error
@@ -230,6 +231,12 @@ def _count_tokens(state: TrackerState, key_id: str, history: StreamHistory) -> N
     prompt = usage.get("prompt_tokens")
     if isinstance(prompt, int) and prompt >= 0:
         state.metrics.key_tokens.labels(key_id, "prompt").inc(prompt)
+
+
+def _prefill_offer(state: TrackerState, model: str) -> PrefillOffer | None:
+    """A prefill route for the head to prefill a long prompt along, when the mesh has a ready prefill group."""
+    route = state.prefill_route_for(model)
+    return None if route is None else PrefillOffer(route, state.settings.pd_min_prompt_tokens)
 
 
 def _report(state: TrackerState, node_id: str, reason: str) -> None:

@@ -82,6 +82,10 @@ class Candidate:
     """True while the node serves a failure backoff."""
     failure_age_s: float | None = None
     """Seconds since the node's last reported failure, ``None`` if it never failed."""
+    role: str = "both"
+    """``prefill``, ``decode`` or ``both`` (``meshnet node --role``)."""
+    pd_rank: int | None = None
+    """A prefill node: the bootstrap ``engine_rank`` it registered under, ``None`` before."""
 
     @property
     def layers_held(self) -> int:

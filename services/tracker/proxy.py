@@ -82,9 +82,18 @@ class HeadError:
     error: HTTPError
 
 
+@dataclass(frozen=True)
+class PrefillOffer:
+    """A prefill route the head may prefill a long prompt along, and from which prompt length."""
+
+    route: SignedRoute
+    min_prompt_tokens: int
+
+
 def head_request_headers(route: SignedRoute, key: SigningKey, path: str, body: bytes, *,
-                         progress: bool = False) -> dict[str, str]:
-    """The only headers a head receives from the tracker (``progress``: token ids in every stream event).
+                         progress: bool = False, prefill: PrefillOffer | None = None) -> dict[str, str]:
+    """The only headers a head receives from the tracker (``progress``: token ids in every stream event;
+    ``prefill``: a prefill route for a prompt of at least its ``min_prompt_tokens``).
 
     The request is signed with the tracker's route key (:mod:`meshwire.hop_proof`), which the head
     holds from ``GET /v1/keys``: no secret goes to the node.
@@ -95,11 +104,15 @@ def head_request_headers(route: SignedRoute, key: SigningKey, path: str, body: b
         headers.ROUTE: route.token,
         **({headers.PROGRESS: "1"} if progress else {}),
     }
+    if prefill is not None:
+        sent[headers.PREFILL_ROUTE] = prefill.route.token
+        sent[headers.PD_MIN_PROMPT_TOKENS] = str(prefill.min_prompt_tokens)
     return {**sent, **sign_request(key, f"{TRACKER_SIGNER_PREFIX}{key.kid}", path, sent, body)}
 
 
 async def open_head(client: httpx.AsyncClient, route: SignedRoute, path: str, body: bytes,
-                    key: SigningKey, *, progress: bool = False) -> httpx.Response | HeadRefused | HeadError:
+                    key: SigningKey, *, progress: bool = False,
+                    prefill: PrefillOffer | None = None) -> httpx.Response | HeadRefused | HeadError:
     """Send ``body`` to the head's ``path``; return its streaming response, or why not to use it.
 
     A returned response is a relayable 2xx, open, and must be closed by the
@@ -110,7 +123,8 @@ async def open_head(client: httpx.AsyncClient, route: SignedRoute, path: str, bo
     """
     head = route.nodes[0]
     request = client.build_request("POST", head.endpoint.rstrip("/") + path, content=body,
-                                   headers=head_request_headers(route, key, path, body, progress=progress))
+                                   headers=head_request_headers(route, key, path, body, progress=progress,
+                                                                prefill=prefill))
     try:
         response = await client.send(request, stream=True)
     except httpx.HTTPError as exc:

@@ -50,7 +50,7 @@ from pydantic import BaseModel
 
 from meshwire.fields import STRICT_MODEL, DType
 from meshwire.headers import LEASE as LEASE_HEADER
-from meshwire.registry import NodeRegistration, NodeState, WeightsFormat
+from meshwire.registry import NodeRegistration, NodeRole, NodeState, WeightsFormat
 
 from .planner import Candidate, LayerRange, layer_holders, missing_layers
 
@@ -157,6 +157,10 @@ class NodeInfo(BaseModel):
     """Failure reports in the current run."""
     backoff_remaining_s: float
     last_failure_reason: str | None
+    role: NodeRole = "both"
+    """What the node serves: ``prefill``, ``decode`` or ``both`` (``meshnet node --role``)."""
+    pd_rank: int | None = None
+    """A prefill node: the ``engine_rank`` the bootstrap registry accepted it under."""
 
 
 class ModelCoverage(BaseModel):
@@ -494,6 +498,7 @@ class Registry:
                 kv_free_tokens=reg.kv_free_tokens, kv_capacity_tokens=reg.kv_capacity_tokens,
                 decode_tokens_per_s=reg.decode_tokens_per_s, backoff=entry.backoff_until > now,
                 failure_age_s=None if entry.last_failure_at is None else now - entry.last_failure_at,
+                role=reg.role, pd_rank=reg.pd_rank,
             ))
         return tuple(out)
 
@@ -531,7 +536,7 @@ class Registry:
             last_heartbeat_age_s=round(max(now - entry.last_seen, 0.0), 3),
             registered_for_s=round(max(now - entry.registered_at, 0.0), 3), heartbeats=entry.heartbeats,
             failures=entry.failures, backoff_remaining_s=round(max(entry.backoff_until - now, 0.0), 3),
-            last_failure_reason=entry.last_failure_reason,
+            last_failure_reason=entry.last_failure_reason, role=reg.role, pd_rank=reg.pd_rank,
         )
 
     def __len__(self) -> int:

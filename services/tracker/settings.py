@@ -75,6 +75,9 @@ class TrackerSettings(BaseSettings):
     """Age at which the route-signing key (Ed25519) is replaced by a new one; 0: only when rotated by hand."""
     route_key_lead_s: float = Field(60.0, ge=0, le=86400)
     """How long a new route key is published (``GET /v1/keys``) before it signs."""
+    pd_min_prompt_tokens: int = Field(256, ge=1, le=1 << 20)
+    """A prompt at least this long is prefilled on the mesh's prefill nodes (``--role prefill``) and decoded
+    on the others, when the mesh has a complete prefill group; shorter prompts take the plain route."""
 
     # --- the OpenAI front door -------------------------------------------------------
     max_body_bytes: int = Field(limits.MAX_REQUEST_BYTES, ge=1024, le=256 * limits.MIB)

@@ -21,11 +21,14 @@ import httpx
 from fastapi import Request
 
 from meshwire import errors, limits
-from meshwire.routes import Route, SignedRoute, issue_signed_route
+from meshwire.pd_group import PrefillAssignment
+from meshwire.registry import NodeRegistration
+from meshwire.routes import Route, RouteNode, SignedRoute, issue_signed_route
 
 from .key_limits import KeyLimiter
 from .metrics import TrackerMetrics
-from .planner import IncompleteCoverage, RouteTooLong, format_ranges, plan_route
+from .pd_routes import PREFILL_ROLE, plan_prefill_route, prefill_group
+from .planner import Candidate, IncompleteCoverage, RouteTooLong, format_ranges, plan_route
 from .registry import Registry, RegistryPolicy, resolve_model_name
 from .responses import HTTPError
 from .settings import TrackerSettings
@@ -106,7 +109,7 @@ class TrackerState:
         if num_layers is None:  # forgotten since it was resolved
             raise self._unknown_model(model, models)
         try:
-            hops = plan_route(self.registry.candidates(model, now), num_layers, exclude=frozenset(exclude))
+            hops = _plan_decode_route(self.registry.candidates(model, now), num_layers, frozenset(exclude))
         except IncompleteCoverage as gap:
             self.metrics.routes.labels("incomplete").inc()
             excluded = f" (excluding {', '.join(sorted(exclude))})" if exclude else ""
@@ -127,6 +130,45 @@ class TrackerState:
         except NoSigningKey as exc:
             raise store_unavailable(str(exc), self.settings.heartbeat_s) from None
         return issue_signed_route(route, key, ttl_s=self.settings.route_ttl_s, now=time.time())
+
+    def prefill_route_for(self, model: str) -> SignedRoute | None:
+        """A signed route through a ready replica of ``model``'s prefill group, or ``None`` (no prefill/decode split)."""
+        now = self.now()
+        num_layers = self.registry.models(now).get(model)
+        if num_layers is None:
+            return None
+        hops = plan_prefill_route(self.registry.candidates(model, now), num_layers)
+        if hops is None:
+            return None
+        self.metrics.routes.labels("prefill").inc()
+        route = Route(model=model, nodes=hops, num_layers=num_layers)
+        try:
+            key = self.trust.signing_key()
+        except NoSigningKey:
+            return None  # the key ring is away: no prefill route, the request takes today's path
+        return issue_signed_route(route, key, ttl_s=self.settings.route_ttl_s, now=time.time())
+
+    def prefill_assignment(self, registration: NodeRegistration) -> PrefillAssignment | None:
+        """A prefill node's place in its model's prefill group (what it registers in the bootstrap registry)."""
+        if registration.role != PREFILL_ROLE:
+            return None
+        num_layers = self.registry.models(self.now()).get(registration.model)
+        if num_layers is None:
+            return None
+        group = prefill_group(self.registry.candidates(registration.model, self.now()), num_layers)
+        return None if group is None else group.assignment(registration.node_id)
+
+
+def _plan_decode_route(candidates: Collection[Candidate], num_layers: int,
+                       exclude: frozenset[str]) -> tuple[RouteNode, ...]:
+    """A route for a whole request or its decode: prefill-only nodes only where nobody else holds their layers."""
+    others = [c for c in candidates if c.role != PREFILL_ROLE]
+    if len(others) == len(candidates):
+        return plan_route(candidates, num_layers, exclude=exclude)
+    try:
+        return plan_route(others, num_layers, exclude=exclude)
+    except (IncompleteCoverage, RouteTooLong):
+        return plan_route(candidates, num_layers, exclude=exclude)
 
 
 def store_unavailable(reason: str, retry_after_s: float) -> HTTPError:
