@@ -43,7 +43,7 @@ from meshwire.forward_step import (
     close_headers,
     parse_forward,
 )
-from meshwire.frames import FrameError, FrameLimits, compress_bound, decode_frame_body
+from meshwire.frames import FrameError, FrameLimits, body_bound, decode_frame_body
 from meshwire.row_batch import MAX_INDEX_BYTES, RowAnswer, decode_rows, encode_answers
 from meshwire.sampling_params import SamplingParams
 from services.node.bodies import BodyIncomplete, BodyTooLarge, read_bounded
@@ -219,7 +219,7 @@ class ForwardService:
         if spec.shape[2] != shard.hidden_size:
             raise FrameError("bad_shape", f"frame shape {list(spec.shape)} is not [1, n, {shard.hidden_size}] "
                                           "(this model's hidden size)")
-        body = await read_body(spec.nbytes if spec.encoding == "identity" else compress_bound(spec.nbytes))
+        body = await read_body(body_bound(spec))
         frame = decode_frame_body(spec, headers, body)
         samples = shard.is_tail and frame.chunk_index == frame.chunk_total - 1
         params = info.sampling_params() if samples else None

@@ -43,6 +43,12 @@ class NodeMetrics:
                                        buckets=LATENCY_BUCKETS_S, registry=r)
         self.frame_tokens = Histogram("meshnet_node_frame_tokens", "Tokens carried by each accepted frame",
                                       buckets=TOKEN_BUCKETS, registry=r)
+        self.frame_bytes_sent = Counter("meshnet_node_frame_bytes_sent",
+                                        "Body bytes of the frames this node sent to next hops, by encoding",
+                                        ["encoding"], registry=r)
+        self.frame_tokens_sent = Counter("meshnet_node_frame_tokens_sent",
+                                         "Positions carried by the frames this node sent to next hops, by encoding",
+                                         ["encoding"], registry=r)
         self.batch_rows = Histogram("meshnet_node_batch_rows", "Decode rows (sessions) in each decode step run",
                                     buckets=BATCH_BUCKETS, registry=r)
         self.frames_refused = Counter("meshnet_node_frames_refused", "Frames refused, by error code",

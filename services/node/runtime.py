@@ -124,7 +124,8 @@ class NodeRuntime:
         self.runner = ShardRunner(self.shard, self.worker, max_batch=s.max_batch, max_step_tokens=s.max_step_tokens,
                                   on_batch=self.metrics.batch_rows.observe)
         stepper = RouteStepper(node_id=self.node_id, runner=self.runner, sessions=self.sessions,
-                               sender=RowSender(self.hops, max_rows=s.max_batch), metrics=self.metrics)
+                               sender=RowSender(self.hops, max_rows=s.max_batch), metrics=self.metrics,
+                               wire_dtype=s.wire_dtype)
         self.forward = ForwardService(node_id=self.node_id, model_id=self.model_id, secret=s.secret,
                                       runner=self.runner, sessions=self.sessions, hops=self.hops, stepper=stepper,
                                       metrics=self.metrics, frame_limits=FrameLimits(max_bytes=s.max_frame_bytes))

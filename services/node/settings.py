@@ -40,6 +40,8 @@ MAX_BATCH_LIMIT: Final = 256
 """Largest ``max_batch`` accepted (rows of one batched decode step)."""
 NodeDType = Literal["auto", "float32", "bfloat16", "float16"]
 WeightsMode = Literal["auto", "float", "int8", "int4"]
+WireDType = Literal["native", "int8"]
+"""``--wire-dtype``: how hidden states travel to the next hop (see :mod:`meshwire.q8`)."""
 """``--weights``: see :mod:`services.node.quant_load`."""
 
 _LAYERS = re.compile(r"^\s*(\d{1,5})\s*-\s*(\d{1,5})\s*$")
@@ -150,6 +152,9 @@ class NodeSettings(BaseSettings):
     """How long a hop waits for the rest of the route to answer one frame."""
     threads: int | None = Field(default=None, ge=1, le=MAX_THREADS)
     """torch intra-op threads; ``None`` keeps torch's default."""
+    wire_dtype: WireDType = "native"
+    """Hidden states sent to the next hop: ``native`` (exact, the layers' format) or ``int8`` (8-bit blockwise
+    quantised, a scale per 32 values: about a quarter of float32's bytes, lossy; for slow links)."""
     cpu_lock: str = Field(default=DEFAULT_CPU_LOCK, max_length=limits.MAX_URL_CHARS)
     """File CPU nodes on one machine lock so their forwards take turns on its cores; ``off`` disables."""
 
