@@ -283,9 +283,10 @@ def parse_frame_headers(headers: Mapping[str, str], limits_: FrameLimits | None 
     """Validate a frame's headers (case-insensitive) and say how to read its body."""
     lim = limits_ or FrameLimits()
     wire = get_header(headers, h.WIRE)
-    if wire is None or wire.strip() != h.WIRE_VERSION:
+    if wire is None or wire.strip() not in h.WIRE_VERSIONS:
         raise FrameError(
-            "wire_version", f"{h.WIRE} must be {h.WIRE_VERSION!r}, got {None if wire is None else wire[:20]!r}"
+            "wire_version", f"{h.WIRE} must be one of {sorted(h.WIRE_VERSIONS)}, "
+                            f"got {None if wire is None else wire[:20]!r}"
         )
     dtype = (get_header(headers, h.DTYPE) or "").strip()
     if dtype not in TORCH_DTYPES:
@@ -379,7 +380,7 @@ def _inflate(body: bytes, expected: int) -> bytes:
 
 
 def encode_frame(tensor: torch.Tensor, *, session: str, chunk_index: int = 0, chunk_total: int = 1,
-                 encoding: Encoding = "identity",
+                 encoding: Encoding = "identity", wire_version: str = h.WIRE_VERSION,
                  extra: Mapping[str, str] = MappingProxyType({})) -> tuple[dict[str, str], bytes]:
     """Encode ``tensor`` as a frame: ``(headers, body)``.
 
@@ -402,7 +403,7 @@ def encode_frame(tensor: torch.Tensor, *, session: str, chunk_index: int = 0, ch
         raise ValueError(f"extra headers may not override frame headers: {sorted(clash)}")
     body = q8.quantize(tensor) if encoding == "q8" else _to_wire_bytes(tensor)
     out = {
-        h.WIRE: h.WIRE_VERSION,
+        h.WIRE: wire_version,
         h.SHAPE: format_shape(tensor.shape),
         h.DTYPE: dtype,
         h.SESSION: session,

@@ -238,7 +238,7 @@ class ForwardService:
             try:
                 done = await self._stepper.run(session, position_offset=info.position_offset,
                                                from_layer=info.start_layer, tokens=tokens, hidden=frame.tensor,
-                                               sampler=sampler, onward=onward)
+                                               sampler=sampler, onward=onward, draft=info.draft)
             except SessionRefused as exc:  # nothing was run: the session stays as it was
                 raise ForwardRefusal(503, exc.code, str(exc), exc.retry_after_s) from None
             except SamplingFailed as exc:  # the request's parameters, not this node: no failure to report
@@ -256,6 +256,10 @@ class ForwardService:
             body: dict[str, Any] = {"token": done.token, "node_timings_ms": done.node_timings_ms}
             if done.logprobs is not None:
                 body["logprobs"] = done.logprobs.model_dump()
+            if done.run is not None:
+                body["tokens"] = [pick.token for pick in done.run]
+                if all(pick.logprobs is not None for pick in done.run):
+                    body["run_logprobs"] = [pick.logprobs.model_dump() for pick in done.run if pick.logprobs]
             return _answer(200, body)
 
     def _stepped(self, session: Session, tokens: int) -> None:

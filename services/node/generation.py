@@ -8,7 +8,11 @@ One request is one session along one route. The head:
    last chunk makes the tail sample the first token;
 2. then feeds back one token per step, so every decode frame carries exactly
    one position; the next step starts before the current token's text is
-   sent, so streaming it costs the route no time;
+   sent, so streaming it costs the route no time. With speculation
+   (:mod:`services.node.speculation`) a decode frame carries the last token and
+   ``k`` drafted ones, and the step yields the verified run: the accepted drafts
+   and one more token. The client still gets one chunk per token: a run's
+   tokens go out as consecutive chunks, in one burst;
 3. turns tokens into text incrementally (never splitting a character), holds
    back text that may begin a stop string, and ends on an EOS id, a stop
    string or ``max_tokens`` (``stop`` / ``length``);
@@ -38,6 +42,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import secrets
+import time
 import uuid
 from collections.abc import AsyncIterator, Coroutine, Sequence
 from dataclasses import dataclass, field
@@ -55,6 +60,7 @@ from services.node.route_step import Onward, RouteStepper
 from services.node.routing import RoutedHop, TrackerRoutes
 from services.node.sampling import Pick, Sampler, SamplingFailed
 from services.node.sessions import Session, SessionRefused, SessionTable, log_tag
+from services.node.speculation import DEFAULT_SPECULATE_MAX, SpeculateMode, Speculation
 from services.node.stops import StopMatcher
 from services.node.tokens import HeadTokenizer
 
@@ -194,14 +200,21 @@ class SessionChain:
         self._closed = False
         self.prefilled = False
         """True once the route produced its first token (the prefill is done; decode steps follow)."""
+        self.last_timings: dict[str, float] = {}
+        """Compute time of each node in the last step."""
 
     @property
     def solo(self) -> bool:
         """True when this head runs every layer itself."""
         return self.hop is None or self.hop.next is None
 
-    async def step(self, ids: Sequence[int], *, chunk_index: int = 0, chunk_total: int = 1) -> Pick | None:
-        """Run ``ids`` through the whole route; the sampled token on the last chunk, else ``None``."""
+    async def step(self, ids: Sequence[int], *, chunk_index: int = 0, chunk_total: int = 1,
+                   draft: tuple[int, ...] = ()) -> tuple[Pick, ...] | None:
+        """Run ``ids`` through the whole route; the sampled token on the last chunk, else ``None``.
+
+        With ``draft`` (a speculative decode step: ``ids`` is the last token and
+        then the drafted ones) the answer is the verified run, one token or more.
+        """
         samples = chunk_index == chunk_total - 1
         session = self._open() if self._session is None else self._session
         async with session.lock:
@@ -220,11 +233,12 @@ class SessionChain:
                     sampling=self._sampling_json if samples else None,
                     # On every frame of a replayed prefill: the tail creates its sampler on the last one.
                     sample_draws=self._sample_draws if self._sample_draws and not self.prefilled else None,
+                    draft=draft or None,
                 ), chunk_index, chunk_total)
             sampler = self._local_sampler(session) if self.solo and samples else None
             try:
                 answer = await self._stepper.run(session, position_offset=offset, from_layer=0, tokens=len(ids),
-                                                 ids=ids, sampler=sampler, onward=onward)
+                                                 ids=ids, sampler=sampler, onward=onward, draft=draft or None)
             except SessionRefused as exc:
                 raise GenerationFailed(503, exc.code, str(exc), retry_after=str(exc.retry_after_s)) from None
             except SamplingFailed as exc:
@@ -237,7 +251,10 @@ class SessionChain:
             assert self.hop is not None  # a head alone always samples its own token
             raise RouteFailed(self.hop.route.nodes[-1].node_id, "the tail answered no token")
         self.prefilled = self.prefilled or samples
-        return None if answer.token is None else Pick(answer.token, answer.logprobs)
+        self.last_timings = answer.node_timings_ms
+        if answer.run is not None:
+            return answer.run
+        return None if answer.token is None else (Pick(answer.token, answer.logprobs),)
 
     def _open(self) -> Session:
         try:
@@ -303,6 +320,7 @@ class _Run:
 
     chain: SessionChain
     failover: Failover
+    speculation: Speculation
 
 
 class Generator:
@@ -311,7 +329,8 @@ class Generator:
     def __init__(self, *, runner: ShardRunner, sessions: SessionTable, hops: HopClient, tokenizer: HeadTokenizer,
                  stepper: RouteStepper, metrics: NodeMetrics, prefill_chunk_tokens: int,
                  routes: TrackerRoutes | None = None, model_id: str = "",
-                 failover: FailoverPolicy = DEFAULT_FAILOVER) -> None:
+                 failover: FailoverPolicy = DEFAULT_FAILOVER, speculate: SpeculateMode = "off",
+                 speculate_max: int = DEFAULT_SPECULATE_MAX) -> None:
         self._runner = runner
         self._sessions = sessions
         self._hops = hops
@@ -322,13 +341,16 @@ class Generator:
         self._routes = routes
         self._model_id = model_id
         self._failover = failover
+        self._speculate = speculate
+        self._speculate_max = speculate_max
         self._closing: set[asyncio.Task[None]] = set()
 
     async def generate(self, request: GenerationRequest, hop: RoutedHop | None) -> AsyncIterator[GenerationEvent]:
         """Generate the answer to ``request`` along ``hop``'s route (``None``: alone), as events."""
         history = History(prompt=request.prompt_ids, generated=list(request.resume))
         run = _Run(chain=self._chain(hop, request, history),
-                   failover=Failover(self._failover, self._routes, model=self._model_id, shard=self._runner.shard))
+                   failover=Failover(self._failover, self._routes, model=self._model_id, shard=self._runner.shard),
+                   speculation=Speculation(self._mode_for(request), self._speculate_max))
         detok = self.tokenizer.detokenizer()
         stops = StopMatcher(request.stop)
         for token in request.resume:  # rebuild the text state of what was already sent, sending none of it
@@ -337,37 +359,46 @@ class Generator:
         """Tokens fed since the last delta."""
         reason: FinishReason = "length"
         stopped = False
-        upcoming: asyncio.Task[Pick] | None = None
+        upcoming: asyncio.Task[tuple[Pick, ...]] | None = None
         pending: list[TokenInfo] = []
         """Log-probabilities of tokens whose text has not gone out yet."""
         try:
-            pick = await self._next_token(run, request, history)
+            picks = await self._next_tokens(run, request, history)
             while True:
-                token = pick.token
-                history.generated.append(token)
-                self._metrics.tokens_generated.inc()
-                if token in self.tokenizer.eos_ids:
-                    reason = "stop"
-                    break
-                if pick.logprobs is not None:
-                    pending.append(TokenInfo(token, pick.logprobs))
-                fed.append(token)
-                out = stops.feed(detok.push(token))
-                if not out.stopped and len(history.generated) < request.max_tokens:
-                    # The next step starts before this token's text goes out: sending it (SSE, the
+                deltas: list[TextDelta] = []
+                ended = False
+                for pick in picks:  # one token, or a speculative step's verified run
+                    token = pick.token
+                    history.generated.append(token)
+                    self._metrics.tokens_generated.inc()
+                    if token in self.tokenizer.eos_ids:
+                        reason, ended = "stop", True
+                        break
+                    if pick.logprobs is not None:
+                        pending.append(TokenInfo(token, pick.logprobs))
+                    fed.append(token)
+                    out = stops.feed(detok.push(token))
+                    if out.text:
+                        deltas.append(TextDelta(out.text, tuple(pending), tuple(fed)))
+                        pending.clear()
+                        fed.clear()
+                    if out.stopped:
+                        reason, stopped, ended = "stop", True, True
+                        break
+                    if len(history.generated) >= request.max_tokens:
+                        ended = True
+                        break
+                if not ended:
+                    # The next step starts before these tokens' text goes out: sending it (SSE, the
                     # tracker, the client) overlaps the route's work instead of adding to every token.
-                    upcoming = asyncio.create_task(self._next_token(run, request, history))
+                    upcoming = asyncio.create_task(self._next_tokens(run, request, history))
                     await asyncio.sleep(0)  # let it reach the compute thread first
-                if out.text:
-                    yield TextDelta(out.text, tuple(pending), tuple(fed))
-                    pending.clear()
-                    fed.clear()
-                if out.stopped:
-                    reason, stopped = "stop", True
+                for delta in deltas:  # a run's tokens: one chunk each, in one burst
+                    yield delta
+                if ended:
                     break
-                if upcoming is None:
-                    break
-                pick = await upcoming
+                assert upcoming is not None
+                picks = await upcoming
                 upcoming = None
             if not stopped:  # the end: release what was held back for a character or a stop string
                 out = stops.feed(detok.flush())
@@ -383,17 +414,27 @@ class Generator:
                 upcoming.cancel()
             await self._close(run, upcoming)
 
+    def _mode_for(self, request: GenerationRequest) -> SpeculateMode:
+        """The request's speculation: ``auto`` speculates on greedy requests only, because a seeded sampled
+        stream is promised to equal transformers' token for token, and speculative sampling keeps its
+        distribution but not that stream; ``on`` speculates on both (for tests and benchmarks)."""
+        if self._speculate == "auto" and not request.sampling.greedy:
+            return "off"
+        return self._speculate
+
     def _chain(self, hop: RoutedHop | None, request: GenerationRequest, history: History) -> SessionChain:
         return SessionChain(runner=self._runner, sessions=self._sessions, hops=self._hops, stepper=self._stepper,
                             hop=hop, session_id=new_session_id(), sampling=request.sampling,
                             reserve=len(request.prompt_ids) + request.max_tokens,
                             sample_draws=history.draws)
 
-    async def _next_token(self, run: _Run, request: GenerationRequest, history: History) -> Pick:
-        """The token that follows ``history``, moving the request to a new route while hops fail.
+    async def _next_tokens(self, run: _Run, request: GenerationRequest, history: History) -> tuple[Pick, ...]:
+        """The token(s) that follow ``history``, moving the request to a new route while hops fail.
 
         A fresh session (the first, or one opened by failover) is prefilled
-        with the whole history; an established one decodes the last token.
+        with the whole history; an established one decodes the last token,
+        with drafted tokens after it when the request's speculation says so
+        (then the answer is the verified run).
         """
         try:
             while True:
@@ -401,9 +442,9 @@ class Generator:
                 try:
                     async with run.failover.bounded():
                         if chain.prefilled:
-                            token = await self._decode(chain, history.generated[-1])
+                            token = await self._decode(chain, history, request, run.speculation)
                         else:
-                            token = await self._prefill(chain, history.tokens())
+                            token = (await self._prefill(chain, history.tokens()),)
                 except RouteFailed as exc:
                     assert exc.failed_node is not None
                     await self._move(run, request, history, exc.failed_node, str(exc), failed=True)
@@ -439,17 +480,28 @@ class Generator:
         chunks = [ids[i:i + self._chunk] for i in range(0, len(ids), self._chunk)]
         token: Pick | None = None
         for index, chunk in enumerate(chunks):
-            token = await chain.step(chunk, chunk_index=index, chunk_total=len(chunks))
+            picks = await chain.step(chunk, chunk_index=index, chunk_total=len(chunks))
+            token = picks[0] if picks else None
         if token is None:
             raise GenerationFailed(500, "no_token", "the route produced no token for the prompt")
         return token
 
-    async def _decode(self, chain: SessionChain, token: int) -> Pick:
-        """Feed back ``token`` (one position) and get the next one."""
-        nxt = await chain.step([token])
-        if nxt is None:
+    async def _decode(self, chain: SessionChain, history: History, request: GenerationRequest,
+                      speculation: Speculation) -> tuple[Pick, ...]:
+        """Feed back the last token (and drafted ones, when speculating) and get the next token(s)."""
+        tokens = history.tokens()
+        draft = speculation.draft(tokens, request.max_tokens - len(history.generated))
+        began = time.perf_counter()
+        picks = await chain.step([tokens[-1], *draft], draft=draft)
+        if not picks:
             raise GenerationFailed(500, "no_token", "the route produced no token for a decode step")
-        return nxt
+        speculation.observe(len(draft), len(picks), (time.perf_counter() - began) * 1000.0,
+                            sum(chain.last_timings.values()))
+        self._metrics.decode_steps.labels(speculative=str(bool(draft)).lower()).inc()
+        if draft:
+            self._metrics.drafted_tokens.inc(len(draft))
+            self._metrics.accepted_tokens.inc(len(picks) - 1)
+        return picks
 
     def _spawn_close(self, chain: SessionChain, failed_node: str | None = None) -> asyncio.Task[None]:
         """Close ``chain`` in a task a cancelled request cannot interrupt (bounded by :data:`CLOSE_TIMEOUT_S`)."""

@@ -35,10 +35,10 @@ from meshwire.frames import Encoding, encode_frame
 from meshwire.routes import RouteNode
 from meshwire.sampling_params import TokenLogprobs
 from services.node.compute import ShardRunner
-from services.node.hop_client import ChainFailure
+from services.node.hop_client import ChainFailure, hop_failed
 from services.node.metrics import NodeMetrics
 from services.node.row_sender import RowSender
-from services.node.sampling import Sampler
+from services.node.sampling import Pick, Sampler
 from services.node.sessions import Session, SessionTable
 from services.node.settings import WireDType
 
@@ -70,6 +70,8 @@ class StepDone:
     """Compute time of this node and of every hop after it."""
     logprobs: TokenLogprobs | None = None
     """With the token, when the session asks for log-probabilities."""
+    run: tuple[Pick, ...] | None = None
+    """On a speculative step: the verified run (``token`` is its first)."""
 
 
 class RouteStepper:
@@ -88,20 +90,27 @@ class RouteStepper:
 
     async def run(self, session: Session, *, position_offset: int, from_layer: int, tokens: int,
                   ids: Sequence[int] | None = None, hidden: torch.Tensor | None = None,
-                  sampler: Sampler | None = None, onward: Onward | None = None) -> StepDone:
+                  sampler: Sampler | None = None, onward: Onward | None = None,
+                  draft: tuple[int, ...] | None = None) -> StepDone:
         """Step ``session`` by ``tokens`` positions (``ids`` at the head, ``hidden`` elsewhere).
 
         ``onward`` is ``None`` where this node ends the route (the tail, or a head
-        holding every layer): the answer is then this node's own token.
+        holding every layer): the answer is then this node's own token. With
+        ``draft`` (a speculative step: ``tokens`` is ``len(draft) + 1``) the answer
+        is the verified run, and this node's KV cache keeps the run's positions
+        only: the rows of rejected drafts are dropped as the answer passes back.
         """
         self._sessions.ensure_room(session, position_offset + tokens)
         result = await self._runner.step(session.cache, position_offset=position_offset, from_layer=from_layer,
-                                         ids=ids, hidden=hidden, sampler=sampler)
+                                         ids=ids, hidden=hidden, sampler=sampler,
+                                         draft=draft if onward is None else None)
         self._sessions.touch(session)
         self._metrics.compute_latency.observe(result.compute_ms / 1000)
         timings = {self.node_id: round(result.compute_ms, 3)}
         if onward is None:
-            return StepDone(result.token, timings, result.logprobs)
+            if draft is not None and result.run is not None:
+                self._keep(session, position_offset, len(result.run))
+            return StepDone(result.token, timings, result.logprobs, result.run)
         assert result.hidden is not None, "a shard that is not the tail always passes hidden states on"
         encoding = "identity" if onward.node.node_id in self._plain_hops else self._encoding
         try:
@@ -115,11 +124,28 @@ class RouteStepper:
                 self._plain_hops.clear()
             self._plain_hops.add(onward.node.node_id)
             answer = await self._send(session, result.hidden, onward, "identity")
-        return StepDone(answer.token, {**timings, **answer.node_timings_ms}, answer.logprobs)
+        run = _run_of(onward.node, answer) if onward.info.draft is not None else None
+        if run is not None:
+            self._keep(session, position_offset, len(run))
+        return StepDone(answer.token, {**timings, **answer.node_timings_ms}, answer.logprobs, run)
+
+    def _keep(self, session: Session, position_offset: int, positions: int) -> None:
+        """Drop the KV rows of a speculative step's rejected positions: keep ``positions`` from ``position_offset``."""
+        session.cache.truncate(position_offset + positions)
 
     async def _send(self, session: Session, hidden: torch.Tensor, onward: Onward, encoding: Encoding) -> ForwardAnswer:
         headers, body = encode_frame(hidden, session=session.session_id, chunk_index=onward.chunk_index,
-                                     chunk_total=onward.chunk_total, encoding=encoding, extra=onward.info.headers())
+                                     chunk_total=onward.chunk_total, encoding=encoding,
+                                     wire_version=onward.info.wire_version, extra=onward.info.headers())
         self._metrics.frame_bytes_sent.labels(encoding=encoding).inc(len(body))
         self._metrics.frame_tokens_sent.labels(encoding=encoding).inc(int(hidden.shape[1]))
         return await self._sender.send(onward.node, headers, body)
+
+
+def _run_of(node: RouteNode, answer: ForwardAnswer) -> tuple[Pick, ...]:
+    """The verified run a speculative step's answer carries; a route that answered without one failed."""
+    if answer.tokens is None:
+        raise hop_failed(node.node_id, "it answered a speculative frame without the verified run")
+    logprobs = answer.run_logprobs or []
+    return tuple(Pick(token, logprobs[index] if index < len(logprobs) else None)
+                 for index, token in enumerate(answer.tokens))

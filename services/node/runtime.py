@@ -135,7 +135,8 @@ class NodeRuntime:
             self.generator = Generator(runner=self.runner, sessions=self.sessions, hops=self.hops, stepper=stepper,
                                        tokenizer=tokenizer, metrics=self.metrics,
                                        prefill_chunk_tokens=s.prefill_chunk_tokens,
-                                       routes=self.tracker_routes, model_id=self.model_id)
+                                       routes=self.tracker_routes, model_id=self.model_id,
+                                       speculate=s.speculate, speculate_max=s.speculate_max)
         await self.runner.warm_up()
         self._tasks.append(asyncio.create_task(
             run_sweeper(self.sessions, self.metrics.sessions_expired.inc), name="idle-sweeper"))

@@ -45,7 +45,7 @@ import torch
 from meshwire.sampling_params import TokenLogprobs
 from services.node.kv_cache import ShardCache
 from services.node.outcomes import settle
-from services.node.sampling import Sampler
+from services.node.sampling import Pick, Sampler
 from services.node.settings import DEFAULT_MAX_BATCH, DEFAULT_MAX_STEP_TOKENS
 from services.node.shard import Shard
 
@@ -68,6 +68,9 @@ class StepResult:
     """Decode rows in the batch this step ran in (1: alone, or a prompt chunk)."""
     logprobs: TokenLogprobs | None = None
     """With the token, when the session's sampler was asked for log-probabilities."""
+    run: tuple[Pick, ...] | None = None
+    """On a speculative step at the tail: the verified run (accepted drafts, then the tail's own pick);
+    ``token`` is its first."""
 
 
 @dataclass(eq=False)
@@ -81,6 +84,8 @@ class StepJob:
     hidden: torch.Tensor | None
     sampler: Sampler | None
     future: asyncio.Future[StepResult] = field(repr=False)
+    draft: tuple[int, ...] | None = None
+    """The drafted tokens a speculative step's positions 1..k hold (the tail verifies them)."""
 
     @property
     def tokens(self) -> int:
@@ -92,7 +97,7 @@ class StepJob:
     @property
     def is_row(self) -> bool:
         """A one-token decode step, which can share a batch."""
-        return self.tokens == 1
+        return self.tokens == 1 and self.draft is None
 
     @property
     def group(self) -> tuple[int, bool]:
@@ -124,12 +129,12 @@ class StepEngine:
 
     async def submit(self, cache: ShardCache, *, position_offset: int, from_layer: int,
                      ids: Sequence[int] | None = None, hidden: torch.Tensor | None = None,
-                     sampler: Sampler | None = None) -> StepResult:
+                     sampler: Sampler | None = None, draft: tuple[int, ...] | None = None) -> StepResult:
         """Queue one step and wait for its result (its own exception if it, alone, failed)."""
         if ids is None and hidden is None:
             raise ValueError("a step needs token ids or hidden states")
         job = StepJob(cache=cache, position_offset=position_offset, from_layer=from_layer, ids=ids, hidden=hidden,
-                      sampler=sampler, future=asyncio.get_running_loop().create_future())
+                      sampler=sampler, future=asyncio.get_running_loop().create_future(), draft=draft)
         self._queue.append(job)
         if self._task is None or self._task.done() or self._task.get_loop() is not job.future.get_loop():
             self._wake = asyncio.Event()  # an event belongs to the loop that first waits on it
