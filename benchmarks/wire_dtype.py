@@ -114,12 +114,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             tally["prompts_differing"] += int(same < len(exact))
         logger.info("prompt %d/%d done (%.0f s): %s", index + 1, args.prompts, time.perf_counter() - began,
                     {name: tally["prompts_differing"] for name, tally in per_split.items()})
-    for name, tally in per_split.items():
-        tally_out = {**tally, "hops": splits[name], "prompts": args.prompts,
-                     "share_tokens_differing": round(tally["tokens_differing"] / max(tally["tokens"], 1), 4)}
-        report["splits"][name] = tally_out  # type: ignore[index]
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
+        for name, tally in per_split.items():  # written after every prompt: an interrupted run keeps what it measured
+            report["splits"][name] = {  # type: ignore[index]
+                **tally, "hops": splits[name], "prompts": index + 1,
+                "share_tokens_differing": round(tally["tokens_differing"] / max(tally["tokens"], 1), 4)}
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
     logger.info("%s", json.dumps(report))
     return 0
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -40,15 +41,19 @@ LAYERS = {"spec": (0, 1), "plain": (0, 1), "mid": (2, 2), "back": (2, 3)}
 COPY_PROMPT = [{"role": "user", "content": "Repeat this line twice: the river runs past the old mill and under "
                                            "the stone bridge. the river runs past the old mill and under the"}]
 OTHER_PROMPT = [{"role": "user", "content": "Where does the river run before it reaches the sea?"}]
-SAMPLING_SEEDS = 240
-SAMPLED_TOKENS = 6
-TV_TOLERANCE = 0.2
+SAMPLING_SEEDS = 160
+SAMPLED_TOKENS = 4
+SAMPLING = {"temperature": 0.5, "top_k": 5}
+"""At most 5 candidates a position, so 160 draws estimate each position's distribution well."""
+TV_TOLERANCE = 0.25
 """Largest total-variation distance allowed between the per-position token frequencies of the two heads.
 
-Over 240 seeds, two samples of one distribution concentrated on a few dozen
-tokens differ by about 0.1 in TV (sampling noise); a speculative sampler that
-kept drafted tokens too often or too rarely moves whole positions far beyond
-it (always accepting a draft gives a point mass: a TV near 1 against ``plain``)."""
+Two samples of 160 draws of one distribution over 5 tokens differ by about
+0.08 in TV on average (sampling noise; 0.25 is beyond three times that); a
+speculative sampler that kept drafted tokens too often moves whole positions
+far beyond it (the tiny model's drafts lie outside its top 5, so always
+accepting them gives a TV near 1 against ``plain``)."""
+PARALLEL_REQUESTS = 4
 
 
 @pytest.fixture(scope="module")
@@ -228,7 +233,8 @@ def test_a_speculative_frame_that_does_not_add_up_is_refused(nodes: dict[str, Se
 
 def _sampled(nodes: dict[str, Service], model: str, head: str, seed: int) -> list[int]:
     answer = client(nodes, model, head, 2).chat.completions.create(
-        model=model, messages=COPY_PROMPT, max_tokens=SAMPLED_TOKENS, temperature=0.7, seed=seed, logprobs=True)
+        model=model, messages=COPY_PROMPT, max_tokens=SAMPLED_TOKENS, temperature=SAMPLING["temperature"], seed=seed,
+        logprobs=True, extra_body={"top_k": SAMPLING["top_k"]})
     content = answer.choices[0].logprobs.content or []
     return [hash(entry.token) for entry in content]
 
@@ -238,11 +244,14 @@ def _total_variation(a: list[Any], b: list[Any]) -> float:
     return 0.5 * sum(abs(ca[key] / len(a) - cb[key] / len(b)) for key in set(ca) | set(cb))
 
 
+@pytest.mark.timeout(900)
 def test_seeded_sampling_with_speculation_keeps_the_distribution_of_every_position(
         nodes: dict[str, Service], model_name: str) -> None:
     drafted_before = metric(nodes["spec"], "meshnet_node_drafted_tokens_total")
-    runs = {head: [_sampled(nodes, model_name, head, seed) for seed in range(SAMPLING_SEEDS)]
-            for head in ("spec", "plain")}
+    with ThreadPoolExecutor(PARALLEL_REQUESTS) as pool:
+        runs = {head: list(pool.map(lambda seed, head=head: _sampled(nodes, model_name, head, seed),
+                                    range(SAMPLING_SEEDS)))
+                for head in ("spec", "plain")}
     assert metric(nodes["spec"], "meshnet_node_drafted_tokens_total") > drafted_before  # speculation ran
     for position in range(1, SAMPLED_TOKENS):
         spec = [run[position] for run in runs["spec"] if len(run) > position]
