@@ -207,6 +207,7 @@ def _node_env(spec: MeshSpec, index: int, tracker: Service, relay: Service | Non
         "MESHNET_HEARTBEAT_S": str(NODE_HEARTBEAT_S),
         "MESHNET_NODE_ID": f"bench-node-{index}",
         "OMP_NUM_THREADS": threads,
+        "MESHNET_SPECULATE": "auto",  # the node's default (the test launcher pins it off)
         **spec.node_env,
     }
     if relay is not None and index in spec.relayed:
