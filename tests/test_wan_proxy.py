@@ -137,3 +137,43 @@ def test_the_shape_changes_on_an_open_connection_from_another_thread() -> None:
 def test_a_link_shape_refuses_impossible_figures(bad: dict[str, float]) -> None:
     with pytest.raises(ValueError):
         LinkShape(**bad)
+
+
+# --- the wan benchmarks' bookkeeping (no timing asserted) -------------------------------------------------------
+
+
+def test_a_mesh_is_behind_wan_proxies_or_a_relay_not_both() -> None:
+    from benchmarks.mesh import MeshSpec
+
+    assert "WAN RTT 50 ms" in MeshSpec(model="m", num_layers=4, nodes=2, wan=LinkShape(rtt_ms=50.0)).describe()
+    with pytest.raises(ValueError):
+        MeshSpec(model="m", num_layers=4, nodes=2, wan=LinkShape(rtt_ms=50.0), relayed=frozenset({1}))
+
+
+def test_the_wan_rows_name_each_node_count_and_rtt_with_the_bound_the_round_trips_set() -> None:
+    from benchmarks import wan
+    from benchmarks.timing import StreamTiming
+
+    timings = {wan.label(n, rtt): [StreamTiming(tokens=11, first_s=0.5, last_s=1.5)]
+               for n in wan.NODE_COUNTS for rtt in wan.RTTS_MS}
+    outcome = wan.outcome(timings, max_tokens=11)
+    assert len(outcome.rows) == 2 * len(wan.NODE_COUNTS) * len(wan.RTTS_MS)
+    row = next(r for r in outcome.rows if r.label == "2 nodes, RTT 50 ms: decode")
+    assert row.value.median == 10.0 and "at most 10.0 tok/s" in row.note
+
+
+def test_the_wan_spec_rows_give_k_acceptance_and_the_ratio_to_off() -> None:
+    from benchmarks import wan_spec
+    from benchmarks.timing import StreamTiming
+
+    def runs(rate: float, drafted: float, accepted: float, steps: float) -> list[wan_spec.SpecRun]:
+        return [wan_spec.SpecRun(StreamTiming(tokens=11, first_s=0.0, last_s=10 / rate), drafted, accepted, steps)]
+
+    results = {wan_spec.label(mode, name): runs(10.0 if mode == "off" else 25.0, 0 if mode == "off" else 40,
+                                                 0 if mode == "off" else 30, 0 if mode == "off" else 10)
+               for mode in wan_spec.MODES for name in wan_spec.PROMPTS}
+    outcome = wan_spec.outcome(results, max_tokens=11)
+    against = next(r for r in outcome.rows if r.label == "RTT 50 ms, speculate on, copying: against off")
+    assert against.value.median == 2.5
+    decode = next(r for r in outcome.rows if r.label == "RTT 50 ms, speculate on, copying: decode")
+    assert decode.note == "k 4.0 per speculative step, 75% of drafts accepted"
