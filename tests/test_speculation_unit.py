@@ -28,6 +28,7 @@ def test_the_drafter_proposes_what_followed_the_latest_earlier_occurrence_of_the
     assert propose(tokens, 2) == (3, 4)  # "5 6 7" last occurred before "3 4"
     assert propose(tokens, 10) == (3, 4, 5, 6, 7)
     assert propose([1, 2, 3, 4], 3) == ()  # nothing repeats
+    assert propose([7, 1, 2, 3, 1], 2) == (2, 3)  # a lone token is the last resort
     assert propose(tokens, 0) == ()
 
 

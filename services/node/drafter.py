@@ -20,8 +20,8 @@ from typing import Final
 
 MAX_NGRAM: Final = 4
 """Longest suffix matched."""
-MIN_NGRAM: Final = 2
-"""Shortest suffix matched (a single token matches too often to be a useful guess)."""
+MIN_NGRAM: Final = 1
+"""Shortest suffix matched (as transformers' prompt lookup: a lone token is the weakest guess, tried last)."""
 MAX_LOOKBACK: Final = 4096
 """Tokens searched back from the end for an earlier occurrence."""
 
