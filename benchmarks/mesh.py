@@ -27,6 +27,7 @@ from typing import Any, Final, Literal
 
 import httpx
 
+from benchmarks.wan_proxy import LinkShape, ProxyThread
 from tests.procs import Service, free_port, start_service
 
 logger = logging.getLogger(__name__)
@@ -62,6 +63,9 @@ class MeshSpec:
     node_env: Mapping[str, str] = field(default_factory=dict)
     node_cpus: tuple[int, ...] = ()
     """When given, node ``i`` (every thread of it) is pinned to core ``node_cpus[i]``: machines simulated."""
+    wan: LinkShape | None = None
+    """When given, every node sits behind a WAN proxy (``benchmarks.wan_proxy``) of this shape and advertises
+    it: every frame between nodes, and every request the tracker passes to a head, crosses an emulated link."""
 
     def __post_init__(self) -> None:
         if not 1 <= self.nodes <= min(MAX_NODES, self.num_layers):
@@ -70,10 +74,13 @@ class MeshSpec:
             raise ValueError(f"node_cpus names {len(self.node_cpus)} cores for {self.nodes} nodes")
         if any(not 0 <= index < self.nodes for index in self.relayed):
             raise ValueError(f"relayed nodes {sorted(self.relayed)} are not among the {self.nodes} nodes")
+        if self.wan is not None and self.relayed:
+            raise ValueError("a mesh is either behind WAN proxies or behind a relay, not both")
 
     def describe(self) -> str:
         relayed = f", {len(self.relayed)} behind a relay" if self.relayed else ""
-        return f"{self.nodes} node{'s' if self.nodes > 1 else ''} ({self.dtype}{relayed})"
+        wan = f", WAN {self.wan.describe()}" if self.wan is not None else ""
+        return f"{self.nodes} node{'s' if self.nodes > 1 else ''} ({self.dtype}{relayed}{wan})"
 
 
 def split_layers(num_layers: int, parts: int) -> list[tuple[int, int]]:
@@ -105,6 +112,14 @@ class Mesh:
     nodes: tuple[Service, ...]
     relay: Service | None
     model: str
+    wan: ProxyThread | None = None
+    """The WAN proxies in front of the nodes (``spec.wan``), whose shape :meth:`set_link` changes."""
+
+    def set_link(self, shape: LinkShape) -> None:
+        """Give every link of the mesh ``shape`` from now on (a mesh started with ``spec.wan``)."""
+        if self.wan is None:
+            raise MeshError("this mesh was started without WAN proxies (MeshSpec.wan)")
+        self.wan.set_shape(shape)
 
     @property
     def url(self) -> str:
@@ -143,6 +158,7 @@ def running_mesh(spec: MeshSpec) -> Iterator[Mesh]:
     secret = secrets.token_urlsafe(24)
     common = {"MESHNET_SECRET": secret}
     started: list[Service] = []
+    proxies = ProxyThread() if spec.wan is not None else None
     try:
         tracker = start_service("tracker", common, ready_timeout_s=READY_TIMEOUT_S)
         started.append(tracker)
@@ -152,12 +168,15 @@ def running_mesh(spec: MeshSpec) -> Iterator[Mesh]:
             started.append(relay)
         for index in range(spec.nodes):
             env = {**common, **_node_env(spec, index, tracker, relay)}
-            started.append(start_service("node", env, ready_timeout_s=READY_TIMEOUT_S))
+            port = free_port()
+            if proxies is not None and spec.wan is not None:
+                env["MESHNET_ADVERTISE"] = proxies.proxy(port, spec.wan).url  # others reach it through the proxy
+            started.append(start_service("node", env, port, ready_timeout_s=READY_TIMEOUT_S))
         model = _wait_servable(tracker, started)
         for node, cpu in zip(started[-spec.nodes:], spec.node_cpus, strict=False):
             pin_process(node.proc.pid, cpu)
         mesh = Mesh(spec=spec, secret=secret, tracker=tracker, nodes=tuple(started[-spec.nodes:]), relay=relay,
-                    model=model)
+                    model=model, wan=proxies)
         logger.info("mesh of %s up in %.1f s, serving %s", spec.describe(), time.perf_counter() - began, model)
         yield mesh
     finally:
@@ -165,6 +184,8 @@ def running_mesh(spec: MeshSpec) -> Iterator[Mesh]:
             service.stop()
             with contextlib.suppress(OSError):
                 service.log_path.unlink()
+        if proxies is not None:
+            proxies.close()
 
 
 def pin_process(pid: int, cpu: int) -> None:
@@ -186,6 +207,7 @@ def _node_env(spec: MeshSpec, index: int, tracker: Service, relay: Service | Non
         "MESHNET_HEARTBEAT_S": str(NODE_HEARTBEAT_S),
         "MESHNET_NODE_ID": f"bench-node-{index}",
         "OMP_NUM_THREADS": threads,
+        "MESHNET_SPECULATE": "auto",  # the node's default (the test launcher pins it off)
         **spec.node_env,
     }
     if relay is not None and index in spec.relayed:

@@ -18,9 +18,9 @@ from benchmarks.stats import Spread
 
 logger = logging.getLogger(__name__)
 
-BenchmarkName = Literal["decode", "context", "hops", "concurrency", "relay", "control_plane"]
+BenchmarkName = Literal["decode", "context", "hops", "concurrency", "relay", "control_plane", "wan", "wan_spec"]
 BENCHMARK_ORDER: Final[tuple[BenchmarkName, ...]] = ("decode", "context", "hops", "concurrency", "relay",
-                                                     "control_plane")
+                                                     "control_plane", "wan", "wan_spec")
 """The order benchmarks run in and appear in the README."""
 Unit = Literal["tok/s", "ms/token", "x", "ms", "lookups/s"]
 

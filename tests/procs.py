@@ -149,6 +149,9 @@ def service_env(env: Mapping[str, str] | None = None) -> dict[str, str]:
             "TOKENIZERS_PARALLELISM": "false",
             "OMP_NUM_THREADS": base.get("OMP_NUM_THREADS", "1"),
             "PYTHONUNBUFFERED": "1",
+            # `auto` speculation decides from measured round trips, which a busy machine stretches: tests pin
+            # it off, and the speculation tests turn it on where they mean to.
+            "MESHNET_SPECULATE": "off",
             **OPENMP_DEFAULTS,
         }
     )

@@ -5,7 +5,7 @@ A frame sent to a hop is either
 * a **data frame** (:class:`DataRequest`): the frame's own headers
   (``meshwire.frames``: dtype, shape, session, chunk) plus the step headers of
   :class:`StepInfo` — where it is in the route (route token, hop index, start
-  layer) and in the session (step, position, reserve, sampling, draws); or
+  layer) and in the session (step, position, reserve, sampling, draws, draft); or
 * a **close frame** (:class:`CloseRequest`): no body, ``X-Meshnet-Control:
   close``, the session and the route address (:func:`close_headers`).
 
@@ -33,10 +33,12 @@ from meshwire.frames import (
     FrameLimits,
     FrameSpec,
     check_session_id,
+    format_int_list,
     get_header,
     parse_attn_mask,
     parse_frame_headers,
     parse_int_header,
+    parse_int_list,
     parse_position_ids,
 )
 from meshwire.kv_handoff import HANDOFF_FROM, HOLD, HandoffSource
@@ -55,6 +57,10 @@ MAX_SAMPLE_DRAWS: Final = 1 << 20
 """Most sampler draws a failover replay may ask the tail to skip."""
 MAX_TIMING_ENTRIES: Final = MAX_ROUTE_HOPS
 """Most per-node timings one answer may carry (one per hop)."""
+MAX_DRAFT_TOKENS: Final = 16
+"""Most drafted tokens one speculative frame may carry (``--speculate-max`` is at most this)."""
+MAX_TOKEN_ID: Final = 1 << 31
+"""Highest token id a draft may name."""
 
 
 class ForwardAnswer(BaseModel):
@@ -74,6 +80,12 @@ class ForwardAnswer(BaseModel):
     """With the token, when the session's sampling parameters ask for log-probabilities."""
     scored: Annotated[tuple[TokenLogprobs, ...], AsTuple, Field(max_length=MAX_REPLAY_IDS_PER_FRAME)] = ()
     """On a frame that asked (``X-Meshnet-Score``): the log-probability of each prompt token it named."""
+    tokens: Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1, max_length=MAX_DRAFT_TOKENS + 1)] | None = None
+    """On a speculative frame (``X-Meshnet-Draft``): the verified run, the accepted drafted tokens then one
+    the tail chose itself; ``token`` is its first. Every hop keeps the KV rows of the frame's first
+    ``len(tokens)`` positions and drops the rest (the rejected drafts)."""
+    run_logprobs: Annotated[list[TokenLogprobs], Field(max_length=MAX_DRAFT_TOKENS + 1)] | None = None
+    """With ``tokens``, when the session asks for log-probabilities: one entry per token of the run."""
 
 
 @dataclass(frozen=True)
@@ -120,6 +132,9 @@ class StepInfo:
     """On a prefill route: keep the session's KV for a handoff once its prompt ran (``X-Meshnet-Handoff-Hold``)."""
     handoff: HandoffSource | None = None
     """On a decode route's first frame: where the prompt's KV is held, to pull before the step."""
+    draft: tuple[int, ...] | None = None
+    """On a speculative frame of ``k + 1`` positions: the ``k`` drafted tokens its positions 1..k hold. The
+    tail verifies them against its own picks and answers the accepted run (:attr:`ForwardAnswer.tokens`)."""
 
     def headers(self) -> dict[str, str]:
         """The headers that carry this step, besides the frame's own."""
@@ -144,7 +159,15 @@ class StepInfo:
             out[HOLD] = "1"
         if self.handoff is not None:
             out[HANDOFF_FROM] = self.handoff.header()
+        if self.draft is not None:
+            out[h.DRAFT] = format_int_list(self.draft)
         return out
+
+    @property
+    def wire_version(self) -> str:
+        """The ``X-Meshnet-Wire`` of a frame of this step: a speculative one needs
+        :data:`~meshwire.headers.SPECULATIVE_WIRE_VERSION`."""
+        return h.WIRE_VERSION if self.draft is None else h.SPECULATIVE_WIRE_VERSION
 
     def for_next_hop(self, start_layer: int) -> StepInfo:
         """The same step, addressed to the next hop."""
@@ -251,6 +274,9 @@ def _step_info(headers: Mapping[str, str], address: HopAddress, tokens: int) -> 
     if hold is not None and hold.strip() != "1":
         raise FrameError("bad_header", f"{HOLD} must be 1 when given")
     handoff = get_header(headers, HANDOFF_FROM)
+    draft = _draft(get_header(headers, h.DRAFT), tokens)
+    if draft is not None and (get_header(headers, h.WIRE) or "").strip() != h.SPECULATIVE_WIRE_VERSION:
+        raise FrameError("wire_version", f"a frame with {h.DRAFT} carries {h.WIRE} {h.SPECULATIVE_WIRE_VERSION!r}")
     return StepInfo(
         route_token=address.route_token,
         hop_index=address.hop_index,
@@ -266,6 +292,7 @@ def _step_info(headers: Mapping[str, str], address: HopAddress, tokens: int) -> 
         score=None if score is None else Scoring.parse(score, tokens),
         hold=hold is not None,
         handoff=None if handoff is None else HandoffSource.parse(handoff),
+        draft=draft,
     )
 
 
@@ -291,6 +318,19 @@ def decode_ids(value: str, tokens: int, name: str = h.SAMPLE_IDS) -> tuple[int, 
     if max(ids) >= 1 << 31:
         raise FrameError("bad_header", f"{name} names a token id out of range")
     return ids
+
+
+def _draft(value: str | None, tokens: int) -> tuple[int, ...] | None:
+    """The drafted tokens of a speculative frame: one fewer than its positions, at most :data:`MAX_DRAFT_TOKENS`."""
+    if value is None:
+        return None
+    draft = parse_int_list(h.DRAFT, value, max_items=MAX_DRAFT_TOKENS)
+    if not draft or any(not 0 <= token < MAX_TOKEN_ID for token in draft):
+        raise FrameError("bad_header", f"{h.DRAFT} must list 1-{MAX_DRAFT_TOKENS} token ids")
+    if len(draft) != tokens - 1:
+        raise FrameError("bad_header", f"{h.DRAFT} lists {len(draft)} drafted tokens; a frame of {tokens} positions "
+                                       f"verifies {tokens - 1}")
+    return draft
 
 
 def _check_reference_positions(headers: Mapping[str, str], offset: int, tokens: int) -> None:

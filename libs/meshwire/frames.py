@@ -4,7 +4,9 @@ A frame is what one hop sends the next: the hidden states of some tokens of
 one session. The body is the tensor's raw little-endian bytes in C order
 (bfloat16 as its raw 16-bit pattern), optionally zlib-compressed; the headers
 say how to read it. This is the reference node server's wire format, version
-:data:`~meshwire.headers.WIRE_VERSION`.
+:data:`~meshwire.headers.WIRE_VERSION`. Besides ``zlib``, a sender on a slow
+link may quantise the body to 8 bits a value (``q8``, :mod:`meshwire.q8`);
+the receiver decodes it to the dtype the headers announce.
 
 The receiving side never trusts a frame: :func:`check_frame_headers` refuses
 a bad frame from its headers alone, before the body is read, and
@@ -28,16 +30,16 @@ from typing import Final, Literal, get_args
 import torch
 
 from meshwire import headers as h
-from meshwire import limits
+from meshwire import limits, q8
 from meshwire.fields import DType
 
 __all__ = [
     "DType", "Encoding", "Frame", "FrameError", "FrameErrorCode", "FrameLimits", "FrameSpec",
-    "check_frame_headers", "decode_frame", "encode_frame", "format_attn_mask", "format_int_list",
+    "body_bound", "check_frame_headers", "decode_frame", "encode_frame", "format_attn_mask", "format_int_list",
     "format_position_ids", "format_shape", "get_header", "parse_attn_mask", "parse_frame_headers",
     "parse_int_header", "parse_int_list", "parse_position_ids", "parse_shape",
 ]
-Encoding = Literal["identity", "zlib"]
+Encoding = Literal["identity", "zlib", "q8"]
 FrameErrorCode = Literal[
     "bad_length", "unknown_dtype", "bad_shape", "too_large",
     "bad_chunk", "bad_encoding", "bad_header", "wire_version",
@@ -281,9 +283,10 @@ def parse_frame_headers(headers: Mapping[str, str], limits_: FrameLimits | None 
     """Validate a frame's headers (case-insensitive) and say how to read its body."""
     lim = limits_ or FrameLimits()
     wire = get_header(headers, h.WIRE)
-    if wire is None or wire.strip() != h.WIRE_VERSION:
+    if wire is None or wire.strip() not in h.WIRE_VERSIONS:
         raise FrameError(
-            "wire_version", f"{h.WIRE} must be {h.WIRE_VERSION!r}, got {None if wire is None else wire[:20]!r}"
+            "wire_version", f"{h.WIRE} must be one of {sorted(h.WIRE_VERSIONS)}, "
+                            f"got {None if wire is None else wire[:20]!r}"
         )
     dtype = (get_header(headers, h.DTYPE) or "").strip()
     if dtype not in TORCH_DTYPES:
@@ -302,8 +305,20 @@ def parse_frame_headers(headers: Mapping[str, str], limits_: FrameLimits | None 
     return spec
 
 
-def _check_body_length(spec: FrameSpec, length: int) -> None:
+def body_bound(spec: FrameSpec) -> int:
+    """The most bytes the body of a frame announced by ``spec`` may be."""
     if spec.encoding == "identity":
+        return spec.nbytes
+    if spec.encoding == "q8":
+        return q8.q8_nbytes(math.prod(spec.shape))
+    return compress_bound(spec.nbytes)
+
+
+def _check_body_length(spec: FrameSpec, length: int) -> None:
+    if spec.encoding == "q8":
+        if length != body_bound(spec):
+            raise FrameError("bad_length", f"q8 body is {length} bytes, shape {spec.shape} needs {body_bound(spec)}")
+    elif spec.encoding == "identity":
         if length != spec.nbytes:
             raise FrameError(
                 "bad_length",
@@ -365,13 +380,14 @@ def _inflate(body: bytes, expected: int) -> bytes:
 
 
 def encode_frame(tensor: torch.Tensor, *, session: str, chunk_index: int = 0, chunk_total: int = 1,
-                 encoding: Encoding = "identity",
+                 encoding: Encoding = "identity", wire_version: str = h.WIRE_VERSION,
                  extra: Mapping[str, str] = MappingProxyType({})) -> tuple[dict[str, str], bytes]:
     """Encode ``tensor`` as a frame: ``(headers, body)``.
 
     ``extra`` adds headers (hop index, route, step...); it may not override
     the frame's own headers. ``identity`` encoding sends no ``Encoding``
-    header, as the reference did.
+    header, as the reference did. ``q8`` is lossy (:mod:`meshwire.q8`): the
+    frame announces the tensor's dtype, which the receiver decodes it to.
     """
     dtype = DTYPE_NAMES.get(tensor.dtype)
     if dtype is None:
@@ -385,9 +401,9 @@ def encode_frame(tensor: torch.Tensor, *, session: str, chunk_index: int = 0, ch
     clash = _FRAME_HEADERS.intersection(key.lower() for key in extra)
     if clash:
         raise ValueError(f"extra headers may not override frame headers: {sorted(clash)}")
-    body = _to_wire_bytes(tensor)
+    body = q8.quantize(tensor) if encoding == "q8" else _to_wire_bytes(tensor)
     out = {
-        h.WIRE: h.WIRE_VERSION,
+        h.WIRE: wire_version,
         h.SHAPE: format_shape(tensor.shape),
         h.DTYPE: dtype,
         h.SESSION: session,
@@ -396,7 +412,8 @@ def encode_frame(tensor: torch.Tensor, *, session: str, chunk_index: int = 0, ch
     }
     if encoding == "zlib":
         body = zlib.compress(body, ZLIB_LEVEL)
-        out[h.ENCODING] = "zlib"
+    if encoding != "identity":
+        out[h.ENCODING] = encoding
     out.update(extra)
     return out, body
 
@@ -410,9 +427,12 @@ def decode_frame(headers: Mapping[str, str], body: bytes,
 def decode_frame_body(spec: FrameSpec, headers: Mapping[str, str], body: bytes) -> Frame:
     """Decode the body of a frame whose headers :func:`parse_frame_headers` already read into ``spec``."""
     _check_body_length(spec, len(body))
-    raw = _inflate(body, spec.nbytes) if spec.encoding == "zlib" else body
+    if spec.encoding == "q8":
+        tensor = q8.dequantize(body, spec.shape, TORCH_DTYPES[spec.dtype])
+    else:
+        tensor = _from_wire_bytes(_inflate(body, spec.nbytes) if spec.encoding == "zlib" else body, spec)
     return Frame(
-        tensor=_from_wire_bytes(raw, spec),
+        tensor=tensor,
         session=spec.session,
         chunk_index=spec.chunk_index,
         chunk_total=spec.chunk_total,

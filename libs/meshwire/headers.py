@@ -13,6 +13,12 @@ from typing import Final
 
 WIRE_VERSION: Final = "2"
 """Protocol version carried in :data:`WIRE`; a frame with another version is refused."""
+SPECULATIVE_WIRE_VERSION: Final = "3"
+"""The version a speculative frame (one with :data:`DRAFT`) carries: its answer is a run of tokens, and its
+rejected positions are dropped from every hop's KV cache. A node that predates speculation refuses it
+(400 ``wire_version``) instead of answering it as an ordinary chunk, which would be wrong."""
+WIRE_VERSIONS: Final = frozenset({WIRE_VERSION, SPECULATIVE_WIRE_VERSION})
+"""Versions a data frame may carry."""
 
 PREFIX: Final = "X-Meshnet-"
 
@@ -49,12 +55,15 @@ PREFILL_ROUTE: Final = "X-Meshnet-Prefill-Route"
 """From the tracker to a head: a signed route through the mesh's prefill nodes (``meshwire.kv_handoff``)."""
 PD_MIN_PROMPT_TOKENS: Final = "X-Meshnet-PD-Min-Prompt-Tokens"
 """With :data:`PREFILL_ROUTE`: the shortest prompt (in tokens) the head prefills along it."""
+DRAFT: Final = "X-Meshnet-Draft"
+"""On a speculative frame: the drafted token ids (comma-separated) its last positions propose; the tail
+verifies them and answers the accepted run (see :mod:`meshwire.forward_step`)."""
 PROGRESS: Final = "X-Meshnet-Progress"
 """From the tracker to a head: add the token ids behind each stream event (see :mod:`meshwire.resume`)."""
 
 ALL: Final[tuple[str, ...]] = (
     WIRE, SHAPE, DTYPE, SESSION, CHUNK_INDEX, CHUNK_TOTAL, ENCODING, HOP_INDEX, START_LAYER,
     ATTN_MASK, POSITION_IDS, ROUTE, POSITION_OFFSET, STEP, SAMPLING, RESERVE, CONTROL,
-    SAMPLE_DRAWS, SAMPLE_IDS, SCORE, LEASE,
+    SAMPLE_DRAWS, SAMPLE_IDS, SCORE, LEASE, DRAFT,
 )
 """Every header name meshnet defines, canonical spelling."""

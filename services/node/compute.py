@@ -133,20 +133,23 @@ class ShardRunner:
 
     async def step(self, cache: ShardCache, *, position_offset: int, from_layer: int,
                    ids: Sequence[int] | None = None, hidden: torch.Tensor | None = None,
-                   sampler: Sampler | None = None, score: Scoring | None = None) -> StepResult:
+                   sampler: Sampler | None = None, score: Scoring | None = None,
+                   draft: tuple[int, ...] | None = None) -> StepResult:
         """Run one step: ``ids`` (head) or ``hidden`` (other hops) at ``position_offset``.
 
         At the tail, ``sampler`` picks the next token; without one (a prefill
-        chunk that is not the last) no logits are computed. The step waits for
-        the engine's next turn and may run batched with other sessions' steps.
+        chunk that is not the last) no logits are computed. With ``draft`` (a
+        speculative step) the tail verifies the drafted tokens and the result
+        carries the run it emits. The step waits for the engine's next turn and
+        may run batched with other sessions' steps.
         """
         return await self.engine.submit(cache, position_offset=position_offset, from_layer=from_layer, ids=ids,
-                                        hidden=hidden, sampler=sampler, score=score)
+                                        hidden=hidden, sampler=sampler, score=score, draft=draft)
 
     def _job_sync(self, job: StepJob) -> StepResult:
         """One step alone (a lone decode row, or a prompt chunk): the shard's exact single-session path."""
         result = self._step_sync(job.cache, job.position_offset, job.from_layer, job.ids, job.hidden, job.sampler,
-                                 job.score)
+                                 job.score, job.draft)
         if job.is_row:
             self._rows_ran(1, result.compute_ms / 1000.0)
         return result
@@ -159,7 +162,7 @@ class ShardRunner:
 
     def _step_sync(self, cache: ShardCache, position_offset: int, from_layer: int,
                    ids: Sequence[int] | None, hidden: torch.Tensor | None, sampler: Sampler | None,
-                   score: Scoring | None = None) -> StepResult:
+                   score: Scoring | None = None, draft: tuple[int, ...] | None = None) -> StepResult:
         began = time.perf_counter()
         with torch.inference_mode():
             if ids is not None:
@@ -169,7 +172,11 @@ class ShardRunner:
             else:
                 raise ValueError("a step needs token ids or hidden states")
             states = self.shard.run_layers(states, cache, position_offset, from_layer=from_layer)
-            if self.shard.is_tail:
+            if self.shard.is_tail and draft is not None and sampler is not None:
+                run = tuple(sampler.verify(self.shard.logits_tail(states, len(draft) + 1), draft))
+                out = StepResult(hidden=None, token=run[0].token, compute_ms=_ms_since(began), logprobs=run[0].logprobs,
+                                 run=run)
+            elif self.shard.is_tail:
                 pick = sampler.pick(self.shard.logits_last(states)) if sampler is not None else None
                 out = StepResult(hidden=None, token=None if pick is None else pick.token, compute_ms=_ms_since(began),
                                  logprobs=None if pick is None else pick.logprobs,

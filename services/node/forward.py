@@ -50,7 +50,7 @@ from meshwire.forward_step import (
     close_headers,
     parse_forward,
 )
-from meshwire.frames import FrameError, FrameLimits, compress_bound, decode_frame_body
+from meshwire.frames import FrameError, FrameLimits, body_bound, decode_frame_body
 from meshwire.hop_proof import Claim, ProofProblem, check_claim, read_claim
 from meshwire.kv_handoff import HANDOFF_FAILED
 from meshwire.route_keys import KeyProblem, public_key_from_text
@@ -258,7 +258,7 @@ class ForwardService:
         if spec.shape[2] != shard.hidden_size:
             raise FrameError("bad_shape", f"frame shape {list(spec.shape)} is not [1, n, {shard.hidden_size}] "
                                           "(this model's hidden size)")
-        body = await read_body(spec.nbytes if spec.encoding == "identity" else compress_bound(spec.nbytes))
+        body = await read_body(body_bound(spec))
         if sender is not None:
             sender.check_body(body)
         frame = decode_frame_body(spec, headers, body)
@@ -290,7 +290,7 @@ class ForwardService:
             try:
                 done = await self._stepper.run(session, position_offset=info.position_offset,
                                                from_layer=info.start_layer, tokens=tokens, hidden=frame.tensor,
-                                               sampler=sampler, onward=onward, score=info.score)
+                                               sampler=sampler, onward=onward, score=info.score, draft=info.draft)
             except SessionRefused as exc:  # nothing was run: the session stays as it was
                 raise ForwardRefusal(503, exc.code, str(exc), exc.retry_after_s) from None
             except SamplingFailed as exc:  # the request's parameters, not this node: no failure to report
@@ -313,6 +313,10 @@ class ForwardService:
                 body["logprobs"] = done.logprobs.model_dump()
             if done.scored:
                 body["scored"] = [item.model_dump() for item in done.scored]
+            if done.run is not None:
+                body["tokens"] = [pick.token for pick in done.run]
+                if all(pick.logprobs is not None for pick in done.run):
+                    body["run_logprobs"] = [pick.logprobs.model_dump() for pick in done.run if pick.logprobs]
             return _answer(200, body)
 
     async def _take_over(self, session: Session, info: StepInfo) -> None:

@@ -8,7 +8,11 @@ One request is one session along one route. The head:
    last chunk makes the tail sample the first token;
 2. then feeds back one token per step, so every decode frame carries exactly
    one position; the next step starts before the current token's text is
-   sent, so streaming it costs the route no time;
+   sent, so streaming it costs the route no time. With speculation
+   (:mod:`services.node.speculation`) a decode frame carries the last token and
+   ``k`` drafted ones, and the step yields the verified run: the accepted drafts
+   and one more token. The client still gets one chunk per token: a run's
+   tokens go out as consecutive chunks, in one burst;
 3. turns tokens into text incrementally (never splitting a character), holds
    back text that may begin a stop string, and ends on an EOS id, a stop
    string or ``max_tokens`` (``stop`` / ``length``);
@@ -38,6 +42,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import secrets
+import time
 import uuid
 from collections.abc import AsyncIterator, Coroutine, Sequence
 from dataclasses import dataclass, field
@@ -59,6 +64,7 @@ from services.node.route_step import Onward, RouteStepper, StepDone
 from services.node.routing import RoutedHop, TrackerRoutes
 from services.node.sampling import Pick, Sampler, SamplingFailed
 from services.node.sessions import Session, SessionRefused, SessionTable, log_tag
+from services.node.speculation import DEFAULT_SPECULATE_MAX, SpeculateMode, Speculation
 from services.node.stops import StopMatcher
 from services.node.tokens import HeadTokenizer
 
@@ -234,6 +240,8 @@ class SessionChain:
         """The prompt tokens' log-probabilities the tail reported (an echoed completion's), in order."""
         self.pulled_bytes = 0
         """Bytes of KV this head pulled for a handoff (:meth:`adopt`)."""
+        self.last_timings: dict[str, float] = {}
+        """Compute time of each node in the last step."""
 
     @property
     def solo(self) -> bool:
@@ -241,10 +249,12 @@ class SessionChain:
         return self.hop is None or self.hop.next is None
 
     async def step(self, ids: Sequence[int], *, chunk_index: int = 0, chunk_total: int = 1,
-                   score: Scoring | None = None) -> Pick | None:
+                   score: Scoring | None = None, draft: tuple[int, ...] = ()) -> tuple[Pick, ...] | None:
         """Run ``ids`` through the whole route; the sampled token on the last chunk, else ``None``.
 
         With ``score``, the tail also reports the log-probabilities of the tokens it names (kept in :attr:`scored`).
+        With ``draft`` (a speculative decode step: ``ids`` is the last token and
+        then the drafted ones) the answer is the verified run, one token or more.
         """
         samples = chunk_index == chunk_total - 1
         session = self._open() if self._session is None else self._session
@@ -267,11 +277,13 @@ class SessionChain:
                     sample_ids=self._replayed_in(offset, len(ids)),
                     score=score,
                     hold=self._hold,
+                    draft=draft or None,
                 ), chunk_index, chunk_total)
             sampler = (await self._local_sampler(session)) if self.solo and samples else None
             try:
                 answer = await self._stepper.run(session, position_offset=offset, from_layer=0, tokens=len(ids),
-                                                 ids=ids, sampler=sampler, onward=onward, score=score)
+                                                 ids=ids, sampler=sampler, onward=onward, score=score,
+                                                 draft=draft or None)
             except SessionRefused as exc:
                 raise GenerationFailed(503, exc.code, str(exc), retry_after=str(exc.retry_after_s)) from None
             except SamplingFailed as exc:
@@ -285,7 +297,11 @@ class SessionChain:
                 assert self.hop is not None
                 raise RouteFailed(self.hop.route.nodes[-1].node_id, "the tail did not score the prompt tokens")
             self.scored.extend(answer.scored)
-        return self._picked(answer, samples)
+        pick = self._picked(answer, samples)
+        self.last_timings = answer.node_timings_ms
+        if answer.run is not None:
+            return answer.run
+        return None if pick is None else (pick,)
 
     async def adopt(self, handoff: HandoffSource, token: int, draws: int, puller: KvPuller) -> Pick:
         """The decode route's first step on a prompt prefilled elsewhere: pull, then feed ``token`` back.
@@ -432,6 +448,7 @@ class _Run:
 
     chain: SessionChain
     failover: Failover
+    speculation: Speculation
     handoff: HandoffSource | None = None
     """Where the prompt's KV is held, until the decode route's first step takes it over."""
 
@@ -443,7 +460,8 @@ class Generator:
                  stepper: RouteStepper, metrics: NodeMetrics, prefill_chunk_tokens: int,
                  routes: TrackerRoutes | None = None, model_id: str = "",
                  failover: FailoverPolicy = DEFAULT_FAILOVER, grammar: GrammarEngine | None = None,
-                 pd: PdHead | None = None) -> None:
+                 pd: PdHead | None = None, speculate: SpeculateMode = "off",
+                 speculate_max: int = DEFAULT_SPECULATE_MAX) -> None:
         self._runner = runner
         self._sessions = sessions
         self._hops = hops
@@ -457,13 +475,16 @@ class Generator:
         self.grammar = grammar
         """Structured outputs' engine (``None``: requests with a grammar are refused)."""
         self._pd = pd
+        self._speculate = speculate
+        self._speculate_max = speculate_max
         self._closing: set[asyncio.Task[None]] = set()
 
     async def generate(self, request: GenerationRequest, hop: RoutedHop | None) -> AsyncIterator[GenerationEvent]:
         """Generate the answer to ``request`` along ``hop``'s route (``None``: alone), as events."""
         history = History(prompt=request.prompt_ids, generated=list(request.resume))
         run = _Run(chain=self._chain(hop, request, history),
-                   failover=Failover(self._failover, self._routes, model=self._model_id, shard=self._runner.shard))
+                   failover=Failover(self._failover, self._routes, model=self._model_id, shard=self._runner.shard),
+                   speculation=Speculation(self._mode_for(request), self._speculate_max))
         detok = self.tokenizer.detokenizer()
         stops = StopMatcher(request.stop)
         for token in request.resume:  # rebuild the text state of what was already sent, sending none of it
@@ -472,42 +493,51 @@ class Generator:
         """Tokens fed since the last delta."""
         reason: FinishReason = "length"
         stopped = False
-        upcoming: asyncio.Task[Pick] | None = None
+        upcoming: asyncio.Task[tuple[Pick, ...]] | None = None
         pending: list[TokenInfo] = []
         """Log-probabilities of tokens whose text has not gone out yet."""
         try:
-            pick = await self._first_token(run, request, history)
+            picks = await self._first_tokens(run, request, history)
             echo = None
             if request.echo is not None and not request.resume:
                 scored = None if request.sampling.logprobs is None else (None, *run.chain.scored)
                 echo = Echo(request.echo, request.prompt_ids, scored)
             while True:
-                token = pick.token
-                history.generated.append(token)
-                self._metrics.tokens_generated.inc()
-                if token in self.tokenizer.eos_ids:
-                    reason = "stop"
-                    break
-                if pick.logprobs is not None:
-                    pending.append(TokenInfo(token, pick.logprobs))
-                fed.append(token)
-                out = stops.feed(detok.push(token))
-                if not out.stopped and len(history.generated) < request.max_tokens:
-                    # The next step starts before this token's text goes out: sending it (SSE, the
+                deltas: list[TextDelta] = []
+                ended = False
+                for pick in picks:  # one token, or a speculative step's verified run
+                    token = pick.token
+                    history.generated.append(token)
+                    self._metrics.tokens_generated.inc()
+                    if token in self.tokenizer.eos_ids:
+                        reason, ended = "stop", True
+                        break
+                    if pick.logprobs is not None:
+                        pending.append(TokenInfo(token, pick.logprobs))
+                    fed.append(token)
+                    out = stops.feed(detok.push(token))
+                    if out.text:  # the echo goes out with the first text (and the ids a continuation must not repeat)
+                        deltas.append(TextDelta(out.text, tuple(pending), tuple(fed), echo))
+                        echo = None
+                        pending.clear()
+                        fed.clear()
+                    if out.stopped:
+                        reason, stopped, ended = "stop", True, True
+                        break
+                    if len(history.generated) >= request.max_tokens:
+                        ended = True
+                        break
+                if not ended:
+                    # The next step starts before these tokens' text goes out: sending it (SSE, the
                     # tracker, the client) overlaps the route's work instead of adding to every token.
-                    upcoming = asyncio.create_task(self._next_token(run, request, history))
+                    upcoming = asyncio.create_task(self._next_tokens(run, request, history))
                     await asyncio.sleep(0)  # let it reach the compute thread first
-                if out.text:  # the echo goes out with the first text (and the ids a continuation must not repeat)
-                    yield TextDelta(out.text, tuple(pending), tuple(fed), echo)
-                    echo = None
-                    pending.clear()
-                    fed.clear()
-                if out.stopped:
-                    reason, stopped = "stop", True
+                for delta in deltas:  # a run's tokens: one chunk each, in one burst
+                    yield delta
+                if ended:
                     break
-                if upcoming is None:
-                    break
-                pick = await upcoming
+                assert upcoming is not None
+                picks = await upcoming
                 upcoming = None
             if not stopped:  # the end: release what was held back for a character or a stop string
                 out = stops.feed(detok.flush())
@@ -523,6 +553,16 @@ class Generator:
                 upcoming.cancel()
             await self._close(run, upcoming)
 
+    def _mode_for(self, request: GenerationRequest) -> SpeculateMode:
+        """The request's speculation: ``auto`` speculates on greedy requests only, because a seeded sampled
+        stream is promised to equal transformers' token for token, and speculative sampling keeps its
+        distribution but not that stream; ``on`` speculates on both (for tests and benchmarks)."""
+        if self._speculate == "auto" and not request.sampling.greedy:
+            return "off"
+        if request.sampling.grammar is not None:  # the tail verifies drafts without a grammar's mask
+            return "off"
+        return self._speculate
+
     def _chain(self, hop: RoutedHop | None, request: GenerationRequest, history: History) -> SessionChain:
         return SessionChain(runner=self._runner, sessions=self._sessions, hops=self._hops, stepper=self._stepper,
                             hop=hop, session_id=new_session_id(), sampling=request.sampling,
@@ -530,7 +570,7 @@ class Generator:
                             sample_draws=history.draws, replayed=tuple(history.generated),
                             prompt_tokens=len(request.prompt_ids), grammar=self.grammar)
 
-    async def _first_token(self, run: _Run, request: GenerationRequest, history: History) -> Pick:
+    async def _first_tokens(self, run: _Run, request: GenerationRequest, history: History) -> tuple[Pick, ...]:
         """The answer's first token: from the prefill route when there is one to use, else from the route."""
         # A grammar's state and an echoed prompt's scores live at the tail that runs the prompt: those take
         # the decode route's own prefill.
@@ -538,8 +578,8 @@ class Generator:
                 and request.sampling.grammar is None and request.echo is None):
             pick = await self._prefill_elsewhere(run, request, request.prefill, self._pd)
             if pick is not None:
-                return pick
-        return await self._next_token(run, request, history)
+                return (pick,)
+        return await self._next_tokens(run, request, history)
 
     async def _prefill_elsewhere(self, run: _Run, request: GenerationRequest, plan: PrefillPlan,
                                  pd: PdHead) -> Pick | None:
@@ -578,11 +618,13 @@ class Generator:
         self._metrics.pd_requests.labels(outcome="handoff").inc()
         return pick
 
-    async def _next_token(self, run: _Run, request: GenerationRequest, history: History) -> Pick:
-        """The token that follows ``history``, moving the request to a new route while hops fail.
+    async def _next_tokens(self, run: _Run, request: GenerationRequest, history: History) -> tuple[Pick, ...]:
+        """The token(s) that follow ``history``, moving the request to a new route while hops fail.
 
         A fresh session (the first, or one opened by failover) is prefilled
-        with the whole history; an established one decodes the last token.
+        with the whole history; an established one decodes the last token,
+        with drafted tokens after it when the request's speculation says so
+        (then the answer is the verified run).
         """
         try:
             while True:
@@ -590,14 +632,14 @@ class Generator:
                 try:
                     async with run.failover.bounded():
                         if chain.prefilled:
-                            token = await self._decode(chain, history.generated[-1])
+                            token = await self._decode(chain, history, request, run.speculation)
                         elif run.handoff is not None:
                             handoff, run.handoff = run.handoff, None
-                            token = await self._adopt(run, request, history, handoff)
+                            token = (await self._adopt(run, request, history, handoff),)
                         else:
-                            token = await self._prefill(chain, history.tokens(), grammar=request.sampling.grammar
-                                                        is not None and bool(history.generated),
-                                                        score=_scores_prompt(request, history))
+                            token = (await self._prefill(chain, history.tokens(), grammar=request.sampling.grammar
+                                                         is not None and bool(history.generated),
+                                                         score=_scores_prompt(request, history)),)
                 except RouteFailed as exc:
                     assert exc.failed_node is not None
                     await self._move(run, request, history, exc.failed_node, str(exc), failed=True)
@@ -643,17 +685,28 @@ class Generator:
         for index, start in enumerate(starts):
             chunk = ids[start:start + size]
             scoring = None if score is None else Scoring(tuple(ids[start + 1:start + 1 + size]), score)
-            token = await chain.step(chunk, chunk_index=index, chunk_total=len(starts), score=scoring)
+            picks = await chain.step(chunk, chunk_index=index, chunk_total=len(starts), score=scoring)
+            token = picks[0] if picks else None
         if token is None:
             raise GenerationFailed(500, "no_token", "the route produced no token for the prompt")
         return token
 
-    async def _decode(self, chain: SessionChain, token: int) -> Pick:
-        """Feed back ``token`` (one position) and get the next one."""
-        nxt = await chain.step([token])
-        if nxt is None:
+    async def _decode(self, chain: SessionChain, history: History, request: GenerationRequest,
+                      speculation: Speculation) -> tuple[Pick, ...]:
+        """Feed back the last token (and drafted ones, when speculating) and get the next token(s)."""
+        tokens = history.tokens()
+        draft = speculation.draft(tokens, request.max_tokens - len(history.generated))
+        began = time.perf_counter()
+        picks = await chain.step([tokens[-1], *draft], draft=draft)
+        if not picks:
             raise GenerationFailed(500, "no_token", "the route produced no token for a decode step")
-        return nxt
+        speculation.observe(len(draft), len(picks), (time.perf_counter() - began) * 1000.0,
+                            sum(chain.last_timings.values()))
+        self._metrics.decode_steps.labels(speculative=str(bool(draft)).lower()).inc()
+        if draft:
+            self._metrics.drafted_tokens.inc(len(draft))
+            self._metrics.accepted_tokens.inc(len(picks) - 1)
+        return picks
 
     def _spawn_close(self, chain: SessionChain, failed_node: str | None = None) -> asyncio.Task[None]:
         """Close ``chain`` in a task a cancelled request cannot interrupt (bounded by :data:`CLOSE_TIMEOUT_S`)."""

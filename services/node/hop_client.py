@@ -239,7 +239,8 @@ class ChainFailure(Exception):
     """
 
     def __init__(self, status: int, body: dict[str, Any], *, failed_node: str | None = None,
-                 busy_node: str | None = None, retry_after: str | None = None, handoff_failed: bool = False) -> None:
+                 busy_node: str | None = None, retry_after: str | None = None, handoff_failed: bool = False,
+                 refused_code: str | None = None) -> None:
         super().__init__(str(body.get("error", {}).get("message", "hop failed")))
         self.status = status
         self.body = body
@@ -249,6 +250,8 @@ class ChainFailure(Exception):
         self.handoff_failed = handoff_failed
         """A decode hop could not take a prefill handoff's KV over (409 ``handoff_failed``): nobody failed,
         the head prefills the prompt along the same route instead."""
+        self.refused_code = refused_code
+        """When ``failed_node`` refused the frame (a 400): its error code (``bad_encoding``...)."""
 
     @property
     def client_fault(self) -> bool:
@@ -256,11 +259,11 @@ class ChainFailure(Exception):
         return self.failed_node is None and self.busy_node is None and not self.handoff_failed
 
 
-def hop_failed(node_id: str, reason: str) -> ChainFailure:
-    """The failure of ``node_id``, as the 502 ``hop_failed`` a hop answers."""
+def hop_failed(node_id: str, reason: str, refused_code: str | None = None) -> ChainFailure:
+    """The failure of ``node_id``, as the 502 ``hop_failed`` a hop answers (``refused_code``: its 400's code)."""
     body = errors.error_body(f"hop {node_id} failed: {reason}", errors.SERVER_ERROR, "hop_failed",
                              failed_node=node_id)
-    return ChainFailure(502, body, failed_node=node_id)
+    return ChainFailure(502, body, failed_node=node_id, refused_code=refused_code)
 
 
 async def send_along(client: HopClient, node: RouteNode, headers: Mapping[str, str], body: bytes) -> ForwardAnswer:
@@ -303,4 +306,5 @@ def judge_payload(node: RouteNode, status: int, payload: Any, retry_after: str |
         raise ChainFailure(409, payload, handoff_failed=True)
     culprit = named if isinstance(named, str) else node.node_id
     message = str(error.get("message", str(payload)[:200]))
-    raise hop_failed(culprit, f"answered {status} {code or ''}: {message}".strip())
+    refused = str(code) if status == 400 and isinstance(code, str) and culprit == node.node_id else None
+    raise hop_failed(culprit, f"answered {status} {code or ''}: {message}".strip(), refused)

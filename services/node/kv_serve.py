@@ -178,7 +178,8 @@ class KvServeService:
         pick = None
         try:
             for index, chunk in enumerate(chunks):
-                pick = await chain.step(chunk, chunk_index=index, chunk_total=len(chunks))
+                picks = await chain.step(chunk, chunk_index=index, chunk_total=len(chunks))
+                pick = picks[0] if picks else None
         except GenerationFailed as exc:
             await asyncio.shield(chain.close(exc.failed_node))
             raise KvRefusal(exc.status if exc.status != 409 else 502, exc.code, str(exc)) from None

@@ -43,6 +43,19 @@ class NodeMetrics:
                                        buckets=LATENCY_BUCKETS_S, registry=r)
         self.frame_tokens = Histogram("meshnet_node_frame_tokens", "Tokens carried by each accepted frame",
                                       buckets=TOKEN_BUCKETS, registry=r)
+        self.frame_bytes_sent = Counter("meshnet_node_frame_bytes_sent",
+                                        "Body bytes of the frames this node sent to next hops, by encoding",
+                                        ["encoding"], registry=r)
+        self.frame_tokens_sent = Counter("meshnet_node_frame_tokens_sent",
+                                         "Positions carried by the frames this node sent to next hops, by encoding",
+                                         ["encoding"], registry=r)
+        self.decode_steps = Counter("meshnet_node_decode_steps",
+                                    "Decode steps this head sent along its routes, by whether they carried drafted "
+                                    "tokens", ["speculative"], registry=r)
+        self.drafted_tokens = Counter("meshnet_node_drafted_tokens", "Tokens this head drafted (speculation)",
+                                      registry=r)
+        self.accepted_tokens = Counter("meshnet_node_accepted_tokens",
+                                       "Drafted tokens the tail accepted (speculation)", registry=r)
         self.batch_rows = Histogram("meshnet_node_batch_rows", "Decode rows (sessions) in each decode step run",
                                     buckets=BATCH_BUCKETS, registry=r)
         self.frames_refused = Counter("meshnet_node_frames_refused", "Frames refused, by error code",

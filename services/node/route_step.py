@@ -5,7 +5,11 @@ hidden states in) take a step the same way, and this is that way, written
 once: make room in the session's KV budget, run this node's layers through the
 step engine (batched with whatever else is ready), and either answer with the
 tail's token or encode the output as a frame for the next hop and send it
-(``row_sender`` coalesces decode frames bound for the same hop). Each caller
+(``row_sender`` coalesces decode frames bound for the same hop). Hidden states
+go in the layers' own format, or 8-bit quantised (``--wire-dtype int8``,
+:mod:`meshwire.q8`); a next hop that does not know ``q8`` refuses the frame
+(400 ``bad_encoding``, nothing changed there), and is sent exact frames from
+then on. Each caller
 keeps only what is its own: the head opens sessions from a request and turns
 failures into API errors; a hop checks a received frame against its session
 and turns failures into ``/forward`` refusals.
@@ -19,20 +23,31 @@ rest of the route), anything else (this node's layers failed).
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Final
 
 import torch
 
-from meshwire.forward_step import Scoring, StepInfo
-from meshwire.frames import encode_frame
+from meshwire.forward_step import ForwardAnswer, Scoring, StepInfo
+from meshwire.frames import Encoding, encode_frame
 from meshwire.routes import RouteNode
 from meshwire.sampling_params import TokenLogprobs
 from services.node.compute import ShardRunner
+from services.node.hop_client import ChainFailure, hop_failed
 from services.node.metrics import NodeMetrics
 from services.node.row_sender import RowSender
-from services.node.sampling import Sampler
+from services.node.sampling import Pick, Sampler
 from services.node.sessions import Session, SessionTable
+from services.node.settings import WireDType
+
+logger = logging.getLogger(__name__)
+
+WIRE_ENCODINGS: Final[dict[WireDType, Encoding]] = {"native": "identity", "int8": "q8"}
+"""The frame encoding of each ``--wire-dtype``."""
+MAX_PLAIN_HOPS: Final = 4096
+"""Most next hops remembered as not knowing a lossy encoding (the set is cleared when full)."""
 
 
 @dataclass(frozen=True)
@@ -57,40 +72,85 @@ class StepDone:
     """With the token, when the session asks for log-probabilities."""
     scored: tuple[TokenLogprobs, ...] = ()
     """On a scored prompt step: the log-probabilities of the prompt tokens it named (from the tail)."""
+    run: tuple[Pick, ...] | None = None
+    """On a speculative step: the verified run (``token`` is its first)."""
 
 
 class RouteStepper:
     """Runs a session's step on this node's layers and passes the result down the route."""
 
     def __init__(self, *, node_id: str, runner: ShardRunner, sessions: SessionTable, sender: RowSender,
-                 metrics: NodeMetrics) -> None:
+                 metrics: NodeMetrics, wire_dtype: WireDType = "native") -> None:
         self.node_id = node_id
         self._runner = runner
         self._sessions = sessions
         self._sender = sender
         self._metrics = metrics
+        self._encoding = WIRE_ENCODINGS[wire_dtype]
+        self._plain_hops: set[str] = set()
+        """Next hops (node ids) that refused ``self._encoding``: they are sent exact frames."""
 
     async def run(self, session: Session, *, position_offset: int, from_layer: int, tokens: int,
                   ids: Sequence[int] | None = None, hidden: torch.Tensor | None = None,
                   sampler: Sampler | None = None, onward: Onward | None = None,
-                  score: Scoring | None = None) -> StepDone:
+                  score: Scoring | None = None, draft: tuple[int, ...] | None = None) -> StepDone:
         """Step ``session`` by ``tokens`` positions (``ids`` at the head, ``hidden`` elsewhere).
 
         ``onward`` is ``None`` where this node ends the route (the tail, or a head
-        holding every layer): the answer is then this node's own token.
+        holding every layer): the answer is then this node's own token. With
+        ``draft`` (a speculative step: ``tokens`` is ``len(draft) + 1``) the answer
+        is the verified run, and this node's KV cache keeps the run's positions
+        only: the rows of rejected drafts are dropped as the answer passes back.
         """
         self._sessions.ensure_room(session, position_offset + tokens)
         result = await self._runner.step(session.cache, position_offset=position_offset, from_layer=from_layer,
                                          ids=ids, hidden=hidden, sampler=sampler,
-                                         score=score if onward is None else None)
+                                         score=score if onward is None else None,
+                                         draft=draft if onward is None else None)
         self._sessions.touch(session)
         self._metrics.compute_latency.observe(result.compute_ms / 1000)
         self._metrics.positions_computed.inc(tokens)
         timings = {self.node_id: round(result.compute_ms, 3)}
         if onward is None:
-            return StepDone(result.token, timings, result.logprobs, result.scored)
+            if draft is not None and result.run is not None:
+                self._keep(session, position_offset, len(result.run))
+            return StepDone(result.token, timings, result.logprobs, result.scored, result.run)
         assert result.hidden is not None, "a shard that is not the tail always passes hidden states on"
-        headers, body = encode_frame(result.hidden, session=session.session_id, chunk_index=onward.chunk_index,
-                                     chunk_total=onward.chunk_total, extra=onward.info.headers())
-        answer = await self._sender.send(onward.node, headers, body)
-        return StepDone(answer.token, {**timings, **answer.node_timings_ms}, answer.logprobs, answer.scored)
+        encoding = "identity" if onward.node.node_id in self._plain_hops else self._encoding
+        try:
+            answer = await self._send(session, result.hidden, onward, encoding)
+        except ChainFailure as exc:
+            if encoding == "identity" or exc.refused_code != "bad_encoding" or exc.failed_node != onward.node.node_id:
+                raise
+            logger.warning("next hop %s does not take %s frames (%s); sending it exact ones", onward.node.node_id,
+                           encoding, exc)
+            if len(self._plain_hops) >= MAX_PLAIN_HOPS:
+                self._plain_hops.clear()
+            self._plain_hops.add(onward.node.node_id)
+            answer = await self._send(session, result.hidden, onward, "identity")
+        run = _run_of(onward.node, answer) if onward.info.draft is not None else None
+        if run is not None:
+            self._keep(session, position_offset, len(run))
+        return StepDone(answer.token, {**timings, **answer.node_timings_ms}, answer.logprobs, answer.scored,
+                        run)
+
+    def _keep(self, session: Session, position_offset: int, positions: int) -> None:
+        """Drop the KV rows of a speculative step's rejected positions: keep ``positions`` from ``position_offset``."""
+        session.cache.truncate(position_offset + positions)
+
+    async def _send(self, session: Session, hidden: torch.Tensor, onward: Onward, encoding: Encoding) -> ForwardAnswer:
+        headers, body = encode_frame(hidden, session=session.session_id, chunk_index=onward.chunk_index,
+                                     chunk_total=onward.chunk_total, encoding=encoding,
+                                     wire_version=onward.info.wire_version, extra=onward.info.headers())
+        self._metrics.frame_bytes_sent.labels(encoding=encoding).inc(len(body))
+        self._metrics.frame_tokens_sent.labels(encoding=encoding).inc(int(hidden.shape[1]))
+        return await self._sender.send(onward.node, headers, body)
+
+
+def _run_of(node: RouteNode, answer: ForwardAnswer) -> tuple[Pick, ...]:
+    """The verified run a speculative step's answer carries; a route that answered without one failed."""
+    if answer.tokens is None:
+        raise hop_failed(node.node_id, "it answered a speculative frame without the verified run")
+    logprobs = answer.run_logprobs or []
+    return tuple(Pick(token, logprobs[index] if index < len(logprobs) else None)
+                 for index, token in enumerate(answer.tokens))

@@ -149,7 +149,8 @@ class NodeRuntime:
         self.runner = ShardRunner(self.shard, self.worker, max_batch=s.max_batch, max_step_tokens=s.max_step_tokens,
                                   on_batch=self.metrics.batch_rows.observe)
         stepper = RouteStepper(node_id=self.node_id, runner=self.runner, sessions=self.sessions,
-                               sender=RowSender(self.hops, max_rows=s.max_batch), metrics=self.metrics)
+                               sender=RowSender(self.hops, max_rows=s.max_batch), metrics=self.metrics,
+                               wire_dtype=s.wire_dtype)
         self.grammar = GrammarEngine(resolved.path, self.shard.vocab_size, eos_ids_of(resolved.path, self.shard.config))
         shape = kv_shape(self.shard)
         handoff_limits = HandoffLimits(max_held=s.handoff_max_held, max_bytes=s.handoff_max_bytes,
@@ -184,7 +185,8 @@ class NodeRuntime:
                                        routes=self.tracker_routes, model_id=self.model_id, grammar=self.grammar,
                                        pd=None if self.puller is None else PdHead(
                                            http=self.http, secret=s.secret, puller=self.puller,
-                                           timeout_s=s.hop_timeout_s))
+                                           timeout_s=s.hop_timeout_s),
+                                       speculate=s.speculate, speculate_max=s.speculate_max)
         await self.runner.warm_up()
         self._tasks.append(asyncio.create_task(
             run_sweeper(self.sessions, self.metrics.sessions_expired.inc), name="idle-sweeper"))

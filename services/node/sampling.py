@@ -18,6 +18,19 @@ output's grammar (:mod:`services.node.grammar`) sets every token it forbids to
 ``-inf``; the grammar then moves past the chosen token. A masked draw consumes
 the same generator state as any other, so the catch-up below still holds.
 
+Speculative steps (:meth:`Sampler.verify`): the head proposes ``k`` drafted
+tokens and the tail has the logits of every position. Greedy keeps the drafts
+while they are the argmax, then adds its own argmax (the longest matching
+prefix plus one): exactly the tokens one-at-a-time decoding picks. Sampling
+uses the speculative-sampling acceptance rule (Leviathan et al. 2023, Chen et
+al. 2023) for a drafter that proposes one token with certainty (a point mass
+``q``): draft ``d`` is accepted with probability ``min(1, p(d)/q(d)) = p(d)``,
+else a token is drawn from the residual ``max(p - q, 0)``, which is ``p``
+without ``d``, renormalised. Each emitted token is then distributed exactly as
+``p`` given the tokens before it, so the stream keeps the target distribution;
+it is not the same stream a seed gives without speculation (the acceptance
+tests use the generator too).
+
 One multinomial draw consumes a fixed amount of generator state for a given
 vocabulary size, whatever the distribution (torch samples one exponential
 variate per vocabulary entry; ``tests/test_sampling.py`` checks it). A tail
@@ -28,6 +41,7 @@ that many dummy draws over a vocabulary of the same size.
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Final
 
@@ -144,6 +158,56 @@ class Sampler:
         token = torch.multinomial(probs, num_samples=1, generator=self._generator)
         self._draws += 1
         return int(token.item())
+
+    def verify(self, rows: torch.Tensor, draft: Sequence[int]) -> list[Pick]:
+        """The tokens a speculative step emits: ``rows`` (``[k + 1, vocab]``) are the logits after each of the
+        frame's positions, ``draft`` the ``k`` drafted tokens its positions 1..k hold.
+
+        Accepted drafts, then one token the tail picks itself: greedy, its argmax
+        where the draft differs (or after the last draft); sampling, a draw from
+        the residual distribution where a draft is rejected (or from the last
+        row's distribution when every draft was accepted).
+        """
+        if rows.ndim != 2 or rows.shape[0] != len(draft) + 1:
+            raise ValueError(f"{len(draft)} drafted tokens need {len(draft) + 1} rows of logits, got "
+                             f"{tuple(rows.shape)}")
+        if self._constraint is not None:  # heads never draft for a structured output (Generator._mode_for)
+            raise SamplingFailed("a structured output's tokens are not verified speculatively: send them one "
+                                 "at a time")
+        picks: list[Pick] = []
+        for index in range(rows.shape[0]):
+            scores = rows[index].to(device="cpu", dtype=torch.float32).unsqueeze(0)
+            if self._bias is not None:
+                scores = self._biased(scores)
+            proposed = draft[index] if index < len(draft) else None
+            if self.params.greedy:
+                token = int(torch.argmax(scores, dim=-1).item())
+            else:
+                token = self._draw_against(scores, proposed)
+            logprobs = None if self.params.logprobs is None else token_logprobs(scores[0], token, self.params.logprobs)
+            picks.append(Pick(token, logprobs))
+            if proposed is None or token != proposed:
+                break
+        return picks
+
+    def _draw_against(self, scores: torch.Tensor, proposed: int | None) -> int:
+        """A draw from ``scores``' distribution that accepts ``proposed`` with its probability, else the residual."""
+        if proposed is None:
+            return self._draw(scores)
+        self._apply_pending_skips(scores.shape[-1])
+        probs = torch.nn.functional.softmax(self._warpers(_NO_INPUT_IDS, scores), dim=-1)
+        if not bool(torch.isfinite(probs).all()) or not float(probs.sum()) > 0.0:
+            raise SamplingFailed(f"the sampling parameters {self.params.model_dump()} turn this step's logits into "
+                                 "probabilities that are not finite: no token can be drawn")
+        self._draws += 1
+        vocab = probs.shape[-1]
+        chance = float(probs[0, proposed]) if 0 <= proposed < vocab else 0.0
+        if float(torch.rand(1, generator=self._generator)) < chance:
+            return proposed
+        residual = probs.clone()
+        if 0 <= proposed < vocab:
+            residual[0, proposed] = 0.0
+        return int(torch.multinomial(residual / residual.sum(), num_samples=1, generator=self._generator).item())
 
     def _biased(self, scores: torch.Tensor) -> torch.Tensor:
         assert self._bias is not None

@@ -67,6 +67,8 @@ class KVCache(Protocol):
 
     def nbytes(self) -> int: ...
 
+    def truncate(self, length: int) -> None: ...
+
 
 class SessionRefused(Exception):
     """A session cannot be opened or grown here now; answer 503 with ``Retry-After``."""

@@ -47,6 +47,8 @@ DEFAULT_HANDOFF_PULL_TIMEOUT_S: Final = 30.0
 NodeDType = Literal["auto", "float32", "bfloat16", "float16"]
 NodeRole = Literal["prefill", "decode", "both"]
 WeightsMode = Literal["auto", "float", "int8", "int4"]
+WireDType = Literal["native", "int8"]
+"""``--wire-dtype``: how hidden states travel to the next hop (see :mod:`meshwire.q8`)."""
 """``--weights``: see :mod:`services.node.quant_load`."""
 
 _LAYERS = re.compile(r"^\s*(\d{1,5})\s*-\s*(\d{1,5})\s*$")
@@ -163,6 +165,15 @@ class NodeSettings(BaseSettings):
     """How long a hop waits for the rest of the route to answer one frame."""
     threads: int | None = Field(default=None, ge=1, le=MAX_THREADS)
     """torch intra-op threads; ``None`` keeps torch's default."""
+    speculate: Literal["auto", "on", "off"] = "auto"
+    """Speculative decode steps on a head: drafted tokens (prompt lookup) travel the route with the last one
+    and the tail verifies them; ``auto`` drafts where the route's round trip makes it pay (never on loopback),
+    ``on`` whenever the drafter has a proposal, ``off`` never. Output is unchanged (greedy: token for token)."""
+    speculate_max: int = Field(default=4, ge=1, le=16)
+    """Most tokens drafted for one speculative step."""
+    wire_dtype: WireDType = "native"
+    """Hidden states sent to the next hop: ``native`` (exact, the layers' format) or ``int8`` (8-bit blockwise
+    quantised, a scale per 32 values: about a quarter of float32's bytes, lossy; for slow links)."""
     cpu_lock: str = Field(default=DEFAULT_CPU_LOCK, max_length=limits.MAX_URL_CHARS)
     """File CPU nodes on one machine lock so their forwards take turns on its cores; ``off`` disables."""
 

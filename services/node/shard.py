@@ -356,6 +356,20 @@ class Shard:
         return self._lm_head(self._norm(states)).to(dtype=torch.float32)
 
     @torch.inference_mode()
+    def logits_tail(self, hidden: torch.Tensor, positions: int) -> torch.Tensor:
+        """The logits after each of the last ``positions`` positions of ``hidden``: float32 ``[positions, vocab]``.
+
+        Each row is computed as :meth:`logits_last` computes it for a frame ending
+        there (one position at a time), so a verified token is the one a decode
+        step would have picked.
+        """
+        if not 1 <= positions <= hidden.shape[1]:
+            raise ShardError(f"cannot take the logits of {positions} positions of a frame of {hidden.shape[1]}")
+        length = hidden.shape[1]
+        return torch.stack([self.logits_last(hidden[:, : length - positions + index + 1])
+                            for index in range(positions)])
+
+    @torch.inference_mode()
     def logits_last(self, hidden: torch.Tensor) -> torch.Tensor:
         """Final norm and LM head of the last position of ``hidden``: a float32 ``[vocab]``; tail only."""
         if self._norm is None or self._lm_head is None:

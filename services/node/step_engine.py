@@ -52,7 +52,7 @@ from meshwire.forward_step import Scoring
 from meshwire.sampling_params import TokenLogprobs
 from services.node.kv_cache import ShardCache
 from services.node.outcomes import settle
-from services.node.sampling import Sampler
+from services.node.sampling import Pick, Sampler
 from services.node.settings import DEFAULT_MAX_BATCH, DEFAULT_MAX_STEP_TOKENS
 from services.node.shard import Shard
 
@@ -77,6 +77,9 @@ class StepResult:
     """With the token, when the session's sampler was asked for log-probabilities."""
     scored: tuple[TokenLogprobs, ...] = ()
     """At the tail, on a prompt step with a :class:`~meshwire.forward_step.Scoring`: each named token's."""
+    run: tuple[Pick, ...] | None = None
+    """On a speculative step at the tail: the verified run (accepted drafts, then the tail's own pick);
+    ``token`` is its first."""
 
 
 @dataclass(eq=False)
@@ -91,6 +94,8 @@ class StepJob:
     sampler: Sampler | None
     future: asyncio.Future[StepResult] = field(repr=False)
     score: Scoring | None = None
+    draft: tuple[int, ...] | None = None
+    """The drafted tokens a speculative step's positions 1..k hold (the tail verifies them)."""
 
     @property
     def tokens(self) -> int:
@@ -101,8 +106,8 @@ class StepJob:
 
     @property
     def is_row(self) -> bool:
-        """A one-token decode step, which can share a batch (a prompt step that is scored never does)."""
-        return self.tokens == 1 and self.score is None
+        """A one-token decode step, which can share a batch (a scored or speculative step never does)."""
+        return self.tokens == 1 and self.score is None and self.draft is None
 
     @property
     def group(self) -> tuple[int, bool]:
@@ -134,12 +139,14 @@ class StepEngine:
 
     async def submit(self, cache: ShardCache, *, position_offset: int, from_layer: int,
                      ids: Sequence[int] | None = None, hidden: torch.Tensor | None = None,
-                     sampler: Sampler | None = None, score: Scoring | None = None) -> StepResult:
+                     sampler: Sampler | None = None, score: Scoring | None = None,
+                     draft: tuple[int, ...] | None = None) -> StepResult:
         """Queue one step and wait for its result (its own exception if it, alone, failed)."""
         if ids is None and hidden is None:
             raise ValueError("a step needs token ids or hidden states")
         job = StepJob(cache=cache, position_offset=position_offset, from_layer=from_layer, ids=ids, hidden=hidden,
-                      sampler=sampler, future=asyncio.get_running_loop().create_future(), score=score)
+                      sampler=sampler, future=asyncio.get_running_loop().create_future(), score=score,
+                      draft=draft)
         self._queue.append(job)
         if self._task is None or self._task.done() or self._task.get_loop() is not job.future.get_loop():
             self._wake = asyncio.Event()  # an event belongs to the loop that first waits on it
@@ -223,7 +230,8 @@ class StepEngine:
         if shard.batches_rows:
             groups: dict[tuple[int, bool], list[StepJob]] = {}
             for job in turn:
-                if job.is_row or (shard.batches_chunks and job.score is None):  # a scored prompt runs alone
+                if job.is_row or (shard.batches_chunks and job.score is None and job.draft is None):
+                    # a scored prompt and a speculative step run alone (the tail reads every position)
                     groups.setdefault(job.group, []).append(job)
             for jobs in groups.values():
                 runnable = [job for job in jobs
