@@ -277,7 +277,7 @@ def test_an_unknown_model_is_404_for_the_openai_client(client: openai.OpenAI) ->
 @pytest.mark.parametrize(("fields", "named"), [
     ({"temperature": 5}, "temperature"),
     ({"max_tokens": 0}, "max_tokens"),
-    ({"n": 3}, "n"),
+    ({"n": 17}, "n"),  # more choices than MAX_CHOICES
     ({"top_p": 0}, "top_p"),
 ])
 def test_invalid_parameters_are_400_naming_the_field(client: openai.OpenAI, fields: dict[str, Any],
