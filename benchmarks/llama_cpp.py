@@ -45,6 +45,9 @@ VERSION: Final = "0.3.36"
 CONTEXT_TOKENS: Final = 4096
 """Context of the llama.cpp instance: all streams' prompts and answers share it."""
 STREAM_LEVELS: Final = (1, 4, 8)
+AMX_REPACK_OFF: Final = True
+"""Keep llama.cpp's weights in their GGUF layout (``use_extra_bufts`` off): on this AMX Xeon, 0.3.36's AMX
+repack of Q4_1 weights crashed its first ``llama_decode`` (a segmentation fault)."""
 INSTALL_HINT: Final = "llama-cpp-python is not installed: `make llama-cpp` builds it from source (a few minutes)"
 
 
@@ -94,12 +97,35 @@ def _library() -> Any:
     return llama_cpp
 
 
+LOG_ERROR_LEVEL: Final = 4
+"""ggml's ``GGML_LOG_LEVEL_ERROR``: llama.cpp's messages at this level reach this module's log, the rest
+(hundreds of lines of model loading) are dropped."""
+_log_callback: Any = None
+"""The ctypes callback handed to llama.cpp (kept alive here for as long as llama.cpp may call it)."""
+
+
+def _quiet(lib: Any) -> None:
+    """Route llama.cpp's own logging through :data:`logger`, errors only."""
+    global _log_callback
+    if _log_callback is None:
+        def forward(level: int, text: bytes | None, _: object) -> None:
+            if level == LOG_ERROR_LEVEL and text:
+                logger.error("llama.cpp: %s", text.decode("utf-8", "replace").rstrip())
+
+        _log_callback = lib.llama_log_callback(forward)
+        lib.llama_log_set(_log_callback, ctypes.c_void_p(0))
+
+
 @contextmanager
 def _context(gguf: Path, threads: int, streams: int) -> Iterator[tuple[Any, Any, int]]:
     """A loaded model and a context for ``streams`` sequences; freed on exit."""
     lib = _library()
+    _quiet(lib)
     lib.llama_backend_init()
-    model = lib.llama_model_load_from_file(str(gguf).encode(), lib.llama_model_default_params())
+    model_params = lib.llama_model_default_params()
+    if AMX_REPACK_OFF and hasattr(model_params, "use_extra_bufts"):
+        model_params.use_extra_bufts = False
+    model = lib.llama_model_load_from_file(str(gguf).encode(), model_params)
     if not model:
         raise RuntimeError(f"llama.cpp could not load {gguf}")
     params = lib.llama_context_default_params()
