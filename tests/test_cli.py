@@ -17,6 +17,8 @@ from tests.procs import REPO_ROOT, free_port, free_ports_in_a_row, service_env
 
 MESHNET = [sys.executable, "-m", "meshnet.cli"]
 UP_READY_TIMEOUT_S = 180.0
+UP_STOP_TIMEOUT_S = 60.0
+"""How long `meshnet up` may take to stop its processes (each gets a grace of 10 s, then SIGKILL)."""
 
 
 def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
@@ -72,6 +74,18 @@ class UpProcess:
         raise AssertionError(f"`meshnet up` never printed {text!r}:\n{self.output()}")
 
 
+def stop_up(up: UpProcess) -> None:
+    """Stop ``meshnet up`` as Ctrl-C does (SIGTERM: it stops every process it started), killing it only if it
+    hangs; a SIGKILL alone would leave its nodes running."""
+    if up.proc.poll() is None:
+        up.proc.terminate()
+        try:
+            up.proc.wait(timeout=UP_STOP_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            up.proc.kill()
+            up.proc.wait()
+
+
 @pytest.fixture(scope="module")
 def local_mesh(tiny_model_dir: Path):
     ports = [free_port() for _ in range(3)] + [free_ports_in_a_row(2)]  # both nodes' ports must be free
@@ -82,9 +96,7 @@ def local_mesh(tiny_model_dir: Path):
         up.wait_for("meshnet is up", UP_READY_TIMEOUT_S)
         yield up, f"http://127.0.0.1:{ports[0]}"
     finally:
-        if up.proc.poll() is None:
-            up.proc.kill()
-            up.proc.wait()
+        stop_up(up)
 
 
 def test_up_prints_the_base_url_and_an_openai_example(local_mesh) -> None:
@@ -154,6 +166,4 @@ def test_up_with_prefill_nodes_wires_them_to_the_bootstrap_registry_and_long_pro
         metrics = httpx.get(str(nodes["node-0"]["endpoint"]) + "/metrics").text
         assert 'meshnet_node_pd_requests_total{outcome="handoff"} 1.0' in metrics
     finally:
-        if up.proc.poll() is None:
-            up.proc.kill()
-            up.proc.wait()
+        stop_up(up)

@@ -85,6 +85,10 @@ class RouteTrust:
         async with self._lock:
             if kid in self.keys:  # fetched while this call waited
                 return
-            if self._last_try is not None and self._clock() - self._last_try < MIN_REFRESH_S:
-                return
+            if self._last_try is not None and (wait := MIN_REFRESH_S - (self._clock() - self._last_try)) > 0:
+                # fetched moments ago (a key may have been made since: a store restarted empty): wait out the
+                # window rather than refuse a route the tracker signed a moment later
+                await asyncio.sleep(wait)
+                if kid in self.keys:
+                    return
             await self._refresh_locked()
