@@ -408,7 +408,7 @@ up_and_check() {
     die "a service did not become healthy (logs above, all of them in $LOGS/services.log)"
   fi
   log "all services healthy: $(compose ps --format '{{.Service}}={{.Health}}' | tr '\n' ' ')"
-  if ! run_child "$PY" "$ROOT/scripts/compose_smoke_check.py" --url "http://127.0.0.1:$MESHNET_PUBLISH_TRACKER" --nodes 2; then
+  if ! run_child "$PY" "$ROOT/scripts/compose_smoke_check.py" --url "http://127.0.0.1:$MESHNET_PUBLISH_TRACKER" --nodes 3; then  # node-0, node-1 and prefill-0
     service_logs
     die "the mesh in containers did not answer as it must (service logs above)"
   fi

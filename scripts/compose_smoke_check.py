@@ -1,6 +1,6 @@
 """What `make compose-smoke` asks of the mesh that `docker compose up --wait` started.
 
-    python scripts/compose_smoke_check.py --url http://127.0.0.1:PORT [--nodes 2]
+    python scripts/compose_smoke_check.py --url http://127.0.0.1:PORT [--nodes 3]
 
 As a user would: the model list, a chat that answers "Paris", the same question streamed through
 the official `openai` client, and the live page with the mesh data it draws (every node online,
@@ -88,7 +88,8 @@ def main() -> int:
     logging.basicConfig(level=logging.INFO, format="[compose-smoke check] %(message)s")
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--url", required=True, help="the tracker's base URL, e.g. http://127.0.0.1:8000")
-    parser.add_argument("--nodes", type=int, default=2, help="how many nodes the compose file starts")
+    parser.add_argument("--nodes", type=int, default=3,
+                        help="how many nodes the compose file starts (two decode nodes and a prefill node)")
     args = parser.parse_args()
     started = time.monotonic()
     try:
