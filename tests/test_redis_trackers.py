@@ -154,7 +154,14 @@ def test_redis_restarted_empty_the_mesh_is_whole_within_one_ttl_and_no_route_nam
     finally:
         redis.close()
     assert elapsed < NODE_TTL_S, f"the registry took {elapsed:.1f} s to be whole again, over one TTL"
-    assert chat(mesh.b, mesh.model)
+
+    def answers() -> bool:
+        try:
+            return bool(chat(mesh.b, mesh.model))
+        except openai.PermissionDeniedError:  # the empty store made the trackers a new route key: a head refuses
+            return False  # its routes until its next fetch of the tracker's keys (issue 19's key ring; bounded)
+
+    assert wait_for(answers, "a chat through B once the nodes hold the route key the trackers made anew")
 
 
 def test_tracker_a_killed_chats_through_b_succeed_at_once_and_nodes_move_their_heartbeats_to_b(
