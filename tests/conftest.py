@@ -4,8 +4,12 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 # --- tiny model (owned by the node compute core) -----------------------------------------------------
 
@@ -16,6 +20,23 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from tests.tiny_model import build_tiny_model
 
     return build_tiny_model(tmp_path_factory.mktemp("tiny-model"))
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model_dir: Path) -> PreTrainedModel:
+    """The tiny model in float32, single process: what the mesh must equal token for token."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_model_dir: Path) -> PreTrainedTokenizerBase:
+    """The tiny model's tokenizer."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tiny_model_dir)
 
 
 # --- end tiny model ------------------------------------------------------------------------------------

@@ -2,21 +2,13 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
-import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from transformers import AutoTokenizer, PreTrainedTokenizerBase
+from transformers import PreTrainedTokenizerBase
 
 from services.node.detok import REPLACEMENT_CHAR, IncrementalDetokenizer
 
 MULTI_BYTE_TEXT = "Café, naïve, 日本語, emoji 🎉🚀 and ✓ marks: Ωμέγα"
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tiny_model_dir: Path) -> PreTrainedTokenizerBase:
-    return AutoTokenizer.from_pretrained(tiny_model_dir)
 
 
 def stream(tokenizer: PreTrainedTokenizerBase, ids: list[int]) -> list[str]:

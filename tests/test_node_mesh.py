@@ -34,7 +34,7 @@ import orjson
 import pytest
 import torch
 from prometheus_client.parser import text_string_to_metric_families
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from meshwire import headers as h
 from meshwire.auth import bearer_headers
@@ -123,16 +123,6 @@ def mesh(tiny_model_dir: Path) -> Iterator[Mesh]:
     finally:
         for service in nodes.values():
             service.stop()
-
-
-@pytest.fixture(scope="module")
-def reference(tiny_model_dir: Path) -> PreTrainedModel:
-    return AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tiny_model_dir: Path) -> PreTrainedTokenizerBase:
-    return AutoTokenizer.from_pretrained(tiny_model_dir)
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,7 @@ import openai
 import orjson
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from meshwire import headers as h
 from meshwire.kv_handoff import KV_CHUNK_POSITIONS, KV_LAYERS, PREFILL_PATH, PULL_PATH
@@ -57,16 +57,6 @@ def mesh(request: pytest.FixtureRequest, tiny_model_dir: Path) -> Iterator[PdMes
         yield running
     finally:
         running.stop()
-
-
-@pytest.fixture(scope="module")
-def reference(tiny_model_dir: Path) -> PreTrainedModel:
-    return AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tiny_model_dir: Path) -> PreTrainedTokenizerBase:
-    return AutoTokenizer.from_pretrained(tiny_model_dir)
 
 
 def expected(reference: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, str]],

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 from pydantic import ValidationError
-from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, PreTrainedModel
+from transformers import AutoTokenizer, DynamicCache, PreTrainedModel
 
 from meshwire.limits import MIN_TEMPERATURE
 from meshwire.sampling_params import SamplingParams
@@ -15,11 +15,6 @@ from services.node.sampling import Sampler, SamplingFailed
 from tests.transformers_reference import reference_generate
 
 NEW_TOKENS = 40
-
-
-@pytest.fixture(scope="module")
-def reference(tiny_model_dir: Path) -> PreTrainedModel:
-    return AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
 
 
 @pytest.fixture(scope="module")

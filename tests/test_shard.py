@@ -42,11 +42,6 @@ class Hop:
 
 
 @pytest.fixture(scope="module")
-def reference(tiny_model_dir: Path) -> PreTrainedModel:
-    return AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
-
-
-@pytest.fixture(scope="module")
 def prompt_ids(tiny_model_dir: Path) -> torch.Tensor:
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
     encoded = tokenizer.apply_chat_template(PROMPT, add_generation_prompt=True, return_tensors="pt")

@@ -28,7 +28,7 @@ import openai
 import pytest
 import torch
 from prometheus_client.parser import text_string_to_metric_families
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from meshwire import headers as h
 from meshwire.frames import encode_frame
@@ -85,16 +85,6 @@ def nodes(tiny_model_dir: Path) -> Iterator[dict[str, Service]]:
 @pytest.fixture(scope="module")
 def model_name(nodes: dict[str, Service]) -> str:
     return str(httpx.get(f"{nodes['spec'].url}/health").json()["model"])
-
-
-@pytest.fixture(scope="module")
-def reference(tiny_model_dir: Path) -> PreTrainedModel:
-    return AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tiny_model_dir: Path) -> PreTrainedTokenizerBase:
-    return AutoTokenizer.from_pretrained(tiny_model_dir)
 
 
 def route(nodes: dict[str, Service], model: str, *names: str) -> str:
