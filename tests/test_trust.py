@@ -21,7 +21,7 @@ from services.tracker.join_tokens import TokenRefused, check_binding, check_toke
 from services.tracker.keyring import KeyRing
 from services.tracker.registry import RegistryPolicy
 from services.tracker.store import MemoryStore
-from services.tracker.trust import TrackerTrust
+from services.tracker.trust import SERVE_REREAD_S, TrackerTrust
 
 NOW = 1_700_000_000.0
 TTL = 600.0
@@ -75,6 +75,40 @@ async def test_trackers_sharing_a_store_sign_with_one_key_and_publish_one_set():
     await b.refresh()
     assert b.signing_key().kid == rotated.kid == a.signing_key().kid
     assert a.jwks() == b.jwks() and len(a.jwks().keys) == 2
+
+
+async def test_the_published_set_is_read_from_the_store_so_a_key_another_tracker_just_made_is_served():
+    """A Redis restarted empty: tracker A makes a new key; B, asked for its keys before its next refresh,
+    still serves it (a node that fetched from B would otherwise refuse A's routes)."""
+    store = MemoryStore(RegistryPolicy())
+    clock = [NOW]
+    a = TrackerTrust(store, secret="s", route_ttl_s=TTL, rotate_s=0, lead_s=0, clock=lambda: clock[0])
+    b = TrackerTrust(store, secret="s", route_ttl_s=TTL, rotate_s=0, lead_s=0, clock=lambda: clock[0])
+    await a.refresh()
+    await b.refresh()
+    rotated = await a.rotate()
+    assert rotated.kid not in {k.kid for k in b.jwks().keys}, "B's cached ring has not seen it yet"
+    assert rotated.kid in {k.kid for k in (await b.current_jwks()).keys}
+
+
+async def test_calls_for_the_published_set_read_the_store_at_most_once_per_interval():
+    store = MemoryStore(RegistryPolicy())
+    clock = [NOW]
+    reads = []
+    read_doc = store.read_doc
+
+    async def counted(name):
+        reads.append(name)
+        return await read_doc(name)
+
+    store.read_doc = counted  # type: ignore[method-assign]
+    trust = TrackerTrust(store, secret="s", route_ttl_s=TTL, rotate_s=0, lead_s=0, clock=lambda: clock[0])
+    for _ in range(50):
+        await trust.current_jwks()
+    assert len(reads) == 1
+    clock[0] = NOW + SERVE_REREAD_S
+    await trust.current_jwks()
+    assert len(reads) == 2
 
 
 async def test_a_tracker_rotates_a_key_that_reached_its_age():

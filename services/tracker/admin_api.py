@@ -98,8 +98,7 @@ def _layers(text: str | None) -> tuple[int, int] | None:
 async def keys(request: Request) -> JSONResponse:
     """The route-signing public keys (JWK set)."""
     state = tracker_state(request)
-    await state.trust.ready()
-    jwks = state.trust.jwks()
+    jwks = await state.trust.current_jwks()
     if not jwks.keys:  # never loaded (its store has been away since it started): an empty set would unpin nodes
         raise store_unavailable("the tracker has not read its route keys yet", state.settings.heartbeat_s)
     return JSONResponse(jwks.model_dump(mode="json"), headers={"Cache-Control": "no-cache"})

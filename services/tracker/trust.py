@@ -52,6 +52,9 @@ ROUTE_KEYS_DOC: Final = "route_keys"
 REFRESH_S: Final = 5.0
 """How often a tracker re-reads the key ring from its store (and rotates a key that is due)."""
 MAX_SWAP_TRIES: Final = 5
+SERVE_REREAD_S: Final = 0.5
+"""Shortest time between two store reads prompted by ``GET /v1/keys`` (the endpoint is public: a flood of
+calls costs the store at most one read per this many seconds)."""
 
 
 class NoSigningKey(Exception):
@@ -81,6 +84,7 @@ class TrackerTrust:
         self._ring = KeyRing()
         self._signers: dict[str, SigningKey] = {}
         self._task: asyncio.Task[None] | None = None
+        self._served_read_at: float | None = None
 
     # --- keys -------------------------------------------------------------------------------------
 
@@ -156,8 +160,25 @@ class TrackerTrust:
         return self._signers[record.kid]
 
     def jwks(self) -> Jwks:
-        """The public keys nodes verify routes with (``GET /v1/keys``)."""
+        """The public keys nodes verify routes with, as this tracker last read them."""
         return self._ring.published(self._clock(), self._route_ttl_s)
+
+    async def current_jwks(self) -> Jwks:
+        """The public keys as the store holds them now (``GET /v1/keys``).
+
+        A node asks when it meets a key id it lacks: another tracker of the
+        mesh may have made that key a moment ago (a Redis restarted empty), so
+        answering from this tracker's cached ring (up to :data:`REFRESH_S`
+        old) could hide it. The store is read again unless it was read for
+        this endpoint within :data:`SERVE_REREAD_S`; a store that is away
+        leaves the cached ring.
+        """
+        now = self._clock()
+        if self._served_read_at is None or now - self._served_read_at >= SERVE_REREAD_S:
+            self._served_read_at = now
+            with contextlib.suppress(StoreUnavailable):
+                await self.refresh()
+        return self.jwks()
 
     # --- credentials ------------------------------------------------------------------------------
 
