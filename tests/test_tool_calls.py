@@ -10,22 +10,28 @@ against its function's schema is the grammar's doing.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import random
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 from typing import Any, Final
 
 import jsonschema
 import openai
+import orjson
 import pytest
 from transformers import AutoTokenizer
 
 from meshwire import openai as oa
+from meshwire.resume import PROGRESS_KEY
 from meshwire.tool_calls import ToolCallAssembler, ToolCallParser
+from services.node.generation import Finished, TextDelta
 from services.node.grammar import GrammarEngine, GrammarError
+from services.node.openai_api import ChatStream
 from services.node.tokens import HeadTokenizer
 from services.node.tool_grammar import tool_grammar
+from services.tracker.collect import collect
 from tests.procs import TEST_SECRET, Service, start_service
 from tests.tiny_mesh import tiny_mesh
 from tests.tiny_model import VOCAB_SIZE, build_tool_model
@@ -137,6 +143,42 @@ def test_history_tool_calls_and_results_render_through_the_template(tool_model_d
     assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": "c"}}\n</tool_call>' in text
     assert '<tool_response>\n{"temperature": 21}\n</tool_response>' in text
     assert '"name": "get_time"' in text and text.endswith("<|im_start|>assistant\n")
+
+
+async def _events(*items: Any) -> AsyncIterator[Any]:
+    for item in items:
+        yield item
+
+
+def head_stream(pieces: list[str], *, progress: bool) -> list[dict[str, Any]]:
+    """The head's chat stream (parsed events) of an answer whose text comes in ``pieces`` and ends by itself."""
+    stream = ChatStream("chatcmpl-1", "m", False, seed=7 if progress else None, tools=ToolCallParser())
+    deltas = [TextDelta(piece, ids=(index,)) for index, piece in enumerate(pieces)]
+
+    async def run() -> list[bytes]:
+        rest = _events(*deltas[1:], Finished(finish_reason="stop", prompt_tokens=3, completion_tokens=len(pieces)))
+        return [event async for event in stream.events(deltas[0], rest)]
+
+    lines = [line for event in asyncio.run(run()) for line in event.decode().splitlines() if line]
+    return [orjson.loads(line[len("data: "):]) for line in lines if line != "data: [DONE]"]
+
+
+def test_the_head_streams_text_then_a_call_and_the_tracker_adds_them_up() -> None:
+    pieces = ["Sure. <tool_", 'call>\n{"name": "pi', 'ng", "argu', 'ments": {', "}}\n</tool_call>"]
+    events = head_stream(pieces, progress=False)
+    deltas = [event["choices"][0]["delta"] for event in events]
+    assert deltas[0] == {"role": "assistant", "content": ""} and deltas[1] == {"content": "Sure. "}
+    calls = [delta["tool_calls"][0] for delta in deltas if "tool_calls" in delta]
+    assert calls[0]["id"].startswith("call_") and calls[0]["function"] == {"name": "ping", "arguments": ""}
+    assert "".join(call["function"].get("arguments", "") for call in calls) == "{}"
+    assert events[-1]["choices"][0]["finish_reason"] == "tool_calls" and len(events) == 6  # a held piece: no event
+    tracked = head_stream(pieces, progress=True)  # every piece's ids go to the tracker, held or not
+    assert len(tracked) == len(pieces) + 2 and [e[PROGRESS_KEY]["ids"] for e in tracked[1:-1]] == [[0], [1], [2], [3], [4]]
+    answer = orjson.loads(asyncio.run(collect(_events(*tracked, None), chat=True)))
+    assert answer["choices"][0]["message"]["content"] == "Sure. "
+    assert answer["choices"][0]["finish_reason"] == "tool_calls"
+    assert [(c["type"], c["function"]) for c in answer["choices"][0]["message"]["tool_calls"]] == [
+        ("function", {"name": "ping", "arguments": "{}"})]
 
 
 # --- the grammar (no processes) ----------------------------------------------------------------------
