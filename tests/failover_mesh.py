@@ -25,6 +25,7 @@ import orjson
 import pytest
 
 from meshwire.sse import parse_sse_line
+from meshwire.tool_calls import ToolCallAssembler
 from tests.procs import Service, start_service, start_together, wait_healthy
 
 HEAD_CHUNK_TOKENS: Final = 16
@@ -59,6 +60,8 @@ class StreamResult:
     killed: str | None = None
     chunks_before_kill: int = 0
     seconds_from_kill_to_end: float | None = None
+    tool_calls: ToolCallAssembler = field(default_factory=ToolCallAssembler)
+    """The stream's ``delta.tool_calls`` added up."""
 
 
 @dataclass
@@ -196,6 +199,9 @@ def _take_event(result: StreamResult, event: dict[str, Any]) -> None:
         if content:
             result.text += content
             result.content_chunks += 1
+        if calls := choice.get("delta", {}).get("tool_calls"):  # a tool call's piece counts as a chunk too
+            result.tool_calls.add(calls)
+            result.content_chunks += 0 if content else 1
         if choice.get("finish_reason"):
             result.finish_reason = choice["finish_reason"]
     if event.get("usage"):

@@ -104,6 +104,47 @@ def test_tools_and_tool_choice_are_read_and_checked_against_each_other():
     assert param == "tools[0].function.name"
 
 
+def test_history_tool_calls_and_results_are_read_and_given_to_the_template_with_object_arguments():
+    call = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}
+    request = chat(messages=[BASE["messages"][0], {"role": "assistant", "content": None, "tool_calls": [call]},
+                             {"role": "tool", "tool_call_id": "call_1", "content": "cold"}])
+    assistant, tool = (message.template_dict() for message in request.messages[1:])
+    assert assistant == {"role": "assistant", "content": "", "tool_calls": [
+        {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Oslo"}}}]}
+    assert tool == {"role": "tool", "content": "cold", "tool_call_id": "call_1"}
+    bad = {**call, "function": {"name": "f", "arguments": "[1]"}}
+    message, param = chat_refusal({**BASE, "messages": [{"role": "assistant", "content": None, "tool_calls": [bad]}]})
+    assert param == "messages[0].tool_calls[0].function.arguments" and "JSON object" in message
+    message, _ = chat_refusal({**BASE, "messages": [{"role": "user", "content": "x", "tool_calls": [call]}]})
+    assert "only an assistant" in message
+    message, _ = chat_refusal({**BASE, "messages": [{"role": "tool", "content": "x"}]})
+    assert "tool_call_id" in message
+
+
+def test_tools_are_refused_with_response_format_and_on_raw_completions():
+    message, _ = chat_refusal({**BASE, "tools": [TOOL], "response_format": {"type": "json_object"}})
+    assert "response_format cannot be combined with tools" in message
+    assert chat(tools=[TOOL], tool_choice="none", response_format={"type": "json_object"}).response_format
+    with pytest.raises(ValidationError, match="/v1/chat/completions"):
+        CompletionRequest.model_validate({"model": "m", "prompt": "x", "tools": [TOOL]})
+
+
+def test_tool_calls_go_out_in_openai_shape():
+    from meshwire.openai import FunctionCall, FunctionDelta, ToolCall, ToolCallDelta
+
+    message = AssistantMessage(content=None, tool_calls=(ToolCall(id="call_1", function=FunctionCall(
+        name="f", arguments="{}")),))
+    assert orjson.loads(message.model_dump_json()) == {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}
+    assert "tool_calls" not in orjson.loads(AssistantMessage(content="hi").model_dump_json())
+    delta = Delta(tool_calls=(ToolCallDelta(index=0, function=FunctionDelta(arguments='{"a')),))
+    assert orjson.loads(delta.model_dump_json()) == {"tool_calls": [{"index": 0, "function": {"arguments": '{"a'}}]}
+    parsed = oa_chat.ChatCompletionChunk.model_validate({"id": "x", "object": "chat.completion.chunk", "created": 0,
+                                                         "model": "m", "choices": [{"index": 0, "delta": orjson.loads(
+                                                             delta.model_dump_json())}]})
+    assert parsed.choices[0].delta.tool_calls[0].function.arguments == '{"a'
+
+
 @pytest.mark.parametrize("name", ["functions", "function_call",
                                   "service_tier", "modalities", "audio", "prediction", "reasoning_effort",
                                   "web_search_options"])
@@ -120,7 +161,8 @@ def test_content_may_be_a_string_or_a_list_of_text_parts():
 
 def test_every_openai_role_is_accepted_and_an_assistant_may_have_no_content():
     roles = ["system", "developer", "user", "assistant", "tool"]
-    request = chat(messages=[{"role": r, "content": r} for r in roles] + [{"role": "assistant", "content": None}])
+    request = chat(messages=[{"role": r, "content": r, **({"tool_call_id": "call_1"} if r == "tool" else {})}
+                             for r in roles] + [{"role": "assistant", "content": None}])
     assert [m.role for m in request.messages] == [*roles, "assistant"]
     assert request.messages[-1].template_dict() == {"role": "assistant", "content": ""}
 

@@ -11,6 +11,7 @@ twice gives identical files, so a failing test is reproducible bit for bit.
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 from typing import Final
 
@@ -43,6 +44,40 @@ CHAT_TEMPLATE: Final = (
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )
+
+TOOL_CHAT_TEMPLATE: Final = (
+    # The Hermes / Qwen2.5 way of showing a model its tools and its past calls, cut down to what the tests use.
+    "{%- if messages[0]['role'] == 'system' %}{%- set system = messages[0]['content'] %}"
+    "{%- else %}{%- set system = 'You are a helpful assistant.' %}{%- endif %}"
+    "{{- '<|im_start|>system\\n' + system }}"
+    "{%- if tools %}"
+    "{{- '\\n\\n# Tools\\n\\nYou may call one or more functions. Their signatures, within <tools></tools>:\\n<tools>' }}"
+    "{%- for tool in tools %}{{- '\\n' }}{{- tool | tojson }}{%- endfor %}"
+    "{{- '\\n</tools>\\n\\nFor each call, return a JSON object with the function name and arguments within "
+    "<tool_call></tool_call> tags:\\n<tool_call>\\n{\"name\": <function-name>, \"arguments\": <args-json-object>}"
+    "\\n</tool_call>' }}"
+    "{%- endif %}"
+    "{{- '<|im_end|>\\n' }}"
+    "{%- for message in messages %}"
+    "{%- if message['role'] in ('user', 'developer') or (message['role'] == 'system' and not loop.first) %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{%- elif message['role'] == 'assistant' %}"
+    "{{- '<|im_start|>assistant' }}"
+    "{%- if message['content'] %}{{- '\\n' + message['content'] }}{%- endif %}"
+    "{%- for call in message.tool_calls or [] %}"
+    "{{- '\\n<tool_call>\\n{\"name\": \"' + call['function']['name'] + '\", \"arguments\": ' }}"
+    "{{- call['function']['arguments'] | tojson }}{{- '}\\n</tool_call>' }}"
+    "{%- endfor %}"
+    "{{- '<|im_end|>\\n' }}"
+    "{%- elif message['role'] == 'tool' %}"
+    "{%- if loop.first or messages[loop.index0 - 1]['role'] != 'tool' %}{{- '<|im_start|>user' }}{%- endif %}"
+    "{{- '\\n<tool_response>\\n' + message['content'] + '\\n</tool_response>' }}"
+    "{%- if loop.last or messages[loop.index0 + 1]['role'] != 'tool' %}{{- '<|im_end|>\\n' }}{%- endif %}"
+    "{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+"""A chat template that renders tools, assistant tool calls and tool results (Hermes / Qwen2.5 style)."""
 
 CORPUS: Final = """\
 The river runs past the old mill and under the stone bridge before it reaches the sea.
@@ -101,6 +136,16 @@ def build_tiny_model(dest: Path) -> Path:
     torch.manual_seed(SEED)
     model = LlamaForCausalLM(config).eval()
     model.save_pretrained(dest)
+    tokenizer.save_pretrained(dest)
+    return dest
+
+
+def build_tool_model(tiny: Path, dest: Path) -> Path:
+    """A copy of the tiny model in ``tiny`` whose chat template supports tools (:data:`TOOL_CHAT_TEMPLATE`);
+    the folder ``dest`` is created and returned (its name is the model's name on a mesh)."""
+    shutil.copytree(tiny, dest)
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(dest)
+    tokenizer.chat_template = TOOL_CHAT_TEMPLATE
     tokenizer.save_pretrained(dest)
     return dest
 

@@ -47,7 +47,7 @@ TOP_LEVEL_REQUEST: Final = ConfigDict(frozen=True, strict=True, extra="forbid")
 """A request body: an unknown parameter is refused (OpenAI: "Unrecognized request argument supplied")."""
 
 Role = Literal["system", "user", "assistant", "developer", "tool"]
-FinishReason = Literal["stop", "length"]
+FinishReason = Literal["stop", "length", "tool_calls"]
 PART_SEPARATOR: Final = "\n"
 """How the text parts of one message are joined into its text."""
 MAX_NAME_CHARS: Final = 256
@@ -89,14 +89,62 @@ class TextPart(BaseModel):
     text: str = Field(max_length=limits.MAX_PROMPT_CHARS)
 
 
+MAX_TOOL_CALL_ID_CHARS: Final = 256
+MAX_ARGUMENTS_CHARS: Final = 64 * 1024
+"""Longest ``arguments`` string of a tool call in the conversation history."""
+MAX_HISTORY_TOOL_CALLS: Final = 128
+"""Most tool calls one assistant message of the history may carry."""
+
+
+class FunctionCallIn(BaseModel):
+    """``function`` of a tool call in the history: the function's name and its arguments as a JSON string."""
+
+    model_config = REQUEST_MODEL
+
+    name: str = Field(min_length=1, max_length=MAX_NAME_CHARS)
+    arguments: str = Field(max_length=MAX_ARGUMENTS_CHARS)
+
+    @field_validator("arguments")
+    @classmethod
+    def _json_object(cls, value: str) -> str:
+        try:
+            parsed = json.loads(value)
+        except ValueError:
+            raise ValueError("must be a JSON object (as a string)") from None
+        if not isinstance(parsed, dict):
+            raise ValueError("must be a JSON object (as a string)")  # noqa: TRY004 (pydantic reports ValueError)
+        return value
+
+
+class ToolCallIn(BaseModel):
+    """One entry of an assistant message's ``tool_calls`` in the history."""
+
+    model_config = REQUEST_MODEL
+
+    id: str = Field(min_length=1, max_length=MAX_TOOL_CALL_ID_CHARS)
+    type: Literal["function"]
+    function: FunctionCallIn
+
+    def template_dict(self) -> dict[str, Any]:
+        """The call as chat templates read it: ``arguments`` as an object (transformers' convention)."""
+        return {"id": self.id, "type": "function",
+                "function": {"name": self.function.name, "arguments": json.loads(self.function.arguments)}}
+
+
 class ChatMessage(BaseModel):
-    """One chat message. ``content`` is a string or a list of text parts."""
+    """One chat message. ``content`` is a string or a list of text parts.
+
+    An assistant message may carry the ``tool_calls`` it made (its content may then be ``null``);
+    a ``tool`` message answers one of them and names it in ``tool_call_id``.
+    """
 
     model_config = REQUEST_MODEL
 
     role: Role
     content: str | Annotated[tuple[TextPart, ...], Field(max_length=limits.MAX_CONTENT_PARTS)] | None = None
     name: str | None = Field(default=None, max_length=MAX_NAME_CHARS)
+    tool_calls: Annotated[tuple[ToolCallIn, ...], AsTuple, Field(max_length=MAX_HISTORY_TOOL_CALLS)] | None = None
+    tool_call_id: str | None = Field(default=None, min_length=1, max_length=MAX_TOOL_CALL_ID_CHARS)
 
     @field_validator("content", mode="before")
     @classmethod
@@ -125,6 +173,10 @@ class ChatMessage(BaseModel):
     def _content_present(self) -> ChatMessage:
         if self.content is None and self.role != "assistant":
             raise ValueError(f"a {self.role} message needs content")
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError(f"a {self.role} message cannot carry tool_calls (only an assistant's does)")
+        if self.role == "tool" and self.tool_call_id is None:
+            raise ValueError("a tool message needs tool_call_id (the id of the call it answers)")
         return self
 
     def text(self) -> str:
@@ -135,9 +187,15 @@ class ChatMessage(BaseModel):
             return self.content
         return PART_SEPARATOR.join(part.text for part in self.content)
 
-    def template_dict(self) -> dict[str, str]:
-        """``{"role", "content"}`` with text content, as chat templates expect."""
-        return {"role": self.role, "content": self.text()}
+    def template_dict(self) -> dict[str, Any]:
+        """``{"role", "content"}`` with text content, as chat templates expect; with ``tool_calls`` (arguments
+        as objects) and ``tool_call_id`` where the message has them."""
+        out: dict[str, Any] = {"role": self.role, "content": self.text()}
+        if self.tool_calls:
+            out["tool_calls"] = [call.template_dict() for call in self.tool_calls]
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        return out
 
 
 MAX_SCHEMA_CHARS: Final = 8 * 1024
@@ -187,6 +245,8 @@ class FunctionSpec(BaseModel):
     def _bounded(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
         if value is not None and len(json.dumps(value, separators=(",", ":"))) > MAX_SCHEMA_CHARS:
             raise ValueError(f"the parameters schema is longer than {MAX_SCHEMA_CHARS} characters as compact JSON")
+        if value is not None and value.get("type", "object") != "object":
+            raise ValueError("must be the JSON schema of an object (a call's arguments are a JSON object)")
         return value
 
 
@@ -280,7 +340,7 @@ def refused(reason: str, *, allowed: tuple[Any, ...] = ()) -> Any:
     return Annotated[Any, BeforeValidator(check)]
 
 
-NoFunctions = refused("this mesh has no function calling")
+NoFunctions = refused("the deprecated functions API is not served; send tools and tool_choice instead")
 OneTier = refused("a mesh has one tier")
 TextModalityOnly = refused("this mesh answers text only", allowed=(["text"],))
 TextOnly = refused("this mesh answers text only")
@@ -357,16 +417,27 @@ class SamplingRequest(BaseModel):
     """Functions the model may call. Served only where the model's chat template renders tools (the head
     answers a 400 saying so otherwise); with ``tool_choice: "none"`` they are not offered and the answer is text."""
     tool_choice: ToolChoice | None = None
+    """``auto`` (the default with tools): text or tool calls; ``required``: at least one call; a named
+    function: exactly one call of it; ``none``: text, as if no tools were given."""
     parallel_tool_calls: bool | None = None
+    """``false``: at most one tool call per answer (default: several may follow each other)."""
 
     @model_validator(mode="after")
     def _tool_choice_names_a_tool(self) -> SamplingRequest:
-        names = {tool.function.name for tool in self.tools or ()}
+        names = [tool.function.name for tool in self.tools or ()]
+        if len(set(names)) != len(names):
+            twice = next(name for name in names if names.count(name) > 1)
+            raise ValueError(f"tools declare the function {twice!r} more than once")
         if isinstance(self.tool_choice, NamedToolChoice) and self.tool_choice.function.name not in names:
             raise ValueError(f"tool_choice names the function {self.tool_choice.function.name!r}, which is not "
                              "among the tools")
         if self.tool_choice in ("auto", "required") and not names:
             raise ValueError(f"tool_choice {self.tool_choice!r} needs tools")
+        if self.wants_tools and self.response_format is not None and not isinstance(self.response_format,
+                                                                                    TextFormat):
+            raise ValueError("response_format cannot be combined with tools on this mesh (tool call arguments "
+                             "follow their function's parameters schema); send one or the other, or "
+                             "tool_choice 'none'")
         return self
 
     @property
@@ -475,6 +546,13 @@ class CompletionRequest(SamplingRequest):
     best_of: int | None = None
     suffix: NoSuffix = None
 
+    @model_validator(mode="after")
+    def _no_tools(self) -> CompletionRequest:
+        for name in ("tools", "tool_choice", "parallel_tool_calls"):
+            if getattr(self, name) is not None:
+                raise ValueError(f"{name} is a parameter of /v1/chat/completions; a raw completion has no tools")
+        return self
+
     @field_validator("best_of")
     @classmethod
     def _one_best(cls, value: int | None) -> int | None:
@@ -518,13 +596,40 @@ class Usage(BaseModel):
                    total_tokens=prompt_tokens + completion_tokens)
 
 
+class FunctionCall(BaseModel):
+    """The function a tool call calls: its name and its arguments as a JSON string."""
+
+    model_config = STRICT_MODEL
+
+    name: str
+    arguments: str
+
+
+class ToolCall(BaseModel):
+    """One entry of ``message.tool_calls``."""
+
+    model_config = STRICT_MODEL
+
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class AssistantMessage(BaseModel):
-    """The message of a non-streamed chat choice."""
+    """The message of a non-streamed chat choice: text, or (``content`` ``null`` when none) tool calls."""
 
     model_config = STRICT_MODEL
 
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: Annotated[tuple[ToolCall, ...], AsTuple] | None = None
+
+    @model_serializer(mode="wrap")
+    def _no_empty_tool_calls(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        out = handler(self)
+        if out.get("tool_calls") is None:
+            out.pop("tool_calls", None)
+        return out
 
 
 class TopLogprob(BaseModel):
@@ -587,6 +692,34 @@ class ChatCompletion(BaseModel):
     system_fingerprint: str | None = None
 
 
+class FunctionDelta(BaseModel):
+    """What a stream chunk adds to a tool call's function: its name (first chunk), more of its arguments."""
+
+    model_config = STRICT_MODEL
+
+    name: str | None = None
+    arguments: str | None = None
+
+    @model_serializer(mode="wrap")
+    def _drop_none(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        return {key: value for key, value in handler(self).items() if value is not None}
+
+
+class ToolCallDelta(BaseModel):
+    """One ``delta.tool_calls`` entry: the call's ``index``; its id and type on its first chunk only."""
+
+    model_config = STRICT_MODEL
+
+    index: int = Field(ge=0)
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: FunctionDelta | None = None
+
+    @model_serializer(mode="wrap")
+    def _drop_none(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        return {key: value for key, value in handler(self).items() if value is not None}
+
+
 class Delta(BaseModel):
     """What a stream chunk adds to the message; absent fields are left out of the JSON."""
 
@@ -594,6 +727,7 @@ class Delta(BaseModel):
 
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: Annotated[tuple[ToolCallDelta, ...], AsTuple] | None = None
 
     @model_serializer(mode="wrap")
     def _drop_none(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:

@@ -81,9 +81,10 @@ class InputMessage(BaseModel):
 
 
 NoStoredResponses = refused("this mesh stores no responses; send the whole conversation in input")
-NoResponseTools = refused("this mesh has no tool calling yet", allowed=((), []))
-NoResponseToolChoice = refused("this mesh has no tool calling yet", allowed=("none", "auto"))
-NoResponseParallel = refused("this mesh has no tool calling yet", allowed=(True, False))
+_TOOLS_ON_CHAT: Final = "the Responses API here calls no tools; send tools to /v1/chat/completions"
+NoResponseTools = refused(_TOOLS_ON_CHAT, allowed=((), []))
+NoResponseToolChoice = refused(_TOOLS_ON_CHAT, allowed=("none", "auto"))
+NoResponseParallel = refused(_TOOLS_ON_CHAT, allowed=(True, False))
 
 
 class FlatJsonSchemaFormat(BaseModel):

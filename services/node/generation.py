@@ -179,6 +179,14 @@ class RouteBusy(GenerationFailed):
         self.busy_node = busy_node
 
 
+def sent_text(tokenizer: HeadTokenizer, stop: Sequence[str], ids: Sequence[int]) -> str:
+    """The text a head sent for generated ``ids`` (those a continuation replays, ``meshwire.resume``): what
+    the detokenizer and the stop matcher let out for them, as :meth:`Generator.generate` rebuilds it."""
+    detok = tokenizer.detokenizer()
+    stops = StopMatcher(stop)
+    return "".join(stops.feed(detok.push(token)).text for token in ids)
+
+
 def pick_seed(requested: int | None) -> int:
     """The sampler seed: the request's (as ``torch.manual_seed`` would take it), else a random one."""
     if requested is None:

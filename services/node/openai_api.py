@@ -45,7 +45,8 @@ from meshwire.hop_proof import TRACKER_SIGNER_PREFIX, ProofProblem, check_claim,
 from meshwire.limits import MAX_HEADER_VALUE_CHARS
 from meshwire.responses_api import ResponseEvents, ResponsesRequest, usage_of
 from meshwire.resume import RESUME_KEY, Progress, Resume, take_resume, with_progress
-from meshwire.sampling_params import SamplingParams
+from meshwire.sampling_params import MAX_GRAMMAR_CHARS, SamplingParams
+from meshwire.tool_calls import ToolCallAssembler, ToolCallParser
 from services.node.bodies import BodyIncomplete, BodyTooLarge, read_bounded
 from services.node.generation import (
     Echo,
@@ -56,6 +57,7 @@ from services.node.generation import (
     TextDelta,
     TokenInfo,
     pick_seed,
+    sent_text,
 )
 from services.node.grammar import GrammarError, grammar_for_schema
 from services.node.logprob_render import chat_logprobs, completion_logprobs, echo_logprobs, joined
@@ -63,6 +65,7 @@ from services.node.pd_head import PrefillPlan
 from services.node.routing import NoRoute, RoutedHop, RouteRefused, verify_hop, verify_prefill_route
 from services.node.runtime import NodeRuntime
 from services.node.tokens import HeadTokenizer, TemplateError
+from services.node.tool_grammar import arguments_schema, tool_grammar
 
 logger = logging.getLogger(__name__)
 
@@ -96,6 +99,36 @@ class ApiError(Exception):
                         headers=headers)
 
 
+def _finish_reason(finished: Finished, tools: ToolCallParser | None) -> oa.FinishReason:
+    """``tool_calls`` for an answer that ended by itself after calling tools, else the generator's reason."""
+    if tools is not None and tools.called and finished.finish_reason == "stop":
+        return "tool_calls"
+    return finished.finish_reason
+
+
+def _delta_of(content: str, tool_calls: list[dict[str, Any]]) -> oa.Delta:
+    """A chunk's delta: content text, tool call entries, or both."""
+    return oa.Delta(content=content or None,
+                    tool_calls=tuple(oa.ToolCallDelta.model_validate(call) for call in tool_calls) or None)
+
+
+def _chat_message(text: str, tools: ToolCallParser | None,
+                  finished: Finished) -> tuple[oa.AssistantMessage, oa.FinishReason]:
+    """A non-streamed answer's message and finish reason: its text, or (with tools) its content and calls."""
+    if tools is None:
+        return oa.AssistantMessage(content=text), finished.finish_reason
+    parsed = tools.feed(text)
+    held = tools.flush()
+    assembler = ToolCallAssembler()
+    assembler.add(parsed.deltas())
+    calls = assembler.result()
+    content = parsed.content + held.content
+    message = oa.AssistantMessage(content=content or (None if calls else ""),
+                                  tool_calls=None if calls is None else
+                                  tuple(oa.ToolCall.model_validate(call) for call in calls))
+    return message, _finish_reason(finished, tools)
+
+
 def _from_failure(exc: GenerationFailed) -> ApiError:
     extra = {"failed_node": exc.failed_node} if exc.failed_node else {}
     return ApiError(exc.status, str(exc), exc.code, retry_after=exc.retry_after, **extra)
@@ -109,11 +142,23 @@ class Prepared:
     hop: RoutedHop | None
     stream: bool
     include_usage: bool
+    tools: bool = False
+    """The answer may hold tool calls: its text is read by a :class:`ToolCallParser`."""
+    sent: str = ""
+    """The text already sent of a continued answer (``meshwire.resume``): what primes the tool call parser."""
 
     @property
     def logprobs(self) -> bool:
         """Whether the answer carries log-probabilities."""
         return self.generation.sampling.logprobs is not None
+
+    def tool_parser(self) -> ToolCallParser | None:
+        """A parser for this answer's tool calls, past the text already sent (``None``: no tools)."""
+        if not self.tools:
+            return None
+        parser = ToolCallParser()
+        parser.feed(self.sent)
+        return parser
 
 
 class OpenAIService:
@@ -146,7 +191,8 @@ class OpenAIService:
             render = ChatStream if chat else CompletionStream
             progress = from_mesh and request.headers.get(h.PROGRESS) == "1"
             stream = render(response_id, self._node.model_id, prepared.include_usage, tokenizer,
-                            seed=prepared.generation.sampling.seed if progress else None)
+                            seed=prepared.generation.sampling.seed if progress else None,
+                            tools=prepared.tool_parser())
             return StreamingResponse(stream.events(first, events), media_type=sse.MEDIA_TYPE,
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         try:
@@ -157,9 +203,9 @@ class OpenAIService:
         body: Any
         if chat:
             logprobs = None if tokenizer is None else chat_logprobs(tokenizer, tokens)
+            message, finish_reason = _chat_message(text, prepared.tool_parser(), finished)
             body = oa.ChatCompletion(id=response_id, created=oa.now_s(), model=self._node.model_id, usage=usage,
-                                     choices=(oa.ChatChoice(message=oa.AssistantMessage(content=text),
-                                                            finish_reason=finished.finish_reason,
+                                     choices=(oa.ChatChoice(message=message, finish_reason=finish_reason,
                                                             logprobs=logprobs),))
         else:
             start = 0 if echo is None else len(echo.text)
@@ -288,7 +334,8 @@ class OpenAIService:
         assert generator is not None
         if request.headers.get(h.ROUTE) is None:  # with a route, the tracker has matched the name already
             self._check_model_name(parsed.model)
-        if parsed.wants_tools:
+        tools = isinstance(parsed, oa.ChatCompletionRequest) and parsed.wants_tools
+        if tools:
             self._check_tools(generator.tokenizer)
         if parsed.choices > 1:
             raise ApiError(400, f"n={parsed.choices}: a head serves one choice a request; the tracker's front door "
@@ -297,18 +344,27 @@ class OpenAIService:
         try:
             if isinstance(parsed, oa.ChatCompletionRequest):
                 messages = [m.template_dict() for m in parsed.messages]
-                prompt = await asyncio.to_thread(generator.tokenizer.encode_chat, messages)
+                shown = [tool.model_dump(exclude_none=True, exclude={"function": {"strict"}})
+                         for tool in parsed.tools or ()] if tools else None
+                prompt = await asyncio.to_thread(generator.tokenizer.encode_chat, messages, shown)
             else:
                 assert isinstance(parsed, oa.CompletionRequest)
                 prompt = await asyncio.to_thread(generator.tokenizer.encode_text, parsed.prompt)
         except TemplateError as exc:
             raise ApiError(400, str(exc), "invalid_request", "messages") from None
-        grammar = await self._grammar(parsed.response_format)
+        if tools:
+            assert isinstance(parsed, oa.ChatCompletionRequest)
+            grammar = await self._tool_grammar(parsed)
+        else:
+            grammar = await self._grammar(parsed.response_format)
         generation = self._generation_request(parsed, prompt, chat=chat, resume=resume, grammar=grammar)
         plan = self._prefill_plan(request, len(prompt))
         if plan is not None:
             generation = dataclasses.replace(generation, prefill=plan)
-        return Prepared(generation=generation, hop=hop, stream=parsed.stream, include_usage=parsed.include_usage)
+        sent = "" if not (tools and generation.resume) else await asyncio.to_thread(
+            sent_text, generator.tokenizer, generation.stop, generation.resume)
+        return Prepared(generation=generation, hop=hop, stream=parsed.stream, include_usage=parsed.include_usage,
+                        tools=tools, sent=sent)
 
     async def _grammar(self, response_format: oa.ResponseFormat | None) -> str | None:
         """The grammar a structured output asks for (``None``: free text), checked by the engine (400 if not)."""
@@ -333,8 +389,30 @@ class OpenAIService:
             raise ApiError(400, f"tools cannot be used with {self._node.model_id}: the model's chat template has no "
                                 "tool support (it never renders a tools list); send tool_choice 'none' or no tools",
                            "unsupported_parameter", "tools")
-        raise ApiError(400, "tool calls are not implemented on this mesh yet (the model's chat template supports "
-                            "tools); send tool_choice 'none' or no tools", "unsupported_parameter", "tools")
+
+    async def _tool_grammar(self, parsed: oa.ChatCompletionRequest) -> str:
+        """The grammar of an answer with tools (:mod:`services.node.tool_grammar`), checked by the engine: a
+        function whose parameters it cannot enforce is a 400 naming that function."""
+        engine = self._node.grammar
+        if engine is None:
+            raise ApiError(503, "this node has no grammar engine yet", "not_ready", retry_after="2")
+        tools = parsed.tools or ()
+        for index, tool in enumerate(tools):
+            try:
+                await asyncio.to_thread(engine.check, grammar_for_schema(arguments_schema(tool.function)))
+            except GrammarError as exc:
+                raise ApiError(400, f"the parameters of function {tool.function.name!r}: {exc}", "invalid_schema",
+                               f"tools[{index}].function.parameters") from None
+        grammar = tool_grammar(tools, parsed.tool_choice, parallel=parsed.parallel_tool_calls is not False)
+        if len(grammar) > MAX_GRAMMAR_CHARS:
+            raise ApiError(400, f"the tools' grammar is {len(grammar)} characters, over the {MAX_GRAMMAR_CHARS} "
+                                "that travel along a route; offer fewer tools or smaller parameters schemas",
+                           "invalid_schema", "tools")
+        try:
+            await asyncio.to_thread(engine.check, grammar)
+        except GrammarError as exc:
+            raise ApiError(400, f"the tools cannot be enforced: {exc}", "invalid_schema", "tools") from None
+        return grammar
 
     def _check_model_name(self, model: str) -> None:
         node = self._node
@@ -371,9 +449,10 @@ class OpenAIService:
             grammar=grammar,
         )
         if grammar is not None and len(orjson.dumps(sampling.model_dump())) > MAX_HEADER_VALUE_CHARS:
-            raise ApiError(400, "the response_format schema is too large to send along the route with these "
-                                "sampling parameters; make it (or logit_bias) smaller", "invalid_schema",
-                           "response_format")
+            param = "tools" if isinstance(parsed, oa.ChatCompletionRequest) and parsed.wants_tools \
+                else "response_format"
+            raise ApiError(400, f"the {param} schema is too large to send along the route with these "
+                                "sampling parameters; make it (or logit_bias) smaller", "invalid_schema", param)
         resumed = () if resume is None else resume.ids
         if any(token >= node.shard.vocab_size for token in resumed):
             raise ApiError(400, f"{RESUME_KEY} names a token outside this model's vocabulary", "invalid_request",
@@ -497,8 +576,11 @@ class _Stream:
     """Server-sent events of one answer; subclasses say how a chunk looks."""
 
     def __init__(self, response_id: str, model: str, include_usage: bool,
-                 tokenizer: HeadTokenizer | None = None, *, seed: int | None = None) -> None:
+                 tokenizer: HeadTokenizer | None = None, *, seed: int | None = None,
+                 tools: ToolCallParser | None = None) -> None:
         self.response_id = response_id
+        self.tools = tools
+        """Set when the answer may hold tool calls: its text goes out as content and ``delta.tool_calls``."""
         self.progress_seed = seed
         """Set when the tracker asked for progress (meshwire.resume): each event carries its token ids."""
         self.model = model
@@ -515,9 +597,12 @@ class _Stream:
                 yield self._event(opening, ())
             event = first
             while not isinstance(event, Finished):
-                yield self._event(self.text_chunk(event), event.ids)
+                chunk = self.text_chunk(event)
+                if chunk is not None or self.progress_seed is not None:  # the tracker needs every event's ids
+                    yield self._event(chunk if chunk is not None else self.empty_chunk(), event.ids)
                 event = await anext(rest)
-            yield sse.sse_event(self.finish_chunk(event))
+            for chunk in self.final_chunks(event):
+                yield sse.sse_event(chunk)
             if self.include_usage:
                 yield sse.sse_event(self.usage_chunk(oa.Usage.of(event.prompt_tokens, event.completion_tokens)))
             yield sse.DONE
@@ -541,8 +626,17 @@ class _Stream:
     def opening(self) -> Any | None:
         return None
 
-    def text_chunk(self, delta: TextDelta) -> Any:
+    def text_chunk(self, delta: TextDelta) -> Any | None:
+        """The chunk of a text delta (``None``: it has nothing for the client yet)."""
         raise NotImplementedError
+
+    def empty_chunk(self) -> Any:
+        """A chunk saying nothing: carries the ids of a delta whose text is held back (tracker streams only)."""
+        raise NotImplementedError
+
+    def final_chunks(self, finished: Finished) -> tuple[Any, ...]:
+        """The chunks that end the answer: the finish chunk (and what was held back until the end)."""
+        return (self.finish_chunk(finished),)
 
     def finish_chunk(self, finished: Finished) -> Any:
         raise NotImplementedError
@@ -560,12 +654,29 @@ class ChatStream(_Stream):
     def opening(self) -> oa.ChatCompletionChunk:
         return self._chunk(choices=(oa.ChunkChoice(delta=oa.Delta(role="assistant", content="")),))
 
-    def text_chunk(self, delta: TextDelta) -> oa.ChatCompletionChunk:
+    def text_chunk(self, delta: TextDelta) -> oa.ChatCompletionChunk | None:
         logprobs = None if self.tokenizer is None else chat_logprobs(self.tokenizer, delta.tokens)
-        return self._chunk(choices=(oa.ChunkChoice(delta=oa.Delta(content=delta.text), logprobs=logprobs),))
+        if self.tools is None:
+            return self._chunk(choices=(oa.ChunkChoice(delta=oa.Delta(content=delta.text), logprobs=logprobs),))
+        parsed = self.tools.feed(delta.text)
+        if not parsed and logprobs is None:
+            return None
+        return self._chunk(choices=(oa.ChunkChoice(delta=_delta_of(parsed.content, parsed.deltas()),
+                                                   logprobs=logprobs),))
+
+    def empty_chunk(self) -> oa.ChatCompletionChunk:
+        return self._chunk(choices=(oa.ChunkChoice(delta=oa.Delta()),))
+
+    def final_chunks(self, finished: Finished) -> tuple[oa.ChatCompletionChunk, ...]:
+        if self.tools is None:
+            return (self.finish_chunk(finished),)
+        held = self.tools.flush()
+        rest = (self._chunk(choices=(oa.ChunkChoice(delta=oa.Delta(content=held.content)),)),) if held else ()
+        return (*rest, self.finish_chunk(finished))
 
     def finish_chunk(self, finished: Finished) -> oa.ChatCompletionChunk:
-        return self._chunk(choices=(oa.ChunkChoice(delta=oa.Delta(), finish_reason=finished.finish_reason),))
+        reason = _finish_reason(finished, self.tools)
+        return self._chunk(choices=(oa.ChunkChoice(delta=oa.Delta(), finish_reason=reason),))
 
     def usage_chunk(self, usage: oa.Usage) -> oa.ChatCompletionChunk:
         return self._chunk(usage=usage)

@@ -55,13 +55,15 @@ class HeadTokenizer:
         template = getattr(self._tokenizer, "chat_template", None)
         return isinstance(template, str) and _TOOLS_IN_TEMPLATE.search(template) is not None
 
-    def encode_chat(self, messages: Sequence[dict[str, str]]) -> list[int]:
-        """Ids of ``messages`` rendered with the chat template and the generation prompt."""
+    def encode_chat(self, messages: Sequence[dict[str, Any]], tools: Sequence[dict[str, Any]] | None = None) -> list[int]:
+        """Ids of ``messages`` rendered with the chat template and the generation prompt; ``tools`` (OpenAI's
+        ``{"type": "function", "function": {...}}`` entries) are given to the template to show the model."""
         if not self.has_chat_template:
             raise TemplateError("this model has no chat template; use /v1/completions with a raw prompt")
         try:
-            ids: Any = self._tokenizer.apply_chat_template(list(messages), add_generation_prompt=True,
-                                                           tokenize=True, return_dict=False)
+            ids: Any = self._tokenizer.apply_chat_template(list(messages), tools=list(tools) if tools else None,
+                                                           add_generation_prompt=True, tokenize=True,
+                                                           return_dict=False)
         except Exception as exc:  # jinja raises its own exception types for unsupported conversations
             raise TemplateError(f"the chat template cannot render these messages: {exc}") from exc
         return [int(i) for i in ids]

@@ -3,7 +3,8 @@
 The tracker serves a non-streamed chat or completion by asking the head for
 the streamed answer (with progress, see :mod:`.continuation`) and assembling
 the events into the one JSON answer the client asked for: the text in order,
-the finish reason, the usage, the log-probabilities. A head that dies midway
+the tool calls (their ``delta.tool_calls`` added up), the finish reason, the
+usage, the log-probabilities. A head that dies midway
 is replaced exactly as for a stream, and the client gets one whole answer.
 A stream that ends in an error event becomes that error's HTTP answer.
 """
@@ -18,6 +19,7 @@ import orjson
 
 from meshwire import errors
 from meshwire import openai as oa
+from meshwire.tool_calls import ToolCallAssembler
 
 from .responses import HTTPError
 
@@ -43,6 +45,7 @@ class _Answer:
                                                                   "top_logprobs": [], "text_offset": []})
     has_logprobs: bool = False
     error: dict[str, Any] | None = None
+    tool_calls: ToolCallAssembler = field(default_factory=ToolCallAssembler)
 
 
 async def collect(events: AsyncIterator[dict[str, Any] | None], *, chat: bool) -> bytes:
@@ -61,13 +64,17 @@ async def collect(events: AsyncIterator[dict[str, Any] | None], *, chat: bool) -
                         str(answer.error.get("type", errors.SERVER_ERROR)), answer.error.get("code"),
                         answer.error.get("param"))
     usage = oa.Usage.model_validate(answer.usage) if answer.usage else None
-    finish = answer.finish_reason if answer.finish_reason in ("stop", "length") else None
+    finish = answer.finish_reason if answer.finish_reason in ("stop", "length", "tool_calls") else None
     text = "".join(answer.text)
     if chat:
         logprobs = oa.ChatLogprobs(content=tuple(answer.chat_logprobs)) if answer.has_logprobs else None
+        calls = answer.tool_calls.result()
+        message = oa.AssistantMessage(content=text or (None if calls else ""),
+                                      tool_calls=None if calls is None else
+                                      tuple(oa.ToolCall.model_validate(call) for call in calls))
         body: Any = oa.ChatCompletion(
             id=answer.response_id, created=answer.created, model=answer.model, usage=usage,
-            choices=(oa.ChatChoice(message=oa.AssistantMessage(content=text), finish_reason=finish,  # type: ignore[arg-type]
+            choices=(oa.ChatChoice(message=message, finish_reason=finish,  # type: ignore[arg-type]
                                    logprobs=logprobs),))
     else:
         legacy = oa.CompletionLogprobs.model_validate(answer.legacy) if answer.has_logprobs else None
@@ -92,6 +99,8 @@ def _take(answer: _Answer, event: dict[str, Any], chat: bool) -> None:
         piece = (choice.get("delta") or {}).get("content") if chat else choice.get("text")
         if isinstance(piece, str):
             answer.text.append(piece)
+        if chat:
+            answer.tool_calls.add((choice.get("delta") or {}).get("tool_calls"))
         if choice.get("finish_reason"):
             answer.finish_reason = choice["finish_reason"]
         logprobs = choice.get("logprobs")

@@ -213,7 +213,18 @@ class ContinuedStream:
             self.history.response_id = event.get("id") if isinstance(event.get("id"), str) else None
         elif "id" in event:
             event["id"] = self.history.response_id
+        if self._says_nothing(event):  # it carried ids only (text a tool call parser holds back)
+            return DROPPED
         return event
+
+    @staticmethod
+    def _says_nothing(event: dict[str, Any]) -> bool:
+        """A chunk whose one choice has an empty delta and nothing else: nothing for the client."""
+        choices = event.get("choices")
+        if event.get("usage") or not isinstance(choices, list) or len(choices) != 1 or not isinstance(choices[0], dict):
+            return False
+        choice = choices[0]
+        return choice.get("delta") == {} and not choice.get("finish_reason") and not choice.get("logprobs")
 
     @staticmethod
     def _progress(raw: Any) -> Progress | None:
