@@ -240,7 +240,7 @@ class KvPuller:
             raise HandoffFailed("pull_refused", f"prefill stage {stage.stage} refused the pull: HTTP {status} "
                                                 f"{bytes(body[:300]).decode('utf-8', 'replace')}")
         try:
-            frame = decode_frame(answer_headers, bytes(body), FrameLimits(max_bytes=nbytes))
+            frame = decode_frame(answer_headers, body, FrameLimits(max_bytes=nbytes))  # handed over: no copy
         except FrameError as exc:
             raise HandoffFailed("bad_chunk", f"a KV chunk from stage {stage.stage} is not a frame: {exc}") from None
         if (tuple(frame.tensor.shape) != expected or frame.chunk_index != index or frame.chunk_total != total
