@@ -7,7 +7,10 @@ holding every layer, and two prefill stages (0-1, 2-3) with two decode nodes
 split differently (0-2, 3), so the decode head pulls from both stages.
 A long prompt's answer equals transformers ``generate`` and the mesh's plain
 path token for token; the decode nodes run no prompt position; the faults
-fall back to the decode route's own prefill with the same answer.
+fall back to the decode route's own prefill with the same answer. The third
+shape, one prefill node and two decode nodes, runs on nodes that joined by
+token (tests/test_pd_token.py). Handoff calls the test makes itself are signed
+as the nodes of a decode route of its own (``tests.pd_mesh.decode_route``).
 """
 
 from __future__ import annotations
