@@ -7,7 +7,10 @@ holding every layer, and two prefill stages (0-1, 2-3) with two decode nodes
 split differently (0-2, 3), so the decode head pulls from both stages.
 A long prompt's answer equals transformers ``generate`` and the mesh's plain
 path token for token; the decode nodes run no prompt position; the faults
-fall back to the decode route's own prefill with the same answer.
+fall back to the decode route's own prefill with the same answer. The third
+shape, one prefill node and two decode nodes, runs on nodes that joined by
+token (tests/test_pd_token.py). Handoff calls the test makes itself are signed
+as the nodes of a decode route of its own (``tests.pd_mesh.decode_route``).
 """
 
 from __future__ import annotations
@@ -25,10 +28,11 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from meshwire import headers as h
-from meshwire.kv_handoff import KV_CHUNK_POSITIONS, KV_LAYERS, PREFILL_PATH, PULL_PATH
+from meshwire.kv_handoff import DECODE_ROUTE, KV_CHUNK_POSITIONS, KV_LAYERS, PREFILL_PATH, PULL_PATH
+from meshwire.route_keys import SigningKey
 from meshwire.routes import Route, RouteNode, issue_signed_route
 from services.node.kv_pull import LAYOUT_CACHE_S
-from tests.pd_mesh import AUTH, PD_MIN_PROMPT_TOKENS, PdMesh, start_pd_mesh, wait_for
+from tests.pd_mesh import AUTH, PD_MIN_PROMPT_TOKENS, PdMesh, decode_route, signed, start_pd_mesh, wait_for
 from tests.procs import TEST_ROUTE_KEY, free_port, node_hop_key, start_service, wait_healthy
 
 LONG = [{"role": "user", "content": "Tell me a long story about the river and the old mill by the water."}]
@@ -138,12 +142,19 @@ def prefill_route(mesh: PdMesh) -> str:
     return issue_signed_route(Route(model=mesh.model, nodes=nodes, num_layers=4), TEST_ROUTE_KEY).token
 
 
-def direct_prefill(mesh: PdMesh, session: str, ids: list[int], headers: dict[str, str] | None = None) -> httpx.Response:
+TEST_DECODE = {"td": (0, 3)}
+"""The decode route the test plays the head of when it asks a prefill itself (the node need not exist)."""
+
+
+def direct_prefill(mesh: PdMesh, session: str, ids: list[int], headers: dict[str, str] | None = None,
+                   body: bytes | None = None) -> httpx.Response:
+    """A prefill asked by the test as the head of a decode route of its own (signed with its test hop key)."""
     head = mesh.extra["prefill"][0]
-    base = {**AUTH, h.ROUTE: prefill_route(mesh), h.SESSION: session,
-            h.SAMPLING: '{"temperature": 0.0, "top_p": 1.0, "top_k": 0, "seed": 0}'}
-    return httpx.post(f"{mesh.url(head)}{PREFILL_PATH}", headers={**base, **(headers or {})},
-                      content=orjson.dumps({"ids": ids}), timeout=60)
+    base = {h.ROUTE: prefill_route(mesh), DECODE_ROUTE: decode_route(mesh, TEST_DECODE), h.SESSION: session,
+            h.SAMPLING: '{"temperature": 0.0, "top_p": 1.0, "top_k": 0, "seed": 0}', **(headers or {})}
+    content = orjson.dumps({"ids": ids}) if body is None else body
+    return httpx.post(f"{mesh.url(head)}{PREFILL_PATH}", headers=signed(base, "td", PREFILL_PATH, content),
+                      content=content, timeout=60)
 
 
 # --- the answer ---------------------------------------------------------------------------------------------
@@ -204,22 +215,29 @@ def test_the_tracker_lists_roles_and_the_registry_holds_the_prefill_group(mesh: 
 
 
 @pytest.mark.parametrize("path", [PREFILL_PATH, PULL_PATH])
-def test_the_kv_endpoints_refuse_callers_without_the_mesh_credential(mesh: PdMesh, path: str) -> None:
+def test_the_kv_endpoints_refuse_unsigned_callers_and_the_mesh_secret_is_no_credential(mesh: PdMesh, path: str) -> None:
+    route = {h.ROUTE: prefill_route(mesh), DECODE_ROUTE: decode_route(mesh, TEST_DECODE), h.SESSION: "s-forged",
+             KV_LAYERS: "0-0", h.CHUNK_INDEX: "0", KV_CHUNK_POSITIONS: "16"}
+    if path == PULL_PATH:
+        route[h.ROUTE] = route[DECODE_ROUTE]
+    forged = signed(route, "td", path, b"{}", key=SigningKey.generate())  # td's name, another key
     for name in (mesh.extra["prefill"][0], mesh.extra["decode"][0]):
         url = f"{mesh.url(name)}{path}"
         assert httpx.post(url, content=b"{}").status_code == 401
-        wrong = httpx.post(url, content=b"{}", headers={"Authorization": "Bearer not-the-secret"})
-        assert wrong.status_code == 403
-        assert wrong.json()["error"]["code"]
+        assert httpx.post(url, content=b"{}", headers=AUTH).status_code == 401, "the mesh secret proves nothing"
+        refused = httpx.post(url, content=b"{}", headers=forged)
+        assert refused.status_code == (403 if name in mesh.extra["prefill"] else 409), refused.text
+        assert refused.json()["error"]["code"] in ("bad_proof", "not_prefill")
 
 
 def test_a_pull_of_a_handoff_nobody_holds_is_a_404_and_bad_headers_a_400(mesh: PdMesh) -> None:
     url = f"{mesh.url(mesh.extra['prefill'][0])}{PULL_PATH}"
-    headers = {**AUTH, h.SESSION: "s-nobody", KV_LAYERS: "0-0", h.CHUNK_INDEX: "0", KV_CHUNK_POSITIONS: "16"}
-    missing = httpx.post(url, headers=headers)
+    headers = {h.ROUTE: decode_route(mesh, TEST_DECODE), h.SESSION: "s-nobody", KV_LAYERS: "0-0",
+               h.CHUNK_INDEX: "0", KV_CHUNK_POSITIONS: "16"}
+    missing = httpx.post(url, headers=signed(headers, "td", PULL_PATH))
     assert missing.status_code == 404 and missing.json()["error"]["code"] == "unknown_handoff"
-    assert httpx.post(url, headers={**headers, KV_CHUNK_POSITIONS: "17"}).status_code == 400
-    assert httpx.post(url, headers={**headers, KV_LAYERS: "3-1"}).status_code == 400
+    assert httpx.post(url, headers=signed({**headers, KV_CHUNK_POSITIONS: "17"}, "td", PULL_PATH)).status_code == 400
+    assert httpx.post(url, headers=signed({**headers, KV_LAYERS: "3-1"}, "td", PULL_PATH)).status_code == 400
 
 
 def test_handoffs_are_bounded_in_number_and_freed_unpulled_after_their_ttl(mesh: PdMesh) -> None:
@@ -242,13 +260,28 @@ def test_handoffs_are_bounded_in_number_and_freed_unpulled_after_their_ttl(mesh:
 
 
 def test_a_prefill_request_with_a_bad_route_or_body_is_refused(mesh: PdMesh) -> None:
-    head = mesh.extra["prefill"][0]
     assert direct_prefill(mesh, "s-bad-route", [1, 2, 3], {h.ROUTE: "nope.nope"}).status_code == 403
-    bad = httpx.post(f"{mesh.url(head)}{PREFILL_PATH}", content=b"not json",
-                     headers={**AUTH, h.ROUTE: prefill_route(mesh), h.SESSION: "s-bad-body",
-                              h.SAMPLING: '{"temperature": 0.0, "top_p": 1.0, "top_k": 0, "seed": 0}'})
+    assert direct_prefill(mesh, "s-bad-decode", [1, 2, 3], {DECODE_ROUTE: "nope.nope"}).status_code == 403
+    bad = direct_prefill(mesh, "s-bad-body", [], body=b"not json")
     assert bad.status_code == 400 and bad.json()["error"]["code"] == "bad_body"
     assert direct_prefill(mesh, "s-bad-token", [10 ** 6]).status_code == 400
+
+
+def test_a_prefill_is_asked_by_the_decode_routes_head_once(mesh: PdMesh) -> None:
+    """Signed by a node of the decode route that is not its head: 403; the same signed request twice: the
+    second is a replay (403), whatever the first was answered."""
+    head = mesh.extra["prefill"][0]
+    two = decode_route(mesh, {"ta": (0, 1), "tb": (2, 3)})
+    headers = {h.ROUTE: prefill_route(mesh), DECODE_ROUTE: two, h.SESSION: "s-not-head",
+               h.SAMPLING: '{"temperature": 0.0, "top_p": 1.0, "top_k": 0, "seed": 0}'}
+    body = orjson.dumps({"ids": [10 ** 6]})
+    url = f"{mesh.url(head)}{PREFILL_PATH}"
+    not_head = httpx.post(url, headers=signed(headers, "tb", PREFILL_PATH, body), content=body)
+    assert not_head.status_code == 403 and not_head.json()["error"]["code"] == "bad_proof", not_head.text
+    once = signed(headers, "ta", PREFILL_PATH, body)
+    assert httpx.post(url, headers=once, content=body).status_code == 400  # the token is out of vocabulary
+    replayed = httpx.post(url, headers=once, content=body)
+    assert replayed.status_code == 403 and replayed.json()["error"]["code"] == "replayed", replayed.text
 
 
 # --- faults ---------------------------------------------------------------------------------------------------

@@ -22,10 +22,12 @@ from meshwire.kv_handoff import (
     layout_difference,
     layout_wire,
     placement_layers,
+    route_digest,
     stage_placement,
 )
 from meshwire.pd_group import PrefillMember, plan_prefill_group
 from meshwire.registry import RegistrationAnswer
+from meshwire.route_keys import SigningKey
 from services.bootstrap.layout import check_placement_covers, parse_layout_wire
 from services.node.handoff_limits import HandoffLimits
 from services.node.kv_pull import HandoffFailed, KvPuller
@@ -36,6 +38,7 @@ from services.tracker.planner import Candidate
 from services.tracker.state import _plan_decode_route
 from tests.procs import Service, start_service
 
+HOP_KEY = SigningKey.generate()
 F32 = KVShape(num_layers=4, kv_heads=2, head_dim=16, dtype="float32", itemsize=4, max_positions=4096)
 BF16 = KVShape(num_layers=4, kv_heads=2, head_dim=16, dtype="bfloat16", itemsize=2, max_positions=4096)
 
@@ -99,14 +102,17 @@ def test_handoff_headers_go_along_a_frame_and_read_back() -> None:
     for bad in ("dp=1;n=0;s=s-abc", "dp=x;n=1;s=a", "n=1;s=a", "dp=1;n=1;s=bad id"):
         with pytest.raises(FrameError):
             HandoffSource.parse(bad)
-    info = StepInfo(route_token="r.t", hop_index=1, start_layer=2, step=0, position_offset=77, hold=True,
+    digest = route_digest("a.decode.route")
+    assert digest == route_digest("a.decode.route") != route_digest("another.decode.route")
+    info = StepInfo(route_token="r.t", hop_index=1, start_layer=2, step=0, position_offset=77, hold=digest,
                     handoff=source)
     headers, _ = encode_frame(torch.zeros(1, 1, 8), session="s-new", extra=info.headers())
     parsed = parse_forward(headers)
     assert isinstance(parsed, DataRequest)
-    assert parsed.info.handoff == source and parsed.info.hold
-    with pytest.raises(FrameError):
-        parse_forward({**headers, "X-Meshnet-Handoff-Hold": "yes"})
+    assert parsed.info.handoff == source and parsed.info.hold == digest
+    for bad in ("1", "yes", digest[:-1], digest.upper()):  # the hold names the decode route it is for
+        with pytest.raises(FrameError):
+            parse_forward({**headers, "X-Meshnet-Handoff-Hold": bad})
 
 
 # --- the tracker's routes ------------------------------------------------------------------------------------------
@@ -173,9 +179,9 @@ def test_prefill_nodes_register_their_group_and_a_node_of_another_layout_is_refu
 
     async def problems() -> tuple[HandoffFailed | None, HandoffFailed | None]:
         async with httpx.AsyncClient() as http:
-            same = KvPuller(http=http, secret="s", bootstrap_url=bootstrap.url, shape=F32, max_chunk_bytes=1 << 20,
-                            timeout_s=5)
-            other = KvPuller(http=http, secret="s", bootstrap_url=bootstrap.url, shape=BF16,
+            same = KvPuller(http=http, node_id="d", hop_key=HOP_KEY, bootstrap_url=bootstrap.url, shape=F32,
+                            max_chunk_bytes=1 << 20, timeout_s=5)
+            other = KvPuller(http=http, node_id="d", hop_key=HOP_KEY, bootstrap_url=bootstrap.url, shape=BF16,
                              max_chunk_bytes=1 << 20, timeout_s=5)
             out = (await same.layout_problem(), await other.layout_problem())
             await same.aclose()
@@ -208,10 +214,10 @@ def test_a_pull_from_a_prefill_node_that_never_answers_times_out_as_a_handoff_fa
 
     async def pull() -> HandoffFailed:
         async with httpx.AsyncClient() as http:
-            puller = KvPuller(http=http, secret="s", bootstrap_url=bootstrap.url, shape=F32,
+            puller = KvPuller(http=http, node_id="d", hop_key=HOP_KEY, bootstrap_url=bootstrap.url, shape=F32,
                               max_chunk_bytes=1 << 20, timeout_s=1.0)
             try:
-                await puller.pull_into(None, HandoffSource("s-x", 0, 40), 0, 1, "cpu")  # type: ignore[arg-type]
+                await puller.pull_into(None, HandoffSource("s-x", 0, 40), 0, 1, "cpu", "a.route")  # type: ignore[arg-type]
             except HandoffFailed as exc:
                 return exc
             finally:

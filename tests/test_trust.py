@@ -11,6 +11,7 @@ from meshwire.hop_proof import (
     PROOF,
     SIGNER,
     ProofProblem,
+    SeenProofs,
     check_claim,
     read_claim,
     sign_request,
@@ -197,6 +198,19 @@ def test_missing_or_malformed_proof_headers_are_a_401(headers):
     with pytest.raises(ProofProblem) as caught:
         read_claim(received(headers))
     assert caught.value.status == 401
+
+
+def test_a_proof_is_seen_once_within_its_age_and_forgotten_after_or_when_the_memory_is_full():
+    clock = [NOW]
+    seen = SeenProofs(max_seen=3, clock=lambda: clock[0])
+    key = SigningKey.generate()
+    sent = [{**HEADERS, "X-Meshnet-Step": str(i)} for i in range(4)]
+    claims = [read_claim(received({**one, **sign_request(key, "d0", "/kv/pull", one, b"", now=NOW)})) for one in sent]
+    assert seen.first_time(claims[0]) and not seen.first_time(claims[0]), "the same proof again is a replay"
+    assert seen.first_time(claims[1]) and seen.first_time(claims[2]) and seen.first_time(claims[3])
+    assert seen.first_time(claims[0]), "the oldest was pushed out by a full memory"
+    clock[0] += 2 * MAX_PROOF_AGE_S + 1  # past any proof's age: forgotten (check_claim refuses them anyway)
+    assert seen.first_time(claims[3])
 
 
 # --- join tokens --------------------------------------------------------------------------------------------------

@@ -41,7 +41,7 @@ from meshwire.frames import (
     parse_int_list,
     parse_position_ids,
 )
-from meshwire.kv_handoff import HANDOFF_FROM, HOLD, HandoffSource
+from meshwire.kv_handoff import HANDOFF_FROM, HOLD, HandoffSource, parse_digest
 from meshwire.limits import MAX_HEADER_VALUE_CHARS, MAX_LAYERS, MAX_ROUTE_HOPS
 from meshwire.sampling_params import MAX_REPLAY_IDS_PER_FRAME, MAX_TOP_LOGPROBS, SamplingParams, TokenLogprobs
 
@@ -128,8 +128,9 @@ class StepInfo:
     """On a replayed frame of a grammar-constrained session: the generated token ids among its positions."""
     score: Scoring | None = None
     """On a prompt frame whose tokens' log-probabilities the tail must report."""
-    hold: bool = False
-    """On a prefill route: keep the session's KV for a handoff once its prompt ran (``X-Meshnet-Handoff-Hold``)."""
+    hold: str | None = None
+    """On a prefill route: keep the session's KV for a handoff once its prompt ran, for the decode route whose
+    digest this is (``X-Meshnet-Handoff-Hold``, :func:`~meshwire.kv_handoff.route_digest`)."""
     handoff: HandoffSource | None = None
     """On a decode route's first frame: where the prompt's KV is held, to pull before the step."""
     draft: tuple[int, ...] | None = None
@@ -155,8 +156,8 @@ class StepInfo:
             out[h.SAMPLE_IDS] = encode_ids(self.sample_ids)
         if self.score is not None and self.score.ids:
             out[h.SCORE] = self.score.header()
-        if self.hold:
-            out[HOLD] = "1"
+        if self.hold is not None:
+            out[HOLD] = self.hold
         if self.handoff is not None:
             out[HANDOFF_FROM] = self.handoff.header()
         if self.draft is not None:
@@ -271,8 +272,6 @@ def _step_info(headers: Mapping[str, str], address: HopAddress, tokens: int) -> 
     sample_ids = get_header(headers, h.SAMPLE_IDS)
     score = get_header(headers, h.SCORE)
     hold = get_header(headers, HOLD)
-    if hold is not None and hold.strip() != "1":
-        raise FrameError("bad_header", f"{HOLD} must be 1 when given")
     handoff = get_header(headers, HANDOFF_FROM)
     draft = _draft(get_header(headers, h.DRAFT), tokens)
     if draft is not None and (get_header(headers, h.WIRE) or "").strip() != h.SPECULATIVE_WIRE_VERSION:
@@ -290,7 +289,7 @@ def _step_info(headers: Mapping[str, str], address: HopAddress, tokens: int) -> 
                                                                  maximum=MAX_SAMPLE_DRAWS),
         sample_ids=None if sample_ids is None else decode_ids(sample_ids, tokens),
         score=None if score is None else Scoring.parse(score, tokens),
-        hold=hold is not None,
+        hold=None if hold is None else parse_digest(hold),
         handoff=None if handoff is None else HandoffSource.parse(handoff),
         draft=draft,
     )

@@ -351,8 +351,10 @@ def _to_wire_bytes(tensor: torch.Tensor) -> bytes:
     return raw.numpy().tobytes()
 
 
-def _from_wire_bytes(body: bytes, spec: FrameSpec) -> torch.Tensor:
-    raw = torch.frombuffer(bytearray(body), dtype=torch.uint8)
+def _from_wire_bytes(body: bytes | bytearray, spec: FrameSpec) -> torch.Tensor:
+    # bytes are read-only and copied; a bytearray is handed over: the tensor is a view of it, not a copy
+    # (a KV pull's chunk is tens of megabytes)
+    raw = torch.frombuffer(body if isinstance(body, bytearray) else bytearray(body), dtype=torch.uint8)
     if sys.byteorder != "little":
         raw = raw.reshape(-1, ITEMSIZE[spec.dtype]).flip(1).reshape(-1).contiguous()
     return raw.view(TORCH_DTYPES[spec.dtype]).reshape(spec.shape)
@@ -418,13 +420,16 @@ def encode_frame(tensor: torch.Tensor, *, session: str, chunk_index: int = 0, ch
     return out, body
 
 
-def decode_frame(headers: Mapping[str, str], body: bytes,
+def decode_frame(headers: Mapping[str, str], body: bytes | bytearray,
                  limits: FrameLimits = FrameLimits()) -> Frame:
-    """Decode a received frame, refusing with :class:`FrameError` anything that does not add up."""
+    """Decode a received frame, refusing with :class:`FrameError` anything that does not add up.
+
+    A ``bytearray`` body is handed over (the frame's tensor is a view of it, not a copy): the caller must
+    not change it afterwards."""
     return decode_frame_body(parse_frame_headers(headers, limits), headers, body)
 
 
-def decode_frame_body(spec: FrameSpec, headers: Mapping[str, str], body: bytes) -> Frame:
+def decode_frame_body(spec: FrameSpec, headers: Mapping[str, str], body: bytes | bytearray) -> Frame:
     """Decode the body of a frame whose headers :func:`parse_frame_headers` already read into ``spec``."""
     _check_body_length(spec, len(body))
     if spec.encoding == "q8":

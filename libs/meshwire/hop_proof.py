@@ -25,7 +25,8 @@ from __future__ import annotations
 import hashlib
 import re
 import time
-from collections.abc import Iterable, Mapping
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Final
 
@@ -112,3 +113,32 @@ def check_claim(claim: Claim, key: Ed25519PublicKey, path: str, headers: Mapping
     if not verify_signature(key, claim.signature, _message(path, claim.signer, claim.timestamp_ms, headers.items(),
                                                            body)):
         raise ProofProblem(403, f"{PROOF} does not verify with {claim.signer}'s key")
+
+
+MAX_SEEN_PROOFS: Final = 4096
+"""Most proofs a :class:`SeenProofs` remembers (the oldest are forgotten first)."""
+
+
+class SeenProofs:
+    """The proofs already answered within :data:`MAX_PROOF_AGE_S`: a request that must be answered once (a
+    KV handoff's prefill) is refused when its proof comes again.
+
+    A proof older than the age bound is refused by :func:`check_claim` anyway, so it is forgotten then; at
+    most :data:`MAX_SEEN_PROOFS` are remembered (a flood of fresh proofs pushes the oldest out).
+    """
+
+    def __init__(self, max_seen: int = MAX_SEEN_PROOFS, clock: Callable[[], float] = time.time) -> None:
+        self._seen: OrderedDict[bytes, float] = OrderedDict()
+        self._max = max_seen
+        self._clock = clock
+
+    def first_time(self, claim: Claim) -> bool:
+        """``True`` (and remember it) when ``claim``'s signature was not seen before, ``False`` for a replay."""
+        now = self._clock()
+        while self._seen and (len(self._seen) >= self._max
+                              or next(iter(self._seen.values())) < now - 2 * MAX_PROOF_AGE_S):
+            self._seen.popitem(last=False)
+        if claim.signature in self._seen:
+            return False
+        self._seen[claim.signature] = now
+        return True

@@ -5,23 +5,32 @@ decoded on other nodes (``meshnet node --role prefill|decode``):
 
 1. the decode route's head sends the prompt's token ids to the head of the
    prefill route (``POST`` :data:`PREFILL_PATH`, signed prefill route in
-   ``X-Meshnet-Route``, the handoff id in ``X-Meshnet-Session``); the prefill
-   route runs the prompt through every layer (frames flagged
-   :data:`HOLD` so every prefill hop keeps its KV), its tail samples the first
-   token, and the answer (:class:`PrefillAnswer`) says how many positions are
-   held and in which DP group of the prefill group;
+   ``X-Meshnet-Route``, its own signed decode route in :data:`DECODE_ROUTE`,
+   the handoff id in ``X-Meshnet-Session``); the prefill route runs the prompt
+   through every layer (frames carrying :data:`HOLD`, the decode route's
+   digest, so every prefill hop keeps its KV for that route's nodes), its tail
+   samples the first token, and the answer (:class:`PrefillAnswer`) says how
+   many positions are held and in which DP group of the prefill group;
 2. the decode route's first step carries :data:`HANDOFF_FROM`
    (:class:`HandoffSource`); each decode hop asks the bootstrap registry which
    prefill stage holds which layers (``cache_fields_by_stage``) and where
    that stage's rank serves (``GET /route``), checks that the registered
    cache layout is its own (:func:`cache_layout`), and pulls exactly the
-   layers it runs (``POST`` :data:`PULL_PATH`) in chunks of whole pages,
-   each a frame of shape ``[2 * layers, kv_heads, positions, head_dim]`` (K
-   and V of each layer in turn). It then decodes on, with no recompute.
+   layers it runs (``POST`` :data:`PULL_PATH`, with its decode route in
+   ``X-Meshnet-Route``) in chunks of whole pages, each a frame of shape
+   ``[2 * layers, kv_heads, positions, head_dim]`` (K and V of each layer in
+   turn). It then decodes on, with no recompute.
 
 A prefill node holds a handoff's KV until every layer it holds was pulled, or
-for a bounded time (``MESHNET_HANDOFF_TTL_S``), and frees it then. Every call
-carries the mesh's credential.
+for a bounded time (``MESHNET_HANDOFF_TTL_S``), and frees it then.
+
+No shared secret is involved (a node that joined by token holds none): both
+calls are signed with the caller's hop key (:mod:`meshwire.hop_proof`), and
+the tracker's signed routes say whose keys count. A prefill is accepted from
+the head of the decode route it names; a pull from a node that decode route
+names at layers covering those pulled, and only for the handoff made for that
+route (its digest, :func:`route_digest`, is what the prefill hops hold it
+under). A replayed pull is refused (each proof is answered once).
 
 The cache layout is the bootstrap registry's ``cache-layouts`` wire form
 (``reference/bootstrap-spec.md``): one group ``kv`` of pages of
@@ -33,6 +42,7 @@ other can use as is.
 
 from __future__ import annotations
 
+import hashlib
 import math
 import re
 from collections.abc import Sequence
@@ -52,7 +62,10 @@ PULL_PATH: Final = "/kv/pull"
 """On a prefill node: one chunk of a held handoff's KV for some of its layers."""
 
 HOLD: Final = "X-Meshnet-Handoff-Hold"
-"""On the frames of a prefill route: ``1``, keep this session's KV for a handoff once its prompt ran."""
+"""On the frames of a prefill route: keep this session's KV for a handoff once its prompt ran, for the nodes
+of the decode route whose :func:`route_digest` this is."""
+DECODE_ROUTE: Final = "X-Meshnet-Decode-Route"
+"""On a prefill request: the signed decode route (its head signs the request) the handoff is made for."""
 HANDOFF_FROM: Final = "X-Meshnet-Handoff-From"
 """On a decode route's first frame: where its prompt's KV is held (:class:`HandoffSource`)."""
 KV_LAYERS: Final = "X-Meshnet-KV-Layers"
@@ -76,6 +89,7 @@ MAX_PROMPT_IDS: Final = 1 << 20
 MAX_PULL_ANSWER_EXTRA: Final = 1024
 """Slack over a chunk's announced size that a puller reads before refusing a body."""
 
+_DIGEST = re.compile(r"^[0-9a-f]{64}$")
 _HANDOFF = re.compile(r"^dp=(\d{1,6});n=(\d{1,9});s=([A-Za-z0-9._:\-]{1,128})$")
 _LAYERS = re.compile(r"^\s*(\d{1,5})\s*-\s*(\d{1,5})\s*$")
 _FIELD = re.compile(r"^layer\.(\d{1,5})\.kv$")
@@ -102,6 +116,19 @@ class HandoffSource:
         if positions < 1:
             raise FrameError("bad_header", f"{HANDOFF_FROM} holds no positions")
         return cls(session=check_session_id(match.group(3)), dp_group=int(match.group(1)), positions=positions)
+
+
+def route_digest(token: str) -> str:
+    """The SHA-256 (hex) of a signed route token: what binds a held handoff to the decode route it is for."""
+    return hashlib.sha256(token.encode("utf-8")).hexdigest()
+
+
+def parse_digest(value: str) -> str:
+    """Read :data:`HOLD` (a :func:`route_digest`); :class:`FrameError` (``bad_header``) when it is not one."""
+    value = value.strip()
+    if _DIGEST.match(value) is None:
+        raise FrameError("bad_header", f"{HOLD} must be the SHA-256 (64 hex digits) of the decode route")
+    return value
 
 
 class PrefillRequest(BaseModel):

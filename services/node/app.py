@@ -7,7 +7,8 @@ Routes:
 * ``GET /metrics`` — Prometheus metrics.
 * ``POST /forward`` — node-to-node frames (:mod:`services.node.forward`).
 * ``POST /kv/prefill``, ``POST /kv/pull`` — on a prefill node (``--role prefill``), the
-  prefill/decode handoff (:mod:`services.node.kv_serve`); 409 ``not_prefill`` elsewhere.
+  prefill/decode handoff (:mod:`services.node.kv_serve`), signed with the caller's hop key
+  (:mod:`services.node.kv_auth`); 409 ``not_prefill`` elsewhere.
 * ``POST /v1/chat/completions``, ``POST /v1/completions`` — on a head node
   (one holding layer 0) the OpenAI-compatible API (:mod:`services.node.openai_api`);
   any other node answers 409 ``not_head``.
@@ -34,13 +35,13 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from meshwire import errors, exposure
-from meshwire.auth import check_bearer
 from meshwire.body_guard import BodyGuard
 from meshwire.frames import DTYPE_NAMES
 from meshwire.kv_handoff import PREFILL_PATH, PULL_PATH
 from meshwire.logs import configure_logging
 from meshwire.row_batch import ROWS_PATH
 from services.node import openmp
+from services.node.kv_auth import KvRefusal, caller_claim
 from services.node.metrics import CONTENT_TYPE
 from services.node.openai_api import ApiError, OpenAIService
 from services.node.runtime import NodeRuntime
@@ -115,12 +116,10 @@ def create_app(settings: NodeSettings | None = None) -> Starlette:
         return await node.forward.handle_rows(request)
 
     async def kv_endpoint(request: Request, pull: bool) -> Response:
-        if node.settings.join_token:  # the handoff's credential is the mesh secret (README: prefill and decode)
-            return ApiError(403, "KV handoffs are authenticated with the mesh secret, and this node joined by "
-                                 "token: it neither serves nor pulls KV", "forbidden").response()
-        failure = check_bearer(request.headers.get("authorization"), node.settings.secret)
-        if failure is not None:  # the credential first, whatever this node is
-            return ApiError(failure.status, failure.message, failure.code).response()
+        try:  # the proof's form first, whatever this node is (kv_serve checks it against the routes)
+            caller_claim(request.headers)
+        except KvRefusal as exc:
+            return ApiError(exc.status, str(exc), exc.code).response()
         if node.state == "starting":
             return ApiError(503, "this node is still loading its layers", "not_ready", retry_after="2").response()
         if node.kv_serve is None:

@@ -277,7 +277,7 @@ class ForwardService:
             _check_bound(session, hop.token)
         async with session.lock:
             if info.handoff is not None and info.step == 0 and session.position == 0 and not session.closed:
-                await self._take_over(session, info)
+                await self._take_over(session, info, hop.token)
             self._check_order(session, info)
             if info.sample_ids and shard.is_tail and session.sampler is None:
                 if len(session.replayed_ids) + len(info.sample_ids) > (info.sample_draws or 0):
@@ -305,7 +305,7 @@ class ForwardService:
                 raise ForwardRefusal(500, "compute_failed", "this node failed to run its layers; "
                                                             "the session is closed") from None
             self._stepped(session, tokens)
-            if info.hold and frame.chunk_index == frame.chunk_total - 1:
+            if info.hold is not None and frame.chunk_index == frame.chunk_total - 1:
                 self._sessions.hold(session)
                 self._metrics.handoffs_held.inc()
             body: dict[str, Any] = {"token": done.token, "node_timings_ms": done.node_timings_ms}
@@ -319,7 +319,7 @@ class ForwardService:
                     body["run_logprobs"] = [pick.logprobs.model_dump() for pick in done.run if pick.logprobs]
             return _answer(200, body)
 
-    async def _take_over(self, session: Session, info: StepInfo) -> None:
+    async def _take_over(self, session: Session, info: StepInfo, route_token: str) -> None:
         """Pull this hop's layers of a handoff's KV into the fresh ``session``; 409 ``handoff_failed`` if it cannot.
 
         A refused handoff closes the session here: the head opens a new one and prefills along the same route.
@@ -332,7 +332,7 @@ class ForwardService:
                                                       "(MESHNET_BOOTSTRAP) to find a handoff's KV with")
         try:
             await self._puller.pull_into(session.cache, info.handoff, info.start_layer, shard.end,  # type: ignore[arg-type]
-                                         shard.device)
+                                         shard.device, route_token)
         except HandoffFailed as exc:
             self._sessions.close(session.session_id)
             logger.warning("node %s could not take the handoff of %s over (%s): %s", self.node_id,
@@ -363,11 +363,12 @@ class ForwardService:
                                                       f"position {start}, not {info.position_offset}")
         reserve = max(info.reserve or 0, info.position_offset + tokens)
         try:
-            if info.hold and self._handoff_limits is not None:
+            if info.hold is not None and self._handoff_limits is not None:
                 self._handoff_limits.check_room(self._sessions, reserve,
                                                   self._runner.shard.end - info.start_layer + 1)
             session = self._sessions.open(session_id, reserve, self._runner.new_cache(reserve), route_key(route_token))
-            session.hold = info.hold
+            session.hold = info.hold is not None
+            session.handoff_for = info.hold
             return session
         except SessionRefused as exc:
             raise ForwardRefusal(503, exc.code, str(exc), exc.retry_after_s) from None

@@ -222,7 +222,7 @@ class SessionChain:
     def __init__(self, *, runner: ShardRunner, sessions: SessionTable, hops: HopClient, stepper: RouteStepper,
                  hop: RoutedHop | None, session_id: str, sampling: SamplingParams, reserve: int,
                  sample_draws: int = 0, replayed: tuple[int, ...] = (), prompt_tokens: int = 0,
-                 grammar: GrammarEngine | None = None, hold: bool = False) -> None:
+                 grammar: GrammarEngine | None = None, hold: str | None = None) -> None:
         self._runner = runner
         self._sessions = sessions
         self._hops = hops
@@ -241,7 +241,8 @@ class SessionChain:
         self._step = 0
         self._closed = False
         self._hold = hold
-        """A prefill route's chain: every hop keeps the prompt's KV for a handoff (``X-Meshnet-Handoff-Hold``)."""
+        """A prefill route's chain: every hop keeps the prompt's KV for a handoff to the decode route whose
+        digest this is (``X-Meshnet-Handoff-Hold``)."""
         self.prefilled = False
         """True once the route produced its first token (the prefill is done; decode steps follow)."""
         self.scored: list[TokenLogprobs] = []
@@ -327,7 +328,10 @@ class SessionChain:
             if session.position == 0:
                 shard = self._runner.shard
                 try:
-                    pulled = await puller.pull_into(session.cache, handoff, 0, shard.end, shard.device)  # type: ignore[arg-type]
+                    if self.hop is None:
+                        raise HandoffFailed("no_route", "this head has no signed route to pull a handoff's KV with")
+                    pulled = await puller.pull_into(session.cache, handoff, 0, shard.end, shard.device,  # type: ignore[arg-type]
+                                                    self.hop.token)
                 except HandoffFailed as exc:
                     raise HandoffRefused(exc.reason, str(exc)) from None
                 self.pulled_bytes = pulled
@@ -368,7 +372,8 @@ class SessionChain:
     def _open(self) -> Session:
         try:
             self._session = self._sessions.open(self.session_id, self._reserve, self._runner.new_cache(self._reserve))
-            self._session.hold = self._hold
+            self._session.hold = self._hold is not None
+            self._session.handoff_for = self._hold
         except SessionRefused as exc:
             raise GenerationFailed(503, exc.code, str(exc), retry_after=str(exc.retry_after_s)) from None
         return self._session
@@ -596,9 +601,12 @@ class Generator:
         if problem is not None:
             self._fallback(run, problem.reason, str(problem))
             return None
+        if run.chain.hop is None:
+            self._fallback(run, "no_route", "this head has no signed decode route to hand the prompt's KV to")
+            return None
         session_id = new_session_id()
         try:
-            answer = await pd.prefill(plan, session_id, request.prompt_ids, request.sampling)
+            answer = await pd.prefill(plan, run.chain.hop, session_id, request.prompt_ids, request.sampling)
         except PrefillUnavailable as exc:
             self._fallback(run, "prefill_failed", str(exc))
             return None

@@ -11,8 +11,10 @@ the prefill nodes (:class:`~meshwire.kv_handoff.HandoffSource`):
    target_dp_group=G`` gives where that stage's rank of the request's DP group
    serves KV;
 3. each stage's layers are pulled in chunks of whole pages (``POST /kv/pull``,
-   the mesh's credential), each answer a frame checked against what was asked
-   (dtype, shape, positions) before it is appended to the session's cache.
+   carrying this node's signed decode route and signed with its hop key:
+   :mod:`services.node.kv_auth`), each answer a frame checked against what
+   was asked (dtype, shape, positions) before it is appended to the session's
+   cache.
 
 The whole pull is bounded by ``timeout_s``. Any failure raises
 :class:`HandoffFailed` with a reason (``bootstrap``, ``layout_mismatch``,
@@ -32,9 +34,9 @@ from typing import Any, Final
 import httpx
 
 from meshwire import headers as h
-from meshwire.auth import bearer_headers
 from meshwire.bootstrap_client import AsyncBootstrapClient, BootstrapError, PrefillInfo, RetryPolicy
 from meshwire.frames import TORCH_DTYPES, FrameError, FrameLimits, decode_frame
+from meshwire.hop_proof import sign_request
 from meshwire.kv_handoff import (
     KV_CHUNK_POSITIONS,
     KV_LAYERS,
@@ -49,6 +51,7 @@ from meshwire.kv_handoff import (
     layout_difference,
     placement_layers,
 )
+from meshwire.route_keys import SigningKey
 from services.node.kv_cache import ShardCache
 from services.node.kv_transfer import KVTransferError, append_kv, held_positions
 from services.node.metrics import NodeMetrics
@@ -83,11 +86,12 @@ class StageSource:
 class KvPuller:
     """Pulls a handoff's KV for some layers from the prefill nodes the bootstrap registry names."""
 
-    def __init__(self, *, http: httpx.AsyncClient, secret: str, bootstrap_url: str, shape: KVShape,
-                 max_chunk_bytes: int, timeout_s: float, metrics: NodeMetrics | None = None,
+    def __init__(self, *, http: httpx.AsyncClient, node_id: str, hop_key: SigningKey, bootstrap_url: str,
+                 shape: KVShape, max_chunk_bytes: int, timeout_s: float, metrics: NodeMetrics | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self._http = http
-        self._secret = secret
+        self._node_id = node_id
+        self._hop_key = hop_key
         self._bootstrap = AsyncBootstrapClient(bootstrap_url, timeout_s=BOOTSTRAP_TIMEOUT_S, retry=BOOTSTRAP_RETRY)
         self.shape = shape
         self.layout: dict[str, Any] = cache_layout(shape)
@@ -124,12 +128,16 @@ class KvPuller:
         return None
 
     async def pull_into(self, cache: ShardCache, source: HandoffSource, first: int, last: int,
-                        device: Any) -> int:
-        """Append layers ``first..last`` of ``source``'s KV to the empty ``cache``; the bytes pulled."""
+                        device: Any, route_token: str) -> int:
+        """Append layers ``first..last`` of ``source``'s KV to the empty ``cache``; the bytes pulled.
+
+        ``route_token`` is the signed decode route this node runs those layers on: the prefill nodes
+        hold the KV for that route's nodes only.
+        """
         began = time.perf_counter()
         try:
             async with asyncio.timeout(self._timeout_s):
-                pulled = await self._pull(cache, source, first, last, device)
+                pulled = await self._pull(cache, source, first, last, device, route_token)
         except TimeoutError:
             self._count("failed")
             raise HandoffFailed("timeout", f"pulling the prompt's KV took over {self._timeout_s:.0f} s") from None
@@ -148,14 +156,15 @@ class KvPuller:
         if self._metrics is not None:
             self._metrics.kv_pulls.labels(outcome=outcome).inc()
 
-    async def _pull(self, cache: ShardCache, source: HandoffSource, first: int, last: int, device: Any) -> int:
+    async def _pull(self, cache: ShardCache, source: HandoffSource, first: int, last: int, device: Any,
+                    route_token: str) -> int:
         problem = await self.layout_problem()
         if problem is not None:
             raise problem
         stages = await self._stages(source, first, last)
         pulled = 0
         for stage in stages:
-            pulled += await self._pull_stage(cache, source, stage, device)
+            pulled += await self._pull_stage(cache, source, stage, device, route_token)
         lengths = held_positions(cache, first, last)
         if lengths != {source.positions}:
             raise HandoffFailed("bad_chunk", f"after the pull layers {first}-{last} hold {sorted(lengths)} positions, "
@@ -187,7 +196,8 @@ class KvPuller:
             raise HandoffFailed("bootstrap", f"the prefill group's stages do not hold every layer of {first}-{last}")
         return sorted(out, key=lambda s: s.first)
 
-    async def _pull_stage(self, cache: ShardCache, source: HandoffSource, stage: StageSource, device: Any) -> int:
+    async def _pull_stage(self, cache: ShardCache, source: HandoffSource, stage: StageSource, device: Any,
+                          route_token: str) -> int:
         layers = stage.last - stage.first + 1
         per_chunk = chunk_positions(layers, self.shape, self._max_chunk_bytes)
         total = -(-source.positions // per_chunk)
@@ -196,7 +206,7 @@ class KvPuller:
             start = index * per_chunk
             count = min(source.positions, start + per_chunk) - start
             expected = (2 * layers, self.shape.kv_heads, count, self.shape.head_dim)
-            chunk = await self._fetch(stage, source, index, total, per_chunk, expected)
+            chunk = await self._fetch(stage, source, index, total, per_chunk, expected, route_token)
             try:
                 await asyncio.to_thread(append_kv, cache, stage.first, chunk, device)
             except KVTransferError as exc:
@@ -205,10 +215,11 @@ class KvPuller:
         return pulled
 
     async def _fetch(self, stage: StageSource, source: HandoffSource, index: int, total: int, per_chunk: int,
-                     expected: tuple[int, ...]) -> Any:
-        headers = {**bearer_headers(self._secret), h.WIRE: h.WIRE_VERSION, h.SESSION: source.session,
+                     expected: tuple[int, ...], route_token: str) -> Any:
+        headers = {h.WIRE: h.WIRE_VERSION, h.ROUTE: route_token, h.SESSION: source.session,
                    KV_LAYERS: format_layers(stage.first, stage.last), h.CHUNK_INDEX: str(index),
                    KV_CHUNK_POSITIONS: str(per_chunk)}
+        headers.update(sign_request(self._hop_key, self._node_id, PULL_PATH, headers, b""))
         nbytes = 1
         for dim in expected:
             nbytes *= dim
@@ -229,7 +240,7 @@ class KvPuller:
             raise HandoffFailed("pull_refused", f"prefill stage {stage.stage} refused the pull: HTTP {status} "
                                                 f"{bytes(body[:300]).decode('utf-8', 'replace')}")
         try:
-            frame = decode_frame(answer_headers, bytes(body), FrameLimits(max_bytes=nbytes))
+            frame = decode_frame(answer_headers, body, FrameLimits(max_bytes=nbytes))  # handed over: no copy
         except FrameError as exc:
             raise HandoffFailed("bad_chunk", f"a KV chunk from stage {stage.stage} is not a frame: {exc}") from None
         if (tuple(frame.tensor.shape) != expected or frame.chunk_index != index or frame.chunk_total != total

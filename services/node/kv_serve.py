@@ -1,26 +1,34 @@
 """A prefill node's side of a handoff: ``POST /kv/prefill`` and ``POST /kv/pull``.
 
+Both calls are signed with the caller's hop key and checked against the
+tracker's signed routes (:mod:`services.node.kv_auth`), not a shared secret.
+
 ``POST /kv/prefill`` (on the prefill route's head; from a decode route's
-head): the mesh's credential, the signed prefill route naming this node
-first (``X-Meshnet-Route``), the handoff id (``X-Meshnet-Session``), the
+head): the signed prefill route naming this node first (``X-Meshnet-Route``),
+the signed decode route the handoff is for (``X-Meshnet-Decode-Route``, whose
+head signs the request), the handoff id (``X-Meshnet-Session``), the
 request's sampling (``X-Meshnet-Sampling``) and ``{"ids": [...]}``. The
-prompt runs along the prefill route in chunks, each hop keeping its KV
-(``X-Meshnet-Handoff-Hold``); the tail samples the first token. The answer
+prompt runs along the prefill route in chunks, each hop keeping its KV for
+that decode route (``X-Meshnet-Handoff-Hold``: the route's digest); the tail
+samples the first token. The answer
 (:class:`~meshwire.kv_handoff.PrefillAnswer`) names the positions held and the
 route's DP group. A route that fails closes the session along it.
 
-``POST /kv/pull`` (from decode nodes): the mesh's credential, the handoff id,
-``X-Meshnet-KV-Layers: A-B`` (layers this node holds of the handoff),
-``X-Meshnet-Chunk-Index`` and ``X-Meshnet-KV-Chunk-Positions`` (whole pages,
-at most the node's frame limit in bytes). The answer is one frame
-``[2 * layers, kv_heads, positions, head_dim]`` with ``X-Meshnet-Chunk-Total``
-and ``X-Meshnet-KV-Positions``. Once every layer this node holds of the
-handoff was pulled to its last chunk, the handoff is freed; one never pulled
-whole is freed after ``MESHNET_HANDOFF_TTL_S``.
+``POST /kv/pull`` (from decode nodes): signed by a node of the decode route it
+carries (``X-Meshnet-Route``), the handoff id,
+``X-Meshnet-KV-Layers: A-B`` (layers this node holds of the handoff, within
+the signer's layers on the decode route), ``X-Meshnet-Chunk-Index`` and
+``X-Meshnet-KV-Chunk-Positions`` (whole pages, at most the node's frame limit
+in bytes). The answer is one frame ``[2 * layers, kv_heads, positions,
+head_dim]`` with ``X-Meshnet-Chunk-Total`` and ``X-Meshnet-KV-Positions``.
+Once every layer this node holds of the handoff was pulled to its last chunk,
+the handoff is freed; one never pulled whole is freed after
+``MESHNET_HANDOFF_TTL_S``.
 
-Refusals are OpenAI-shaped JSON: 401/403 without the credential (checked
-before anything is read), 400 for a bad header or body, 403 ``bad_route``,
-404 ``unknown_handoff``, 409 ``not_prefill`` (a node that is not a member
+Refusals are OpenAI-shaped JSON: 401 without a proof (checked before
+anything is read), 403 ``bad_proof``/``bad_route``/``bad_layers``/``replayed``
+for a proof or route that does not allow the call, 400 for a bad header or
+body, 404 ``unknown_handoff``, 409 ``not_prefill`` (a node that is not a member
 of a registered prefill group), 503 when the node is at its handoff bounds.
 """
 
@@ -38,7 +46,6 @@ from starlette.responses import Response
 
 from meshwire import errors
 from meshwire import headers as h
-from meshwire.auth import check_bearer
 from meshwire.frames import FrameError, check_session_id, encode_frame, get_header, parse_int_header
 from meshwire.kv_handoff import (
     KV_CHUNK_POSITIONS,
@@ -58,6 +65,7 @@ from services.node.compute import ShardRunner
 from services.node.generation import GenerationFailed, SessionChain
 from services.node.handoff_limits import HandoffLimits
 from services.node.hop_client import HopClient
+from services.node.kv_auth import HandoffAuth, KvRefusal, caller_claim
 from services.node.kv_transfer import KVTransferError, read_kv
 from services.node.metrics import NodeMetrics
 from services.node.pd_member import PrefillMembership
@@ -75,13 +83,6 @@ MAX_PREFILL_BODY_BYTES: Final = 8 * 1024 * 1024
 MAX_CHUNK_INDEX: Final = 1 << 20
 
 
-class KvRefusal(Exception):
-    def __init__(self, status: int, code: str, message: str) -> None:
-        super().__init__(message)
-        self.status = status
-        self.code = code
-
-
 def _error(status: int, code: str, message: str, node_id: str) -> Response:
     kind = {400: errors.INVALID_REQUEST, 401: errors.AUTHENTICATION, 403: errors.PERMISSION,
             404: errors.NOT_FOUND, 409: errors.INVALID_REQUEST, 503: errors.UNAVAILABLE}.get(status,
@@ -93,15 +94,15 @@ def _error(status: int, code: str, message: str, node_id: str) -> Response:
 class KvServeService:
     """The handoff endpoints of one prefill node."""
 
-    def __init__(self, *, node_id: str, model_id: str, secret: str, trust: RouteTrust, runner: ShardRunner,
+    def __init__(self, *, node_id: str, model_id: str, trust: RouteTrust, runner: ShardRunner,
                  sessions: SessionTable,
                  hops: HopClient, stepper: RouteStepper, metrics: NodeMetrics, membership: PrefillMembership,
                  shape: KVShape, limits: HandoffLimits, max_chunk_bytes: int, prefill_chunk_tokens: int,
                  max_prompt_tokens: int) -> None:
         self.node_id = node_id
         self.model_id = model_id
-        self._secret = secret
         self._trust = trust
+        self._auth = HandoffAuth(trust=trust, model_id=model_id)
         self._runner = runner
         self._sessions = sessions
         self._hops = hops
@@ -114,18 +115,9 @@ class KvServeService:
         self._chunk = prefill_chunk_tokens
         self._max_prompt = max_prompt_tokens
 
-    def _check_credential(self, request: Request) -> Response | None:
-        failure = check_bearer(request.headers.get("authorization"), self._secret)
-        if failure is None:
-            return None
-        return _error(failure.status, failure.code, failure.message, self.node_id)
-
     # --- POST /kv/prefill --------------------------------------------------------------
 
     async def handle_prefill(self, request: Request) -> Response:
-        refused = self._check_credential(request)
-        if refused is not None:
-            return refused
         try:
             return await self._prefill(request)
         except KvRefusal as exc:
@@ -135,6 +127,7 @@ class KvServeService:
             return _error(400, exc.code, str(exc), self.node_id)
 
     async def _prefill(self, request: Request) -> Response:
+        claim = caller_claim(request.headers)
         place = self._membership.assignment
         if place is None or self._membership.pd_rank is None:
             raise KvRefusal(409, "not_prefill", f"node {self.node_id} is not a registered member of a prefill group")
@@ -146,16 +139,17 @@ class KvServeService:
                              shard=shard)
         except RouteRefused as exc:
             raise KvRefusal(403, "bad_route", str(exc)) from None
+        try:
+            body = await read_bounded(request, MAX_PREFILL_BODY_BYTES)
+        except (BodyTooLarge, BodyIncomplete):
+            raise KvRefusal(400, "bad_body", f"the body is incomplete or over {MAX_PREFILL_BODY_BYTES} bytes") from None
+        digest = await self._auth.check_prefill(claim, request.headers, body)
         session_id = check_session_id(get_header(request.headers, h.SESSION))
         try:
             sampling = SamplingParams.model_validate_json(get_header(request.headers, h.SAMPLING) or "")
         except ValidationError as exc:
             raise KvRefusal(400, "bad_header", f"{h.SAMPLING} is not sampling parameters: "
                                                f"{exc.errors()[0]['msg']}") from None
-        try:
-            body = await read_bounded(request, MAX_PREFILL_BODY_BYTES)
-        except (BodyTooLarge, BodyIncomplete):
-            raise KvRefusal(400, "bad_body", f"the body is incomplete or over {MAX_PREFILL_BODY_BYTES} bytes") from None
         try:
             ids = PrefillRequest.model_validate_json(body).ids
         except ValidationError as exc:
@@ -173,7 +167,7 @@ class KvServeService:
         except SessionRefused as exc:
             raise KvRefusal(503, exc.code, str(exc)) from None
         chain = SessionChain(runner=self._runner, sessions=self._sessions, hops=self._hops, stepper=self._stepper,
-                             hop=hop, session_id=session_id, sampling=sampling, reserve=len(ids), hold=True)
+                             hop=hop, session_id=session_id, sampling=sampling, reserve=len(ids), hold=digest)
         chunks = [ids[i:i + self._chunk] for i in range(0, len(ids), self._chunk)]
         pick = None
         try:
@@ -198,9 +192,6 @@ class KvServeService:
     # --- POST /kv/pull --------------------------------------------------------------------
 
     async def handle_pull(self, request: Request) -> Response:
-        refused = self._check_credential(request)
-        if refused is not None:
-            return refused
         try:
             return await self._pull(request)
         except KvRefusal as exc:
@@ -210,6 +201,8 @@ class KvServeService:
 
     async def _pull(self, request: Request) -> Response:
         headers = request.headers
+        claim = caller_claim(headers)
+        digest, signer = await self._auth.signed_puller(claim, headers)
         session_id = check_session_id(get_header(headers, h.SESSION))
         first, last = parse_layers(get_header(headers, KV_LAYERS))
         index = parse_int_header(h.CHUNK_INDEX, get_header(headers, h.CHUNK_INDEX), minimum=0,
@@ -226,6 +219,7 @@ class KvServeService:
         if session is None or session.held_until is None:
             raise KvRefusal(404, UNKNOWN_HANDOFF, f"node {self.node_id} holds no handoff {log_tag(session_id)} "
                                                   "(never held, already pulled, or expired)")
+        self._auth.check_pull(claim, digest, signer, session, first, last)
         async with session.lock:
             if session.closed:
                 raise KvRefusal(404, UNKNOWN_HANDOFF, f"handoff {log_tag(session_id)} was freed")

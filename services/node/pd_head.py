@@ -4,7 +4,9 @@ The tracker hands a head a signed prefill route (``X-Meshnet-Prefill-Route``)
 and the prompt length from which to use it. For such a prompt the head first
 checks that the prefill group's registered cache layout is its own (a
 mismatch would make the handoff useless), then sends the prompt's token ids
-to the prefill route's head, which runs them through every prefill stage;
+to the prefill route's head, with its own decode route and signed with its
+hop key (the prefill nodes hold the KV for that route's nodes alone,
+:mod:`services.node.kv_auth`), which runs them through every prefill stage;
 its tail samples the first token, which comes back here and streams at
 once. The decode route then takes the KV over
 (:meth:`services.node.generation.SessionChain.adopt`).
@@ -21,8 +23,9 @@ import orjson
 from pydantic import ValidationError
 
 from meshwire import headers as h
-from meshwire.auth import bearer_headers
-from meshwire.kv_handoff import PREFILL_PATH, PrefillAnswer
+from meshwire.hop_proof import sign_request
+from meshwire.kv_handoff import DECODE_ROUTE, PREFILL_PATH, PrefillAnswer
+from meshwire.route_keys import SigningKey
 from meshwire.sampling_params import SamplingParams
 from services.node.kv_pull import KvPuller
 from services.node.routing import RoutedHop
@@ -50,21 +53,26 @@ class PrefillPlan:
 class PdHead:
     """What a head needs for prefill/decode handoffs: the layout check and the prefill call."""
 
-    def __init__(self, *, http: httpx.AsyncClient, secret: str, puller: KvPuller, timeout_s: float) -> None:
+    def __init__(self, *, http: httpx.AsyncClient, node_id: str, hop_key: SigningKey, puller: KvPuller,
+                 timeout_s: float) -> None:
         self._http = http
-        self._secret = secret
+        self._node_id = node_id
+        self._hop_key = hop_key
         self.puller = puller
         self._timeout_s = timeout_s
 
-    async def prefill(self, plan: PrefillPlan, session_id: str, ids: tuple[int, ...],
+    async def prefill(self, plan: PrefillPlan, decode: RoutedHop, session_id: str, ids: tuple[int, ...],
                       sampling: SamplingParams) -> PrefillAnswer:
-        """Run ``ids`` along ``plan``'s route, holding its KV under ``session_id``; the first token."""
+        """Run ``ids`` along ``plan``'s route, holding its KV under ``session_id`` for the nodes of ``decode``
+        (this head's route); the first token."""
         head = plan.hop.route.head
-        headers = {**bearer_headers(self._secret), "Content-Type": "application/json", h.ROUTE: plan.token,
+        headers = {"Content-Type": "application/json", h.ROUTE: plan.token, DECODE_ROUTE: decode.token,
                    h.SESSION: session_id, h.SAMPLING: orjson.dumps(sampling.model_dump()).decode()}
+        body = orjson.dumps({"ids": list(ids)})
+        headers.update(sign_request(self._hop_key, self._node_id, PREFILL_PATH, headers, body))
         try:
             response = await self._http.post(f"{head.endpoint.rstrip('/')}{PREFILL_PATH}", headers=headers,
-                                             content=orjson.dumps({"ids": list(ids)}), timeout=self._timeout_s)
+                                             content=body, timeout=self._timeout_s)
         except httpx.HTTPError as exc:
             raise PrefillUnavailable(f"the prefill head {head.node_id} could not be reached: "
                                      f"{type(exc).__name__}: {exc}") from None

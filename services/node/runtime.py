@@ -156,9 +156,9 @@ class NodeRuntime:
         handoff_limits = HandoffLimits(max_held=s.handoff_max_held, max_bytes=s.handoff_max_bytes,
                                        position_bytes=shape.position_bytes_per_layer)
         if s.bootstrap is not None and s.role != "prefill":
-            self.puller = KvPuller(http=self.http, secret=s.secret, bootstrap_url=s.bootstrap, shape=shape,
-                                   max_chunk_bytes=s.max_frame_bytes, timeout_s=s.handoff_pull_timeout_s,
-                                   metrics=self.metrics)
+            self.puller = KvPuller(http=self.http, node_id=self.node_id, hop_key=self.hop_key,
+                                   bootstrap_url=s.bootstrap, shape=shape, max_chunk_bytes=s.max_frame_bytes,
+                                   timeout_s=s.handoff_pull_timeout_s, metrics=self.metrics)
         if s.role == "prefill":
             if s.bootstrap is None:
                 logger.warning("--role prefill without --bootstrap: this node registers in no bootstrap registry, so "
@@ -172,7 +172,7 @@ class NodeRuntime:
                                       grammar=self.grammar, puller=self.puller, handoff_limits=handoff_limits)
         if self.membership is not None:
             self.kv_serve = KvServeService(
-                node_id=self.node_id, model_id=self.model_id, secret=s.secret, trust=self.trust, runner=self.runner,
+                node_id=self.node_id, model_id=self.model_id, trust=self.trust, runner=self.runner,
                 sessions=self.sessions, hops=self.hops, stepper=stepper, metrics=self.metrics,
                 membership=self.membership, shape=shape, limits=handoff_limits, max_chunk_bytes=s.max_frame_bytes,
                 prefill_chunk_tokens=s.prefill_chunk_tokens, max_prompt_tokens=s.max_prompt_tokens)
@@ -184,7 +184,8 @@ class NodeRuntime:
                                        prefill_chunk_tokens=s.prefill_chunk_tokens,
                                        routes=self.tracker_routes, model_id=self.model_id, grammar=self.grammar,
                                        pd=None if self.puller is None else PdHead(
-                                           http=self.http, secret=s.secret, puller=self.puller,
+                                           http=self.http, node_id=self.node_id, hop_key=self.hop_key,
+                                           puller=self.puller,
                                            timeout_s=s.hop_timeout_s),
                                        speculate=s.speculate, speculate_max=s.speculate_max)
         await self.runner.warm_up()

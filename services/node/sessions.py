@@ -110,6 +110,10 @@ class Session:
     """When a held session is freed if it was not pulled whole (``None``: not held yet)."""
     pulled_layers: set[int] = field(default_factory=set)
     """Layers whose KV a decode node has pulled to the end."""
+    handoff_for: str | None = None
+    """A held session: the digest of the decode route it is held for (only that route's nodes may pull it)."""
+    pull_proofs: set[bytes] = field(default_factory=set)
+    """The signatures of the pulls answered (a replayed pull is refused)."""
 
     @property
     def position(self) -> int:
