@@ -291,3 +291,18 @@ def test_a_layer_type_the_quantized_path_cannot_take_loads_as_float_and_says_why
     assert any("load as float" in r.message and "activation 'gelu'" in r.message for r in caplog.records)
     ids = torch.tensor([PROMPT_IDS])
     assert shard.logits_last(shard.run_layers(shard.embed(ids), shard.new_cache(), 0)).shape == (shard.vocab_size,)
+
+
+@pytest.mark.parametrize("fmt", ["int4", "int8"])
+def test_a_quantized_tail_takes_a_drafts_logits_in_one_pass_bit_for_bit_as_one_position_at_a_time(
+        tiny_model_dir: Path, fmt: str) -> None:
+    """A speculative step's verification reads the logits after each of its k + 1 positions: one LM head
+    product for all of them must give each exactly what a decode step ending there gets (greedy output is
+    the same with speculation or without)."""
+    shard = load_shard(tiny_model_dir, 2, 3, torch.float32, CPU, weights=fmt)  # type: ignore[arg-type]
+    assert shard.lm_head_rows_apart
+    hidden = torch.randn((1, 7, shard.hidden_size), generator=torch.Generator().manual_seed(3))
+    together = shard.logits_tail(hidden, 5)
+    for index in range(5):
+        assert torch.equal(together[index], shard.logits_last(hidden[:, :3 + index])), index
+    assert not load_shard(tiny_model_dir, 2, 3, torch.float32, CPU).lm_head_rows_apart

@@ -17,19 +17,23 @@ frame that does not add up is refused.
 
 from __future__ import annotations
 
+import threading
 from collections import Counter
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
 import httpx
 import openai
+import orjson
 import pytest
 import torch
 from prometheus_client.parser import text_string_to_metric_families
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from meshwire import errors
 from meshwire import headers as h
 from meshwire.frames import encode_frame
 from meshwire.routes import Route, RouteNode, plan_start_layers, sign_route
@@ -256,3 +260,81 @@ def test_seeded_sampling_with_speculation_keeps_the_distribution_of_every_positi
         plain = [run[position] for run in runs["plain"] if len(run) > position]
         assert len(spec) > SAMPLING_SEEDS // 2 and len(plain) > SAMPLING_SEEDS // 2
         assert _total_variation(spec, plain) <= TV_TOLERANCE, position
+
+
+# --- a hop older than speculation ----------------------------------------------------------------------------
+
+
+class _OlderHop:
+    """A proxy in front of ``back`` that answers as a node predating speculation: a frame of wire version 3
+    is refused (400 ``wire_version``, as that node's frame check refuses any version it does not know), every
+    other request is passed on unchanged (hop proofs included)."""
+
+    def __init__(self, target: str) -> None:
+        self.target = target
+        self.refused = 0
+        self.passed = 0
+        proxy = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+            def do_POST(self) -> None:
+                body = self.rfile.read(int(self.headers.get("Content-Length", "0")))
+                if self.headers.get(h.WIRE, "").strip() == h.SPECULATIVE_WIRE_VERSION:
+                    proxy.refused += 1
+                    payload = errors.error_body(f"{h.WIRE} must be one of ['2']", errors.INVALID_REQUEST,
+                                                "wire_version", node_id="back")
+                    self._answer(400, orjson.dumps(payload), "application/json")
+                    return
+                proxy.passed += 1
+                answer = httpx.post(f"{proxy.target}{self.path}", headers=dict(self.headers.items()), content=body,
+                                    timeout=60)
+                self._answer(answer.status_code, answer.content, answer.headers.get("content-type", ""))
+
+            def _answer(self, status: int, body: bytes, content_type: str) -> None:
+                self.send_response(status)
+                self.send_header("Content-Type", content_type)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.server.server_address[1]}"
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.mark.parametrize("hops", [2, 3])
+def test_a_hop_that_refuses_speculative_frames_gets_plain_ones_and_the_answer_goes_on(
+        nodes: dict[str, Service], model_name: str, reference: PreTrainedModel,
+        tokenizer: PreTrainedTokenizerBase, hops: int) -> None:
+    older = _OlderHop(nodes["back"].url)
+    try:
+        names = ("spec", "back") if hops == 2 else ("spec", "mid", "back")
+        endpoints = {**{name: nodes[name].url for name in names}, "back": older.url}
+        route_nodes = [RouteNode(node_id=name, endpoint=endpoints[name], shard_start=LAYERS[name][0],
+                                 shard_end=LAYERS[name][1], start_layer=LAYERS[name][0],
+                                 hop_key=node_hop_key(name).public_text) for name in names]
+        token = sign_route(Route(model=model_name, nodes=plan_start_layers(route_nodes), num_layers=NUM_LAYERS),
+                           TEST_ROUTE_KEY)
+        spec = openai.OpenAI(base_url=f"{nodes['spec'].url}/v1", api_key=TEST_SECRET, max_retries=0, timeout=120,
+                             default_headers={h.ROUTE: token})
+        drafted_before = metric(nodes["spec"], "meshnet_node_drafted_tokens_total")
+        answer = spec.chat.completions.create(model=model_name, messages=COPY_PROMPT, max_tokens=32, temperature=0)
+        assert answer.choices[0].message.content == reference_text(reference, tokenizer, COPY_PROMPT, 32)
+        assert older.refused >= 1  # a speculative frame reached it and was refused
+        # The head stopped drafting once the route said it cannot verify: one speculative step, no more.
+        assert metric(nodes["spec"], "meshnet_node_drafted_tokens_total") - drafted_before <= 4
+    finally:
+        older.close()

@@ -9,6 +9,7 @@ own; with a tolerance of 0.03 in each probability (the standard error at
 
 from __future__ import annotations
 
+import asyncio
 from collections import Counter
 
 import pytest
@@ -80,11 +81,11 @@ def test_auto_does_not_draft_on_a_fast_link_and_drafts_on_a_slow_one() -> None:
     fast = Speculation("auto", 4)
     for _ in range(5):
         fast.observe(0, 1, wall_ms=20.0 + MIN_NETWORK_MS / 2, compute_ms=20.0)
-    assert fast.draft(copy, 100) == ()
+    assert asyncio.run(fast.draft(copy, 100)) == ()
     slow = Speculation("auto", 4)
     for _ in range(5):
         slow.observe(0, 1, wall_ms=120.0, compute_ms=20.0)
-    drafted = slow.draft(copy, 100)
+    drafted = asyncio.run(slow.draft(copy, 100))
     assert drafted and drafted == (4, 5, 6, 1)[:len(drafted)]
     for _ in range(10):  # every draft rejected: drafting stops paying
         slow.observe(4, 1, wall_ms=130.0, compute_ms=30.0)
@@ -96,8 +97,28 @@ def test_auto_does_not_draft_on_a_fast_link_and_drafts_on_a_slow_one() -> None:
 
 def test_drafts_never_run_past_max_tokens_and_off_never_drafts() -> None:
     copy = [1, 2, 3, 4, 5, 6, 1, 2, 3]
-    assert Speculation("on", 4).draft(copy, 3) == (4, 5)  # 3 to go: 2 drafts and the tail's own token
-    assert Speculation("on", 4).draft(copy, 1) == ()
-    assert Speculation("off", 4).draft(copy, 100) == ()
+    assert asyncio.run(Speculation("on", 4).draft(copy, 3)) == (4, 5)  # 3 to go: 2 drafts and the tail's own
+    assert asyncio.run(Speculation("on", 4).draft(copy, 1)) == ()
+    assert asyncio.run(Speculation("off", 4).draft(copy, 100)) == ()
     with pytest.raises(ValueError):
         Speculation("on", 0)
+
+
+def test_auto_estimates_acceptance_per_judged_draft_so_a_good_drafter_gets_a_larger_k() -> None:
+    """Four drafts of which three are accepted judged four (the fourth rejected): 0.75, not 3/4 of a run."""
+    spec = Speculation("auto", 8)
+    for _ in range(5):
+        spec.observe(0, 1, wall_ms=120.0, compute_ms=20.0)
+    for _ in range(20):  # every draft of 4 accepted: the estimate climbs towards 1
+        spec.observe(4, 5, wall_ms=125.0, compute_ms=25.0)
+    assert spec.acceptance > 0.9
+    assert spec.choose_k(8) == 8
+    for _ in range(40):  # the first two of four accepted, the third rejected (the fourth never judged): 2/3
+        spec.observe(4, 3, wall_ms=125.0, compute_ms=25.0)
+    assert spec.acceptance == pytest.approx(2 / 3, abs=0.02)
+
+
+def test_a_route_that_cannot_verify_drafts_stops_them() -> None:
+    spec = Speculation("on", 4)
+    spec.stop()
+    assert asyncio.run(spec.draft([1, 2, 3, 1, 2], 100)) == ()

@@ -113,8 +113,10 @@ The quick brown fox jumps over the lazy dog, and the dog does not seem to mind a
 """
 
 
-def build_tiny_model(dest: Path) -> Path:
-    """Write the tiny model into folder ``dest`` (created if needed) and return ``dest``."""
+def build_tiny_model(dest: Path, seed: int = SEED) -> Path:
+    """Write the tiny model into folder ``dest`` (created if needed) and return ``dest``.
+
+    Another ``seed`` gives another model with the same tokenizer (a draft model that drafts badly)."""
     dest.mkdir(parents=True, exist_ok=True)
     tokenizer = _build_tokenizer()
     eos_id = tokenizer.convert_tokens_to_ids(IM_END)
@@ -133,7 +135,7 @@ def build_tiny_model(dest: Path) -> Path:
         eos_token_id=eos_id,
         pad_token_id=pad_id,
     )
-    torch.manual_seed(SEED)
+    torch.manual_seed(seed)
     model = LlamaForCausalLM(config).eval()
     model.save_pretrained(dest)
     tokenizer.save_pretrained(dest)

@@ -86,6 +86,9 @@ class ForwardAnswer(BaseModel):
     ``len(tokens)`` positions and drops the rest (the rejected drafts)."""
     run_logprobs: Annotated[list[TokenLogprobs], Field(max_length=MAX_DRAFT_TOKENS + 1)] | None = None
     """With ``tokens``, when the session asks for log-probabilities: one entry per token of the run."""
+    unverified: bool | None = None
+    """On a speculative frame's answer: ``true`` when a hop of the route does not take speculative frames (an
+    older node), so the step went on as a plain one and its drafts were never judged (``tokens`` is one token)."""
 
 
 @dataclass(frozen=True)

@@ -28,8 +28,15 @@ MAX_LOOKBACK: Final = 4096
 
 def propose(tokens: Sequence[int], k: int, *, max_ngram: int = MAX_NGRAM, min_ngram: int = MIN_NGRAM) -> tuple[int, ...]:
     """Up to ``k`` tokens that followed the most recent earlier occurrence of the longest matching suffix."""
+    return propose_match(tokens, k, max_ngram=max_ngram, min_ngram=min_ngram)[0]
+
+
+def propose_match(tokens: Sequence[int], k: int, *, max_ngram: int = MAX_NGRAM,
+                  min_ngram: int = MIN_NGRAM) -> tuple[tuple[int, ...], int]:
+    """:func:`propose`'s tokens and the length of the suffix they matched (0 with no proposal): a longer match
+    is a better guess, and ``auto`` keeps a record per length."""
     if k < 1 or len(tokens) <= min_ngram:
-        return ()
+        return (), 0
     window = list(tokens[-MAX_LOOKBACK:])
     end = len(window)
     for n in range(min(max_ngram, end - 1), min_ngram - 1, -1):
@@ -39,5 +46,5 @@ def propose(tokens: Sequence[int], k: int, *, max_ngram: int = MAX_NGRAM, min_ng
             if window[start] == first and window[start:start + n] == suffix:
                 follow = window[start + n:start + n + k]
                 if follow:
-                    return tuple(follow)
-    return ()
+                    return tuple(follow), n
+    return (), 0

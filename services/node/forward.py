@@ -317,6 +317,8 @@ class ForwardService:
                 body["tokens"] = [pick.token for pick in done.run]
                 if all(pick.logprobs is not None for pick in done.run):
                     body["run_logprobs"] = [pick.logprobs.model_dump() for pick in done.run if pick.logprobs]
+                if done.unverified:
+                    body["unverified"] = True
             return _answer(200, body)
 
     async def _take_over(self, session: Session, info: StepInfo, route_token: str) -> None:

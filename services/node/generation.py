@@ -54,6 +54,7 @@ from meshwire.forward_step import Scoring, StepInfo, close_headers
 from meshwire.kv_handoff import HandoffSource
 from meshwire.sampling_params import MAX_REPLAY_IDS_PER_FRAME, MAX_SEED, SamplingParams, TokenLogprobs
 from services.node.compute import ShardRunner
+from services.node.draft_model import DraftModel
 from services.node.failover import Failover, FailoverGaveUp, FailoverPolicy
 from services.node.grammar import GrammarEngine, GrammarError
 from services.node.hop_client import INVALID_SAMPLING, ChainFailure, HopClient, send_along
@@ -251,6 +252,8 @@ class SessionChain:
         """Bytes of KV this head pulled for a handoff (:meth:`adopt`)."""
         self.last_timings: dict[str, float] = {}
         """Compute time of each node in the last step."""
+        self.last_unverified = False
+        """Whether the last step's drafts went unjudged: a hop of the route does not take speculative frames."""
 
     @property
     def solo(self) -> bool:
@@ -271,23 +274,11 @@ class SessionChain:
             if session.closed:
                 raise GenerationFailed(503, "session_expired", f"session {self.session_id} was closed on the head")
             offset = session.position
-            step = self._step
-            onward = None
-            if not self.solo:
-                assert self.hop is not None and self.hop.next is not None
-                nxt = self.hop.next
-                onward = Onward(nxt, StepInfo(
-                    route_token=self.hop.token, hop_index=1, start_layer=nxt.start_layer, step=step,
-                    position_offset=offset,
-                    reserve=self._reserve if step == 0 else None,
-                    sampling=self._sampling_json if samples else None,
-                    # On every frame of a replayed prefill: the tail creates its sampler on the last one.
-                    sample_draws=self._sample_draws if self._sample_draws and not self.prefilled else None,
-                    sample_ids=self._replayed_in(offset, len(ids)),
-                    score=score,
-                    hold=self._hold,
-                    draft=draft or None,
-                ), chunk_index, chunk_total)
+            onward = self._onward(
+                offset, samples=samples, chunk_index=chunk_index, chunk_total=chunk_total,
+                # On every frame of a replayed prefill: the tail creates its sampler on the last one.
+                sample_draws=self._sample_draws if self._sample_draws and not self.prefilled else None,
+                sample_ids=self._replayed_in(offset, len(ids)), score=score, draft=draft or None)
             sampler = (await self._local_sampler(session)) if self.solo and samples else None
             try:
                 answer = await self._stepper.run(session, position_offset=offset, from_layer=0, tokens=len(ids),
@@ -308,6 +299,7 @@ class SessionChain:
             self.scored.extend(answer.scored)
         pick = self._picked(answer, samples)
         self.last_timings = answer.node_timings_ms
+        self.last_unverified = answer.unverified
         if answer.run is not None:
             return answer.run
         return None if pick is None else (pick,)
@@ -336,14 +328,7 @@ class SessionChain:
                     raise HandoffRefused(exc.reason, str(exc)) from None
                 self.pulled_bytes = pulled
             offset = session.position
-            onward = None
-            if not self.solo:
-                assert self.hop is not None and self.hop.next is not None
-                nxt = self.hop.next
-                onward = Onward(nxt, StepInfo(
-                    route_token=self.hop.token, hop_index=1, start_layer=nxt.start_layer, step=self._step,
-                    position_offset=offset, reserve=self._reserve, sampling=self._sampling_json,
-                    sample_draws=draws or None, handoff=handoff))
+            onward = self._onward(offset, samples=True, sample_draws=draws or None, handoff=handoff)
             sampler = (await self._local_sampler(session)) if self.solo else None
             try:
                 answer = await self._stepper.run(session, position_offset=offset, from_layer=0, tokens=1,
@@ -361,6 +346,26 @@ class SessionChain:
         pick = self._picked(answer, True)
         assert pick is not None
         return pick
+
+    def _onward(self, offset: int, *, samples: bool, sample_draws: int | None, chunk_index: int = 0,
+                chunk_total: int = 1, sample_ids: tuple[int, ...] | None = None, score: Scoring | None = None,
+                draft: tuple[int, ...] | None = None, handoff: HandoffSource | None = None) -> Onward | None:
+        """The next hop of this step's frame and its step headers (``None``: this head runs every layer).
+
+        Every frame of the session names the route, hop 1 and the step; the first
+        one reserves the session's KV; a frame that samples carries the sampling
+        parameters; the rest is the frame's own (replay draws and ids, scoring, a
+        draft, a handoff to take over).
+        """
+        if self.solo:
+            return None
+        assert self.hop is not None and self.hop.next is not None
+        nxt = self.hop.next
+        return Onward(nxt, StepInfo(
+            route_token=self.hop.token, hop_index=1, start_layer=nxt.start_layer, step=self._step,
+            position_offset=offset, reserve=self._reserve if self._step == 0 else None,
+            sampling=self._sampling_json if samples else None, sample_draws=sample_draws, sample_ids=sample_ids,
+            score=score, hold=self._hold, draft=draft, handoff=handoff), chunk_index, chunk_total)
 
     def _picked(self, answer: StepDone, samples: bool) -> Pick | None:
         if samples and answer.token is None:
@@ -474,7 +479,7 @@ class Generator:
                  routes: TrackerRoutes | None = None, model_id: str = "",
                  failover: FailoverPolicy = DEFAULT_FAILOVER, grammar: GrammarEngine | None = None,
                  pd: PdHead | None = None, speculate: SpeculateMode = "off",
-                 speculate_max: int = DEFAULT_SPECULATE_MAX) -> None:
+                 speculate_max: int = DEFAULT_SPECULATE_MAX, draft_model: DraftModel | None = None) -> None:
         self._runner = runner
         self._sessions = sessions
         self._hops = hops
@@ -490,6 +495,8 @@ class Generator:
         self._pd = pd
         self._speculate = speculate
         self._speculate_max = speculate_max
+        self._draft_model = draft_model
+        """The head's draft model (``--draft-model``); ``None``: drafts come from prompt lookup."""
         self._closing: set[asyncio.Task[None]] = set()
 
     async def generate(self, request: GenerationRequest, hop: RoutedHop | None) -> AsyncIterator[GenerationEvent]:
@@ -497,7 +504,7 @@ class Generator:
         history = History(prompt=request.prompt_ids, generated=list(request.resume))
         run = _Run(chain=self._chain(hop, request, history),
                    failover=Failover(self._failover, self._routes, model=self._model_id, shard=self._runner.shard),
-                   speculation=Speculation(self._mode_for(request), self._speculate_max))
+                   speculation=Speculation(self._mode_for(request), self._speculate_max, model=self._draft_model))
         detok = self.tokenizer.detokenizer()
         stops = StopMatcher(request.stop)
         for token in request.resume:  # rebuild the text state of what was already sent, sending none of it
@@ -564,6 +571,7 @@ class Generator:
         finally:
             if upcoming is not None:  # the client went away while a step was in flight
                 upcoming.cancel()
+            run.speculation.close()
             await self._close(run, upcoming)
 
     def _mode_for(self, request: GenerationRequest) -> SpeculateMode:
@@ -711,14 +719,27 @@ class Generator:
                       speculation: Speculation) -> tuple[Pick, ...]:
         """Feed back the last token (and drafted ones, when speculating) and get the next token(s)."""
         tokens = history.tokens()
-        draft = speculation.draft(tokens, request.max_tokens - len(history.generated))
+        draft = await speculation.draft(tokens, request.max_tokens - len(history.generated))
         began = time.perf_counter()
         picks = await chain.step([tokens[-1], *draft], draft=draft)
         if not picks:
             raise GenerationFailed(500, "no_token", "the route produced no token for a decode step")
-        speculation.observe(len(draft), len(picks), (time.perf_counter() - began) * 1000.0,
-                            sum(chain.last_timings.values()))
-        self._metrics.decode_steps.labels(speculative=str(bool(draft)).lower()).inc()
+        wall_ms = (time.perf_counter() - began) * 1000.0
+        compute_ms = sum(chain.last_timings.values())
+        speculation.observe(len(draft), len(picks), wall_ms, compute_ms)
+        if draft and chain.last_unverified:
+            logger.info("session %s: a hop of the route does not take speculative frames; no more drafts",
+                        log_tag(chain.session_id))
+            speculation.stop()
+        speculative = str(bool(draft)).lower()
+        self._metrics.decode_steps.labels(speculative=speculative).inc()
+        self._metrics.decode_step_seconds.labels(speculative=speculative).inc(wall_ms / 1000.0)
+        self._metrics.decode_compute_seconds.labels(speculative=speculative).inc(compute_ms / 1000.0)
+        if logger.isEnabledFor(logging.DEBUG):
+            logger.debug("session %s: decode step k=%d emitted=%d wall %.1f ms compute %.1f ms (%s); %s",
+                         log_tag(chain.session_id), len(draft), len(picks), wall_ms, compute_ms,
+                         ", ".join(f"{node} {ms:.1f}" for node, ms in chain.last_timings.items()),
+                         speculation.describe())
         if draft:
             self._metrics.drafted_tokens.inc(len(draft))
             self._metrics.accepted_tokens.inc(len(picks) - 1)

@@ -56,6 +56,13 @@ class NodeMetrics:
                                       registry=r)
         self.accepted_tokens = Counter("meshnet_node_accepted_tokens",
                                        "Drafted tokens the tail accepted (speculation)", registry=r)
+        self.decode_step_seconds = Counter("meshnet_node_decode_step_seconds",
+                                           "Wall time of the decode steps this head sent along its routes, by "
+                                           "whether they carried drafted tokens", ["speculative"], registry=r)
+        self.decode_compute_seconds = Counter("meshnet_node_decode_compute_seconds",
+                                              "Compute of every node in those decode steps (the rest of their wall "
+                                              "time is the wire: round trips, HTTP, queues)", ["speculative"],
+                                              registry=r)
         self.batch_rows = Histogram("meshnet_node_batch_rows", "Decode rows (sessions) in each decode step run",
                                     buckets=BATCH_BUCKETS, registry=r)
         self.frames_refused = Counter("meshnet_node_frames_refused", "Frames refused, by error code",

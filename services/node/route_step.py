@@ -9,7 +9,11 @@ tail's token or encode the output as a frame for the next hop and send it
 go in the layers' own format, or 8-bit quantised (``--wire-dtype int8``,
 :mod:`meshwire.q8`); a next hop that does not know ``q8`` refuses the frame
 (400 ``bad_encoding``, nothing changed there), and is sent exact frames from
-then on. Each caller
+then on. Likewise a next hop that refuses a speculative frame (400
+``wire_version``: a node older than speculation) is sent the step's first
+position alone, as a plain decode frame, from then on: this node drops the
+drafts' KV rows and the step's run is the one token the tail picks, so the
+head's request goes on instead of failing. Each caller
 keeps only what is its own: the head opens sessions from a request and turns
 failures into API errors; a hop checks a received frame against its session
 and turns failures into ``/forward`` refusals.
@@ -23,6 +27,7 @@ rest of the route), anything else (this node's layers failed).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -74,6 +79,8 @@ class StepDone:
     """On a scored prompt step: the log-probabilities of the prompt tokens it named (from the tail)."""
     run: tuple[Pick, ...] | None = None
     """On a speculative step: the verified run (``token`` is its first)."""
+    unverified: bool = False
+    """On a speculative step: a hop of the route does not take speculative frames, so nothing was verified."""
 
 
 class RouteStepper:
@@ -89,6 +96,9 @@ class RouteStepper:
         self._encoding = WIRE_ENCODINGS[wire_dtype]
         self._plain_hops: set[str] = set()
         """Next hops (node ids) that refused ``self._encoding``: they are sent exact frames."""
+        self._unspeculative_hops: set[str] = set()
+        """Next hops (node id and endpoint) that refused a speculative frame (400 ``wire_version``: an older node): a
+        speculative step sends them its first position only, as a plain decode frame."""
 
     async def run(self, session: Session, *, position_offset: int, from_layer: int, tokens: int,
                   ids: Sequence[int] | None = None, hidden: torch.Tensor | None = None,
@@ -116,23 +126,47 @@ class RouteStepper:
                 self._keep(session, position_offset, len(result.run))
             return StepDone(result.token, timings, result.logprobs, result.scored, result.run)
         assert result.hidden is not None, "a shard that is not the tail always passes hidden states on"
+        hidden = result.hidden
+        if onward.info.draft is not None and _address(onward.node) in self._unspeculative_hops:
+            hidden, onward = self._unspeculative(session, position_offset, hidden, onward)
         encoding = "identity" if onward.node.node_id in self._plain_hops else self._encoding
         try:
-            answer = await self._send(session, result.hidden, onward, encoding)
+            answer = await self._send(session, hidden, onward, encoding)
         except ChainFailure as exc:
-            if encoding == "identity" or exc.refused_code != "bad_encoding" or exc.failed_node != onward.node.node_id:
+            if exc.failed_node != onward.node.node_id:
                 raise
-            logger.warning("next hop %s does not take %s frames (%s); sending it exact ones", onward.node.node_id,
-                           encoding, exc)
-            if len(self._plain_hops) >= MAX_PLAIN_HOPS:
-                self._plain_hops.clear()
-            self._plain_hops.add(onward.node.node_id)
-            answer = await self._send(session, result.hidden, onward, "identity")
-        run = _run_of(onward.node, answer) if onward.info.draft is not None else None
+            if onward.info.draft is not None and exc.refused_code == "wire_version":
+                logger.warning("next hop %s does not take speculative frames (%s); sending it one position a step",
+                               onward.node.node_id, exc)
+                _remember(self._unspeculative_hops, _address(onward.node))
+                hidden, onward = self._unspeculative(session, position_offset, hidden, onward)
+            elif encoding != "identity" and exc.refused_code == "bad_encoding":
+                logger.warning("next hop %s does not take %s frames (%s); sending it exact ones",
+                               onward.node.node_id, encoding, exc)
+                _remember(self._plain_hops, onward.node.node_id)
+                encoding = "identity"
+            else:
+                raise
+            answer = await self._send(session, hidden, onward, encoding)
+        if onward.info.draft is None and draft is not None:  # the route past here verified nothing: a run of one
+            if answer.token is None:
+                raise hop_failed(onward.node.node_id, "it answered a decode step without a token")
+            answer = answer.model_copy(update={"tokens": [answer.token], "unverified": True,
+                                               "run_logprobs": None if answer.logprobs is None else [answer.logprobs]})
+        run = _run_of(onward.node, answer) if draft is not None else None
         if run is not None:
             self._keep(session, position_offset, len(run))
         return StepDone(answer.token, {**timings, **answer.node_timings_ms}, answer.logprobs, answer.scored,
-                        run)
+                        run, unverified=bool(answer.unverified))
+
+    def _unspeculative(self, session: Session, position_offset: int, hidden: torch.Tensor,
+                       onward: Onward) -> tuple[torch.Tensor, Onward]:
+        """A speculative step turned plain for a next hop that does not know speculative frames (an older
+        node): only the step's first position (the last real token) goes on, and this node keeps only its
+        KV row; the drafts are never judged, so the step's run is the one token the tail picks."""
+        session.cache.truncate(position_offset + 1)
+        info = dataclasses.replace(onward.info, draft=None)
+        return hidden[:, :1].contiguous(), Onward(onward.node, info, onward.chunk_index, onward.chunk_total)
 
     def _keep(self, session: Session, position_offset: int, positions: int) -> None:
         """Drop the KV rows of a speculative step's rejected positions: keep ``positions`` from ``position_offset``."""
@@ -145,6 +179,18 @@ class RouteStepper:
         self._metrics.frame_bytes_sent.labels(encoding=encoding).inc(len(body))
         self._metrics.frame_tokens_sent.labels(encoding=encoding).inc(int(hidden.shape[1]))
         return await self._sender.send(onward.node, headers, body)
+
+
+def _address(node: RouteNode) -> str:
+    """A next hop as the node id at its endpoint (an upgraded node at a new address is asked afresh)."""
+    return f"{node.node_id} {node.endpoint}"
+
+
+def _remember(hops: set[str], node_id: str) -> None:
+    """Add ``node_id`` to a bounded set of next hops (cleared when it reaches :data:`MAX_PLAIN_HOPS`)."""
+    if len(hops) >= MAX_PLAIN_HOPS:
+        hops.clear()
+    hops.add(node_id)
 
 
 def _run_of(node: RouteNode, answer: ForwardAnswer) -> tuple[Pick, ...]:

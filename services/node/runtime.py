@@ -30,6 +30,7 @@ from meshwire.registry import NodeRegistration
 from services.node.compute import ComputeWorker, ShardRunner
 from services.node.cpu_gate import cpu_gate_for
 from services.node.device import pick_device, pick_dtype
+from services.node.draft_model import load_draft_model
 from services.node.forward import ForwardService
 from services.node.generation import Generator
 from services.node.grammar import GrammarEngine
@@ -178,6 +179,10 @@ class NodeRuntime:
                 prefill_chunk_tokens=s.prefill_chunk_tokens, max_prompt_tokens=s.max_prompt_tokens)
         if self.shard.is_head:
             tokenizer = await asyncio.to_thread(HeadTokenizer.from_folder, resolved.path, self.shard.config)
+            draft_model = None
+            if s.draft_model is not None:  # a vocabulary that differs raises DraftModelError: the node does not start
+                draft_model = await asyncio.to_thread(load_draft_model, s.draft_model, tokenizer.vocabulary,
+                                                      self.worker)
             self.sampling_defaults = SamplingDefaults.from_folder(resolved.path)
             self.generator = Generator(runner=self.runner, sessions=self.sessions, hops=self.hops, stepper=stepper,
                                        tokenizer=tokenizer, metrics=self.metrics,
@@ -187,7 +192,11 @@ class NodeRuntime:
                                            http=self.http, node_id=self.node_id, hop_key=self.hop_key,
                                            puller=self.puller,
                                            timeout_s=s.hop_timeout_s),
-                                       speculate=s.speculate, speculate_max=s.speculate_max)
+                                       speculate=s.speculate, speculate_max=s.speculate_max,
+                                       draft_model=draft_model)
+        elif s.draft_model is not None:
+            logger.warning("--draft-model %s is ignored: this node is not a head (layers %d-%d)", s.draft_model,
+                           self.shard.start, self.shard.end)
         await self.runner.warm_up()
         self._tasks.append(asyncio.create_task(
             run_sweeper(self.sessions, self.metrics.sessions_expired.inc), name="idle-sweeper"))

@@ -171,6 +171,9 @@ class NodeSettings(BaseSettings):
     ``on`` whenever the drafter has a proposal, ``off`` never. Output is unchanged (greedy: token for token)."""
     speculate_max: int = Field(default=4, ge=1, le=16)
     """Most tokens drafted for one speculative step."""
+    draft_model: Path | None = None
+    """A local folder of a small causal LM sharing the served model's tokenizer: a head drafts with it (greedy,
+    its own KV cache per request) instead of prompt lookup. A vocabulary that differs stops the node at start."""
     wire_dtype: WireDType = "native"
     """Hidden states sent to the next hop: ``native`` (exact, the layers' format) or ``int8`` (8-bit blockwise
     quantised, a scale per 32 values: about a quarter of float32's bytes, lossy; for slow links)."""

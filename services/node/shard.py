@@ -52,6 +52,7 @@ from services.node.chunk_precision import FLOAT32_ATTENTION, attention_kernel, c
 from services.node.device import chunk_compute_dtype
 from services.node.kv_cache import ShardCache
 from services.node.lean_decode import LeanDecoder, lean_decoder_for, quantized_lean_decoder, unsupported
+from services.node.quant import KERNEL_MAX_ROWS, QuantLinear
 from services.node.quant_load import (
     GgufSource,
     SafetensorsSource,
@@ -366,8 +367,20 @@ class Shard:
         if not 1 <= positions <= hidden.shape[1]:
             raise ShardError(f"cannot take the logits of {positions} positions of a frame of {hidden.shape[1]}")
         length = hidden.shape[1]
+        if self.lm_head_rows_apart and positions <= KERNEL_MAX_ROWS:
+            # One pass over the LM head for every position (it is the largest matrix of a small model's tail:
+            # a pass per position made each drafted token cost a third of a whole decode step there).
+            return self.logits_all(hidden[:, length - positions:], positions)
         return torch.stack([self.logits_last(hidden[:, : length - positions + index + 1])
                             for index in range(positions)])
+
+    @property
+    def lm_head_rows_apart(self) -> bool:
+        """Whether the LM head computes each row of a product on its own, whatever the other rows (the packed
+        kernel of a quantized head, up to :data:`~services.node.quant.KERNEL_MAX_ROWS` rows): then several
+        positions' logits from one product are bit for bit each one's alone. A float head's product may
+        round a row differently beside others (another kernel), so it runs one position at a time."""
+        return isinstance(self._lm_head, QuantLinear)
 
     @torch.inference_mode()
     def logits_last(self, hidden: torch.Tensor) -> torch.Tensor:

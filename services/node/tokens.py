@@ -46,6 +46,11 @@ class HeadTokenizer:
         return cls(tokenizer, eos)
 
     @property
+    def vocabulary(self) -> dict[str, int]:
+        """The tokenizer's vocabulary (token to id), added tokens included: what a draft model must share."""
+        return dict(self._tokenizer.get_vocab())
+
+    @property
     def has_chat_template(self) -> bool:
         return bool(getattr(self._tokenizer, "chat_template", None))
 
