@@ -18,7 +18,7 @@ import torch
 from meshwire.sampling_params import SamplingParams
 from services.node.drafter import propose
 from services.node.sampling import Sampler
-from services.node.speculation import MIN_NETWORK_MS, PROBE_EVERY, Speculation
+from services.node.speculation import MAX_BUSY_REQUESTS, MIN_NETWORK_MS, PROBE_EVERY, Speculation
 
 DRAWS = 6_000
 TOLERANCE = 0.03
@@ -93,6 +93,21 @@ def test_auto_does_not_draft_on_a_fast_link_and_drafts_on_a_slow_one() -> None:
     for _ in range(PROBE_EVERY):
         slow.observe(0, 1, wall_ms=120.0, compute_ms=20.0)
     assert slow.choose_k(4) > 0  # it tries again now and then
+
+
+def test_auto_stands_down_while_the_head_batches_many_requests_and_on_does_not() -> None:
+    """Many requests on one head: their steps wait for each other's turns, which reads as network time; auto
+    must not draft then (a speculative step would run alone and break the batch). ``on`` still drafts."""
+    copy = [1, 2, 3, 4, 5, 6, 1, 2, 3]
+    generating = [MAX_BUSY_REQUESTS + 1]
+    auto = Speculation("auto", 4, busy=lambda: generating[0])
+    on = Speculation("on", 4, busy=lambda: generating[0])
+    for _ in range(5):
+        auto.observe(0, 1, wall_ms=120.0, compute_ms=20.0)
+    assert asyncio.run(auto.draft(copy, 100)) == ()
+    assert asyncio.run(on.draft(copy, 100)) != ()
+    generating[0] = MAX_BUSY_REQUESTS
+    assert asyncio.run(auto.draft(copy, 100)) != ()
 
 
 def test_drafts_never_run_past_max_tokens_and_off_never_drafts() -> None:

@@ -498,13 +498,16 @@ class Generator:
         self._draft_model = draft_model
         """The head's draft model (``--draft-model``); ``None``: drafts come from prompt lookup."""
         self._closing: set[asyncio.Task[None]] = set()
+        self._generating = 0
+        """Requests generating on this head now (speculation's ``auto`` stands down when there are many)."""
 
     async def generate(self, request: GenerationRequest, hop: RoutedHop | None) -> AsyncIterator[GenerationEvent]:
         """Generate the answer to ``request`` along ``hop``'s route (``None``: alone), as events."""
         history = History(prompt=request.prompt_ids, generated=list(request.resume))
         run = _Run(chain=self._chain(hop, request, history),
                    failover=Failover(self._failover, self._routes, model=self._model_id, shard=self._runner.shard),
-                   speculation=Speculation(self._mode_for(request), self._speculate_max, model=self._draft_model))
+                   speculation=Speculation(self._mode_for(request), self._speculate_max, model=self._draft_model,
+                                           busy=lambda: self._generating))
         detok = self.tokenizer.detokenizer()
         stops = StopMatcher(request.stop)
         for token in request.resume:  # rebuild the text state of what was already sent, sending none of it
@@ -516,6 +519,7 @@ class Generator:
         upcoming: asyncio.Task[tuple[Pick, ...]] | None = None
         pending: list[TokenInfo] = []
         """Log-probabilities of tokens whose text has not gone out yet."""
+        self._generating += 1
         try:
             picks = await self._first_tokens(run, request, history)
             echo = None
@@ -569,6 +573,7 @@ class Generator:
             yield Finished(finish_reason=reason, prompt_tokens=len(request.prompt_ids),
                            completion_tokens=len(history.generated))
         finally:
+            self._generating -= 1
             if upcoming is not None:  # the client went away while a step was in flight
                 upcoming.cancel()
             run.speculation.close()

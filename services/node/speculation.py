@@ -28,7 +28,9 @@ where a step is nearly all compute, it is a loss.
   often than one that matched 1. The draft model's own time per token counts
   as part of ``extra``. No
   drafting while the network time is under :data:`MIN_NETWORK_MS` (loopback,
-  a LAN). A request whose drafts stopped paying tries one short draft every
+  a LAN), nor while the head generates for more than
+  :data:`MAX_BUSY_REQUESTS` requests at once (batching their rows pays more,
+  and waiting for the others' turns would read as network time). A request whose drafts stopped paying tries one short draft every
   :data:`PROBE_EVERY` steps, so its acceptance estimate can recover.
 
 ``auto`` speculates on greedy requests only: a seeded sampled stream is
@@ -42,7 +44,7 @@ generate minus one, so a session's KV never outgrows its reservation.
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Final, Literal
 
@@ -68,6 +70,11 @@ INITIAL_EXTRA_SHARE: Final = 0.25
 PROBE_EVERY: Final = 16
 """Steps without a draft after which ``auto`` tries one again (while the network time is high)."""
 PROBE_TOKENS: Final = 2
+MAX_BUSY_REQUESTS: Final = 2
+"""``auto`` drafts only while at most this many requests are generating on this head. With more, the head's
+step engine batches their decode rows, a speculative step runs alone at every node (it breaks the batch), and
+the time a step waits for the others' turns reads as network time, which would make drafting look worthwhile
+exactly when it costs the most (vLLM turns speculation off by batch size for the same reason)."""
 
 
 def _ema(old: float | None, new: float) -> float:
@@ -113,11 +120,14 @@ class Speculation:
     """The drafting decisions of one request, learned from its own steps."""
 
     def __init__(self, mode: SpeculateMode, max_k: int = DEFAULT_SPECULATE_MAX, *,
-                 model: DraftModel | None = None) -> None:
+                 model: DraftModel | None = None, busy: Callable[[], int] | None = None) -> None:
         if not 1 <= max_k <= MAX_SPECULATE:
             raise ValueError(f"speculate_max must be 1..{MAX_SPECULATE}, got {max_k}")
         self.mode = mode
         self.max_k = max_k
+        self._busy = busy
+        """How many requests are generating on this head now (``auto`` stands down above
+        :data:`MAX_BUSY_REQUESTS`); ``None``: not known, never stands down for it."""
         self._model = model
         self._model_session: DraftSession | None = None
         self.draft_ms: float | None = None
@@ -142,7 +152,7 @@ class Speculation:
         self._last_source = None
         if self.mode == "off" or cap < 1:
             return ()
-        if self.mode == "auto" and not self._network_pays():
+        if self.mode == "auto" and (not self._network_pays() or self._batching()):
             return ()
         if self._model is not None and self._model_session is None:
             self._model_session = self._model.session()
@@ -192,6 +202,10 @@ class Speculation:
     def stop(self) -> None:
         """Draft no more for this request (its route cannot verify drafts)."""
         self.mode = "off"
+
+    def _batching(self) -> bool:
+        """Whether the head is generating for more than :data:`MAX_BUSY_REQUESTS` requests (batching beats drafting)."""
+        return self._busy is not None and self._busy() > MAX_BUSY_REQUESTS
 
     def _network_pays(self) -> bool:
         """Whether steps have been measured and their network time is worth saving (not loopback, not a LAN)."""
