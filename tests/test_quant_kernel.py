@@ -1,13 +1,16 @@
 """meshnet's native kernel for quantized products (services/node/kernels/quant_mm.cpp).
 
-Tolerance, stated once: the kernel computes each weight ``(q - 8) s + z`` (or
-``q s + z``) with one rounding and sums ``K`` float32 products, so against the
-exact sum (float64 over the exactly dequantized values) each output is within
-:func:`bound`: ``(K + 4) * 2^-24`` times the sum of ``|x_k w_k|``, the
-classical bound of a float32 dot product plus the weight's own rounding. The
-kernel computes every output of a row in one thread in a fixed order, so a
-row's result is the same bits whatever rows ride with it and whatever the
-thread count.
+Tolerance, stated once: against the exact product (float64 over the exactly
+dequantized values) each output is within :func:`bound`, ``(K + 100) * 2^-24``
+times ``sum_k |x_k| (|q_k - 8| s + |z|)`` (``|q_k| s + |z|`` for int8). The
+AVX-512 and portable paths round each weight once and sum ``K`` float32
+products (the classical ``K u`` bound of a dot product); the AMX path sums
+each group's 96 exact products of the row's three bfloat16 pieces with the
+integers, scales the sum and adds ``z`` times the row's group sum, then adds
+``K/32`` group sums: under ``(96 + K/32 + 4) u`` of the same magnitudes. The
+kernel computes every output of a row in one thread in an order that does not
+depend on the batch, so on one path a row's result is the same bits whatever
+rows ride with it and whatever the thread count.
 """
 
 from __future__ import annotations
@@ -19,7 +22,14 @@ import pytest
 import torch
 
 from services.node import quant_kernel
-from services.node.quant import NATIVE_MAX_ROWS, QuantMatrix, groups_of
+from services.node.quant import (
+    GROUP_SIZE,
+    NATIVE_MAX_ROWS,
+    NIBBLE_MID,
+    QuantMatrix,
+    _native_integers,
+    groups_of,
+)
 
 pytestmark = pytest.mark.skipif(not quant_kernel.available(), reason="the native kernel did not build here")
 
@@ -35,9 +45,13 @@ def _matrix(shape: tuple[int, int], fmt: str, seed: int = 0) -> QuantMatrix:
     return QuantMatrix(groups_of(weight, fmt), "native")  # type: ignore[arg-type]
 
 
-def bound(x: torch.Tensor, exact: torch.Tensor) -> torch.Tensor:
-    """The largest error each output of ``x @ exact^T`` may carry (module doc)."""
-    return (exact.shape[1] + 4) * UNIT * (x.double().abs() @ exact.abs().t())
+def bound(x: torch.Tensor, matrix: QuantMatrix) -> torch.Tensor:
+    """The largest error each output of ``x @ W^T`` may carry (module doc)."""
+    q = _native_integers(matrix.packed, matrix.bits).double() - (NIBBLE_MID if matrix.bits == 4 else 0)
+    sz = matrix.scale_zeros.permute(0, 3, 1, 2).reshape(matrix.out_features, -1, 2).double()
+    groups = q.view(matrix.out_features, -1, GROUP_SIZE).abs() * sz[..., :1].abs() + sz[..., 1:].abs()
+    magnitude = groups.reshape(matrix.out_features, matrix.in_features)
+    return (matrix.in_features + 100) * UNIT * (x.double().abs() @ magnitude.t())
 
 
 def _isas() -> list[int]:
@@ -48,10 +62,11 @@ def _isas() -> list[int]:
 def _check_rows(matrix: QuantMatrix, isa: int = 0) -> None:
     exact = matrix.dequantize(torch.float64)
     x = torch.randn(max(ROWS), matrix.in_features, generator=torch.Generator().manual_seed(7))
+    limit = bound(x, matrix)
     for rows in ROWS:
         out = quant_kernel.mm(x[:rows], matrix.packed, matrix.scale_zeros, matrix.bits, isa)
         error = (out.double() - x[:rows].double() @ exact.t()).abs()
-        assert bool((error <= bound(x[:rows], exact)).all()), (rows, float(error.max()))
+        assert bool((error <= limit[:rows]).all()), (rows, float(error.max()))
 
 
 @pytest.mark.parametrize("shape", SHAPES, ids=[f"{n}x{k}" for n, k in SHAPES])
@@ -71,17 +86,22 @@ def test_every_instruction_set_path_of_this_cpu_keeps_the_bound(isa: int, fmt: s
     _check_rows(_matrix((192, 96), fmt, seed=2), isa)
 
 
+@pytest.mark.parametrize("isa", _isas() if quant_kernel.available() else [], ids=quant_kernel.ISA_NAMES.get)
 @pytest.mark.parametrize("fmt", ["int4", "int8"])
-def test_a_rows_result_is_the_same_bits_alone_in_any_batch_and_on_any_thread_count(fmt: str) -> None:
+def test_on_one_path_a_rows_result_is_the_same_bits_alone_in_any_batch_and_on_any_thread_count(
+        isa: int, fmt: str) -> None:
     matrix = _matrix((576, 1536), fmt, seed=4)
     x = torch.randn(20, 1536, generator=torch.Generator().manual_seed(5))
-    alone = torch.cat([matrix.matmul(x[i:i + 1]) for i in range(20)])
+
+    def product(rows: torch.Tensor) -> torch.Tensor:
+        return quant_kernel.mm(rows, matrix.packed, matrix.scale_zeros, matrix.bits, isa)
+    alone = torch.cat([product(x[i:i + 1]) for i in range(20)])
     threads = torch.get_num_threads()
     try:
         for count in (1, 2):
             torch.set_num_threads(count)
             for rows in (2, 3, 8, 16, 17, 20):
-                assert torch.equal(matrix.matmul(x[:rows]), alone[:rows])
+                assert torch.equal(product(x[:rows]), alone[:rows])
     finally:
         torch.set_num_threads(threads)
 
@@ -104,7 +124,7 @@ def test_products_above_the_kernels_rows_dequantize_and_agree() -> None:
     matrix = _matrix((192, 96), "int4", seed=6)
     x = torch.randn(NATIVE_MAX_ROWS + 1, 96, generator=torch.Generator().manual_seed(1))
     exact = matrix.dequantize(torch.float64)
-    assert bool(((matrix.matmul(x).double() - x.double() @ exact.t()).abs() <= bound(x, exact)).all())
+    assert bool(((matrix.matmul(x).double() - x.double() @ exact.t()).abs() <= bound(x, matrix)).all())
 
 
 def test_without_the_kernel_matrices_take_torchs_layout_and_the_log_says_why(

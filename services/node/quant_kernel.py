@@ -9,7 +9,10 @@ multiplies: one row of the default model's LM head took 5.3 ms, 8 rows 20 ms
 float32 rows, weights (``(q - 8) s + z`` in one fused multiply-add) and sums;
 int8 is held as one signed byte a weight instead of two nibble matrices.
 AVX-512 when the CPU has it, else the same loops compiled for AVX2+FMA or
-for any CPU; ``at::parallel_for`` over blocks of output rows, so
+for any CPU. From 8 rows on a CPU with AMX (Sapphire Rapids and later) the
+tile's integers go to AMX as exact bfloat16 and the rows as three bfloat16
+pieces that add up to each float32 exactly, so batches of 8-16 rows cost
+little more than one. ``at::parallel_for`` over blocks of output rows, so
 ``torch.set_num_threads`` (the node's CPU gate) bounds it.
 
 The library is compiled with the C++ compiler torch was built for (``c++``,
@@ -52,7 +55,7 @@ LIBRARY_NAME: Final = "meshnet_quant"
 BUILD_TIMEOUT_S: Final = 600
 FLAGS: Final = ("-O3", "-std=c++17", "-shared", "-fPIC", "-fopenmp", "-fno-math-errno", "-DNDEBUG",
                 "-Wno-unused-function")
-ISA_NAMES: Final = {1: "generic", 2: "avx2", 3: "avx512"}
+ISA_NAMES: Final = {1: "generic", 2: "avx2", 3: "avx512", 4: "amx"}
 """The kernel's instruction-set paths by the number its ``isa`` argument takes (0 picks the best)."""
 
 
