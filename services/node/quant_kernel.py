@@ -102,6 +102,9 @@ def build() -> Path:
         if done.returncode != 0:
             raise RuntimeError(f"the kernel did not compile ({compiler}): {done.stderr.strip()[-2000:]}")
         os.replace(partial, target)
+    for old in target.parent.glob(f"{LIBRARY_NAME}-*.so"):  # earlier sources' builds (a loaded one stays mapped)
+        if old != target:
+            old.unlink(missing_ok=True)
     logger.info("built the quantized-product kernel in %.0f s", time.monotonic() - started)
     return target
 

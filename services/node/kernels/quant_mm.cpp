@@ -66,7 +66,7 @@ __attribute__((target("avx512f"))) void block_avx512(const Args& a, int64_t blk0
   constexpr int PER = 32 / BITS;  // inputs a dword
   const int64_t groups = a.K / kGroup;
   const int64_t dwords = a.K / PER;
-  const float* x = a.x + row0 * a.ldx;
+  const float* x = a.x + row0 * a.ldx;  // each group: s * (sum of the row times q - 8) + z * (sum of the row)
   const __m512 lut = _mm512_setr_ps(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7);
   __m512 total[NB][R];
 #pragma GCC unroll 4
@@ -103,17 +103,18 @@ __attribute__((target("avx512f"))) void block_avx512(const Args& a, int64_t blk0
             const __m512i t = i == 3 ? v[b] : _mm512_slli_epi32(v[b], 24 - 8 * i);
             q = _mm512_cvtepi32_ps(_mm512_srai_epi32(t, 24));
           }
-          const __m512 wv = _mm512_fmadd_ps(q, s[b], z[b]);
 #pragma GCC unroll 16
           for (int r = 0; r < R; ++r)
-            part[b][r] = _mm512_fmadd_ps(wv, _mm512_set1_ps(x[r * a.ldx + k0 + i]), part[b][r]);
+            part[b][r] = _mm512_fmadd_ps(q, _mm512_set1_ps(x[r * a.ldx + k0 + i]), part[b][r]);
         }
       }
     }
 #pragma GCC unroll 4
     for (int b = 0; b < NB; ++b)
 #pragma GCC unroll 16
-      for (int r = 0; r < R; ++r) total[b][r] = _mm512_add_ps(total[b][r], part[b][r]);
+      for (int r = 0; r < R; ++r)
+        total[b][r] = _mm512_fmadd_ps(
+            s[b], part[b][r], _mm512_fmadd_ps(z[b], _mm512_set1_ps(a.xsum[(row0 + r) * groups + g]), total[b][r]));
   }
 #pragma GCC unroll 4
   for (int b = 0; b < NB; ++b)
@@ -351,7 +352,7 @@ void split_rows(const float* x, int64_t ldx, int64_t B, int64_t K, uint16_t* pie
     return f;
   };
   for (int64_t r = 0; r < B; ++r) {
-    for (int64_t k = 0; k < K; ++k) {
+    for (int64_t k = 0; pieces != nullptr && k < K; ++k) {
       float rest = x[r * ldx + k];
       for (int p = 0; p < kPieces; ++p) {
         const uint16_t h = bf16(rest);
@@ -417,11 +418,12 @@ at::Tensor mm(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& s
   Args a{rows.data_ptr<float>(), rows.stride(0), packed.data_ptr<int32_t>(),
          reinterpret_cast<const uint16_t*>(scales.data_ptr<at::BFloat16>()), K, out.data_ptr<float>(), N};
   at::Tensor pieces, sums;
-  if (isa == kAmx) {
-    pieces = at::empty({kPieces, B, K}, x.options().dtype(at::kShort));
+  if (isa == kAmx || isa == kAvx512) {
     sums = at::empty({B, K / kGroup}, x.options());
-    split_rows(a.x, a.ldx, B, K, reinterpret_cast<uint16_t*>(pieces.data_ptr<int16_t>()), sums.data_ptr<float>());
-    a.xp = reinterpret_cast<const uint16_t*>(pieces.data_ptr<int16_t>());
+    if (isa == kAmx) pieces = at::empty({kPieces, B, K}, x.options().dtype(at::kShort));
+    split_rows(a.x, a.ldx, B, K, isa == kAmx ? reinterpret_cast<uint16_t*>(pieces.data_ptr<int16_t>()) : nullptr,
+               sums.data_ptr<float>());
+    a.xp = isa == kAmx ? reinterpret_cast<const uint16_t*>(pieces.data_ptr<int16_t>()) : nullptr;
     a.B = B;
     a.xsum = sums.data_ptr<float>();
   }
