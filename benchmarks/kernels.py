@@ -1,6 +1,6 @@
 """Quantized products: torch's int4 kernel (``aten``) against meshnet's native one, per matrix and per step.
 
-    PYTHONPATH=libs:. .venv/bin/python -m benchmarks.kernels [--reps 30] [--threads 1 2] [--no-step]
+    PYTHONPATH=libs:. .venv/bin/python -m benchmarks.kernels [--reps 30] [--threads 1 2] [--no-step|--no-matrices]
 
 Prints two tables (milliseconds, the fastest of ``--reps`` runs, each old run
 beside its new one, interleaved, in one process):
@@ -99,7 +99,7 @@ def steps(reps: int, threads: Sequence[int]) -> None:
                 caches = [shard.new_cache() for _ in range(rows)]
                 for cache in caches:
                     shard.run_layers(shard.embed(prompt), cache, 0)
-                hidden = shard.embed(torch.full((rows, 1), 42))
+                hidden = shard.embed(torch.full((1, rows), 42)).view(rows, 1, -1)
 
                 def step(shard: Shard = shard, caches: list[ShardCache] = caches, hidden: torch.Tensor = hidden) -> None:
                     out = shard.run_rows(hidden, caches, [PROMPT_TOKENS] * len(caches), 0)
@@ -116,12 +116,14 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=30)
     parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--no-step", action="store_true", help="skip the whole-shard decode step")
+    parser.add_argument("--no-matrices", action="store_true", help="skip the per-matrix table")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     if not quant_kernel.available():
         raise SystemExit("the native kernel is not available (see the log above)")
     with torch.inference_mode():
-        matrices(args.reps, args.threads)
+        if not args.no_matrices:
+            matrices(args.reps, args.threads)
         if not args.no_step:
             steps(args.reps, args.threads)
 
