@@ -16,6 +16,7 @@ rows ride with it and whatever the thread count.
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 from unittest import mock
 
 import pytest
@@ -140,3 +141,14 @@ def test_without_the_kernel_matrices_take_torchs_layout_and_the_log_says_why(
     finally:
         quant_kernel.available.cache_clear()
     assert quant_kernel.available()
+
+
+def test_a_build_that_failed_is_not_retried_at_every_start_and_says_why(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(quant_kernel.CACHE_ENV, str(tmp_path))
+    monkeypatch.setenv("CXX", "false")  # a compiler that fails at once
+    with pytest.raises(RuntimeError, match="did not compile"):
+        quant_kernel.build()
+    monkeypatch.setenv("CXX", "/nonexistent/c++")  # not even tried again
+    with pytest.raises(RuntimeError, match="did not compile .*delete .* to try again"):
+        quant_kernel.build()

@@ -29,6 +29,7 @@ kernel and logs why, once.
 
 from __future__ import annotations
 
+import fcntl
 import functools
 import hashlib
 import logging
@@ -52,6 +53,7 @@ CACHE_ENV: Final = "MESHNET_KERNEL_CACHE"
 """Environment variable naming the folder built kernels are kept in (default under ``~/.cache``)."""
 DEFAULT_CACHE: Final = Path("~/.cache/meshnet/kernels")
 LIBRARY_NAME: Final = "meshnet_quant"
+LOCK_NAME: Final = "build.lock"
 BUILD_TIMEOUT_S: Final = 600
 FLAGS: Final = ("-O3", "-std=c++17", "-shared", "-fPIC", "-fopenmp", "-fno-math-errno", "-DNDEBUG",
                 "-Wno-unused-function")
@@ -89,10 +91,21 @@ def build() -> Path:
     target = library_path()
     if target.exists():
         return target
+    failed = target.with_suffix(".failed")
+    if failed.exists():  # this source did not compile here before: say so again rather than retry at every start
+        raise RuntimeError(f"{failed.read_text()} (delete {failed} to try again)")
     compiler = _compiler()
     if compiler is None:
         raise RuntimeError("no C++ compiler (c++, g++ or $CXX) found; install build-essential")
     target.parent.mkdir(parents=True, exist_ok=True)
+    with (target.parent / LOCK_NAME).open("a") as lock:  # nodes started together build once, the others wait
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if target.exists():
+            return target
+        return _compile(compiler, target)
+
+
+def _compile(compiler: str, target: Path) -> Path:
     started = time.monotonic()
     logger.info("building meshnet's quantized-product kernel once into %s (about half a minute)", target.parent)
     with tempfile.TemporaryDirectory(dir=target.parent) as work:
@@ -100,7 +113,9 @@ def build() -> Path:
         done = subprocess.run(_command(compiler, partial), capture_output=True, text=True,
                               timeout=BUILD_TIMEOUT_S, check=False)
         if done.returncode != 0:
-            raise RuntimeError(f"the kernel did not compile ({compiler}): {done.stderr.strip()[-2000:]}")
+            problem = f"the kernel did not compile ({compiler}): {done.stderr.strip()[-2000:]}"
+            target.with_suffix(".failed").write_text(problem)
+            raise RuntimeError(problem)
         os.replace(partial, target)
     for old in target.parent.glob(f"{LIBRARY_NAME}-*.so"):  # earlier sources' builds (a loaded one stays mapped)
         if old != target:
