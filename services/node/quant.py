@@ -14,14 +14,15 @@ output rows; ``packed`` int32 ``[out/16, in*bits/32, 16]`` holds in dword
 ``i`` is input ``8 c + i``, 0..15; int8: byte ``i`` is input ``4 c + i``, a
 signed byte: int8 is one byte a weight, not two nibble matrices), and
 ``scale_zeros`` bfloat16 ``[out/16, in/32, 2, 16]`` the scale and zero of
-each row's groups. The kernel computes ``w = (q - 8) s + z`` (int4) or
-``q s + z`` (int8) in float32 with one rounding and sums float32 products of
-float32 rows, each group of inputs in order, unpacking each weight tile once
-for up to 16 rows: up to :data:`NATIVE_MAX_ROWS` rows take it, a larger
-product dequantizes the matrix for the call (the same arithmetic up to the
-order of the sums). Its results are batch-invariant: a row's output is the
-same bits whatever rows ride with it. The rest of these notes describe
-torch's kernel and its layout, the fallback.
+each row's groups. The kernel computes, per group, ``s * sum((q - 8) x) +
+z * sum(x)`` (int4; ``q`` for int8) with float32 rows and float32 sums,
+unpacking each weight tile once for up to 16 rows (AVX-512; from 8 rows AMX
+where the CPU has it, the rows as three bfloat16 pieces that add up to them
+exactly): up to :data:`NATIVE_MAX_ROWS` rows take it, a larger product
+dequantizes the matrix for the call (float32 too). On one path a row's
+output is the same bits whatever rows ride with it (tests/test_quant_kernel.py
+states the error bound). The rest of these notes describe torch's kernel and
+its layout, the fallback.
 
 What torch 2.13 offers on a CPU, measured on the development machine (an
 AVX512-BF16/FP16 Xeon, 1 thread, one ``3072 x 576`` product, the fastest of
