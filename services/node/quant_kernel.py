@@ -6,7 +6,7 @@ multiplies: one row of the default model's LM head took 5.3 ms, 8 rows 20 ms
 (1 thread), so batched decode rows gained little from riding together.
 ``kernels/quant_mm.cpp`` unpacks each tile of 16 output rows by one group of
 32 inputs once and applies it to up to 16 rows held in registers, with
-float32 rows, weights (``(q - 8) s + z`` in one fused multiply-add) and sums;
+float32 rows and sums (each group ``s * sum((q - 8) x) + z * sum(x)``);
 int8 is held as one signed byte a weight instead of two nibble matrices.
 AVX-512 when the CPU has it, else the same loops compiled for AVX2+FMA or
 for any CPU. From 8 rows on a CPU with AMX (Sapphire Rapids and later) the
