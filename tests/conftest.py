@@ -11,6 +11,19 @@ import pytest
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+def pytest_sessionstart(session: pytest.Session) -> None:
+    """Build meshnet's quantized-product kernel once before any node starts (a no-op once built): nodes
+    started by tests would otherwise each wait on the build inside their start-up time."""
+    import logging
+
+    from services.node import quant_kernel
+
+    try:
+        quant_kernel.build()
+    except Exception as error:  # noqa: BLE001 - the nodes then use torch's kernel and log why
+        logging.getLogger(__name__).warning("meshnet's quantized-product kernel is not built: %s", error)
+
+
 # --- tiny model (owned by the node compute core) -----------------------------------------------------
 
 

@@ -1,8 +1,9 @@
 """Weights held quantized: the packed format, GGUF blocks read into it, and quantized shards of the tiny model.
 
 The reference everywhere is a float computation over :meth:`QuantMatrix.dequantize` of the values the
-kernel holds. Tolerances, stated once: the packed kernel multiplies bfloat16 activations and rounds
-its result to bfloat16, so a product agrees with the float product of the same (bfloat16-rounded)
+kernel holds. These tests take whichever kernel the machine has (meshnet's native one when it is built:
+tests/test_quant_kernel.py holds it to float32's own bound). Tolerances, stated once, for the weaker of
+the two: torch's packed kernel multiplies bfloat16 activations and rounds its result to bfloat16, so a product agrees with the float product of the same (bfloat16-rounded)
 rows to a few bfloat16 steps of the result's magnitude (:data:`PRODUCT_RTOL`); a whole shard whose
 reference rounds each product's rows and result to bfloat16 as the kernel does agrees to
 :data:`HIDDEN_RTOL` of the hidden states' magnitude (int4 comes out bit-identical here; int8 sums
@@ -25,10 +26,12 @@ from gguf.quants import dequantize as gguf_dequantize
 from gguf.quants import quantize as gguf_quantize
 from torch import nn
 
+from services.node import quant_kernel
 from services.node.quant import (
     GROUP_SIZE,
     KERNEL_DTYPE,
     KERNEL_MAX_ROWS,
+    NATIVE_MAX_ROWS,
     QuantError,
     QuantMatrix,
     gguf_groups,
@@ -104,6 +107,7 @@ def test_a_matrix_the_packed_format_cannot_hold_is_refused_with_its_reason() -> 
 
 def test_every_decode_batch_of_the_default_size_takes_the_kernel() -> None:
     assert KERNEL_MAX_ROWS >= DEFAULT_MAX_BATCH and KERNEL_MAX_ROWS + 1 in ROWS
+    assert NATIVE_MAX_ROWS >= DEFAULT_MAX_BATCH and NATIVE_MAX_ROWS + 1 in ROWS
 
 
 # --- GGUF blocks -------------------------------------------------------------------------------------------
@@ -142,36 +146,42 @@ def test_auto_serves_a_float_checkpoint_as_float() -> None:
 
 
 class _RoundedLinear(nn.Module):
-    """A float product whose rows and result are rounded to bfloat16, as the packed kernel's are."""
+    """A float product whose rows and result are rounded to bfloat16, as torch's packed kernel's are (``rounded``),
+    or a float32 product, as meshnet's native kernel computes."""
 
-    def __init__(self, weight: torch.Tensor) -> None:
+    def __init__(self, weight: torch.Tensor, rounded: bool = True) -> None:
         super().__init__()
         self.weight = weight
+        self.rounded = rounded
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.rounded:
+            return F.linear(x.float(), self.weight)
         return F.linear(x.to(KERNEL_DTYPE).float(), self.weight).to(KERNEL_DTYPE).float()
 
 
 def _float_reference(folder: Path, quantized: Shard) -> Shard:
-    """A float32 shard of the same layers whose products use the quantized shard's dequantized matrices."""
+    """A float32 shard of the same layers whose products use the quantized shard's dequantized matrices, rounded
+    to bfloat16 around each product where the quantized shard's kernel is torch's."""
     reference = load_shard(folder, quantized.start, quantized.end, torch.float32, CPU)
+    rounded = not quant_kernel.available()  # every matrix of a process takes the same layout
     for index in quantized.layer_range:
         packed, layer = quantized._layers[index].quant, reference._layers[index]
         attn, mlp = layer.self_attn, layer.mlp
         q_rows, k_rows = attn.q_proj.out_features, attn.k_proj.out_features
         qkv = packed["qkv"].dequantize()
-        attn.q_proj = _RoundedLinear(qkv[:q_rows])
-        attn.k_proj = _RoundedLinear(qkv[q_rows:q_rows + k_rows])
-        attn.v_proj = _RoundedLinear(qkv[q_rows + k_rows:])
-        attn.o_proj = _RoundedLinear(packed["out"].dequantize())
+        attn.q_proj = _RoundedLinear(qkv[:q_rows], rounded)
+        attn.k_proj = _RoundedLinear(qkv[q_rows:q_rows + k_rows], rounded)
+        attn.v_proj = _RoundedLinear(qkv[q_rows + k_rows:], rounded)
+        attn.o_proj = _RoundedLinear(packed["out"].dequantize(), rounded)
         gate_up, inner = packed["gate_up"].dequantize(), mlp.gate_proj.out_features
-        mlp.gate_proj, mlp.up_proj = _RoundedLinear(gate_up[:inner]), _RoundedLinear(gate_up[inner:])
-        mlp.down_proj = _RoundedLinear(packed["down"].dequantize())
+        mlp.gate_proj, mlp.up_proj = _RoundedLinear(gate_up[:inner], rounded), _RoundedLinear(gate_up[inner:], rounded)
+        mlp.down_proj = _RoundedLinear(packed["down"].dequantize(), rounded)
     if quantized.is_head:
         with torch.no_grad():
             reference._embed_tokens.weight.copy_(quantized._embed_tokens.matrix.dequantize())
     if quantized.is_tail:
-        reference._lm_head = _RoundedLinear(quantized._lm_head.matrix.dequantize())
+        reference._lm_head = _RoundedLinear(quantized._lm_head.matrix.dequantize(), rounded)
     return reference
 
 

@@ -1,10 +1,28 @@
-"""Weights kept quantized in memory and multiplied by PyTorch's packed 4-bit CPU kernel.
+"""Weights kept quantized in memory and multiplied by a quantized CPU kernel.
 
 ``--weights int4`` and ``--weights int8`` keep a shard's decoder-layer
 products (and, for the default model, its token embedding / LM head) as
 integers with one scale and one zero per group of :data:`GROUP_SIZE` inputs,
-and multiply them with ``torch.ops.aten._weight_int4pack_mm_for_cpu``; a
-layer is never dequantized whole for a decode step.
+and multiply them with meshnet's native kernel
+(:mod:`services.node.quant_kernel`, the ``native`` layout below) or, where
+it is not built, ``torch.ops.aten._weight_int4pack_mm_for_cpu`` (the
+``aten`` layout); a layer is never dequantized whole for a decode step.
+
+The native layout and kernel: a matrix is blocks of :data:`NATIVE_BLOCK`
+output rows; ``packed`` int32 ``[out/16, in*bits/32, 16]`` holds in dword
+``[b, c, j]`` the inputs ``c*32/bits ..`` of row ``16 b + j`` (int4: nibble
+``i`` is input ``8 c + i``, 0..15; int8: byte ``i`` is input ``4 c + i``, a
+signed byte: int8 is one byte a weight, not two nibble matrices), and
+``scale_zeros`` bfloat16 ``[out/16, in/32, 2, 16]`` the scale and zero of
+each row's groups. The kernel computes, per group, ``s * sum((q - 8) x) +
+z * sum(x)`` (int4; ``q`` for int8) with float32 rows and float32 sums,
+unpacking each weight tile once for up to 16 rows (AVX-512; from 8 rows AMX
+where the CPU has it, the rows as three bfloat16 pieces that add up to them
+exactly): up to :data:`NATIVE_MAX_ROWS` rows take it, a larger product
+dequantizes the matrix for the call (float32 too). On one path a row's
+output is the same bits whatever rows ride with it (tests/test_quant_kernel.py
+states the error bound). The rest of these notes describe torch's kernel and
+its layout, the fallback.
 
 What torch 2.13 offers on a CPU, measured on the development machine (an
 AVX512-BF16/FP16 Xeon, 1 thread, one ``3072 x 576`` product, the fastest of
@@ -68,9 +86,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from services.node import quant_kernel
+
 logger = logging.getLogger(__name__)
 
 QuantFormat = Literal["int4", "int8"]
+Layout = Literal["native", "aten"]
 GROUP_SIZE: Final = 32
 """Inputs sharing one scale and zero (GGUF's Q4_0/Q4_1/Q8_0 block size)."""
 ROW_BLOCK: Final = 64
@@ -80,6 +101,13 @@ KERNEL_MAX_ROWS: Final = 16
 for the call. Speed alone would put the line near 300 rows (one ``3072 x 576`` int4 matrix, 1 thread: kernel
 1.8 / 2.6 / 5.2 / 8.7 ms at 16 / 32 / 64 / 128 rows, dequantizing and a float32 product 17-23 ms), but prompts
 through the kernel cost the default model greedy answers (see the module notes)."""
+NATIVE_BLOCK: Final = 16
+"""Output rows of one block of the native layout (one 16-lane float32 vector of the kernel)."""
+NATIVE_MAX_ROWS: Final = 256
+"""Products of up to this many rows run on the native kernel; larger ones dequantize the matrix for the call.
+Both compute float32 rows and sums, so the line is speed alone (benchmarks/kernels.py, 1 thread, loaded machine:
+at 256 rows the kernel took 2.5 / 11.1 / 7.2 ms for q/k/v, gate/up and down against 10.0 / 29.8 / 9.4 ms
+dequantized, at 512 rows down tied: 15.6 against 15.3 ms)."""
 KERNEL_DTYPE: Final = torch.bfloat16
 """Activation, scale and zero format of the CPU kernel's fast path."""
 QUANTIZED_DTYPE: Final = torch.float32
@@ -241,27 +269,35 @@ def stack(parts: list[Groups]) -> Groups:
 
 
 class QuantMatrix(nn.Module):
-    """One ``[out, in]`` matrix in the kernel's packed format; ``x @ W^T`` by :meth:`matmul`.
+    """One ``[out, in]`` matrix held quantized; ``x @ W^T`` by :meth:`matmul`.
 
-    ``packed`` (uint8 ``[out, in * repeat / 2]``) and ``scale_zeros`` (bfloat16
-    ``[in * repeat / GROUP_SIZE, out, 2]``) are buffers, so a shard counts
-    their bytes as its weights.
+    ``packed`` and ``scale_zeros`` are buffers, so a shard counts their bytes
+    as its weights. In the ``aten`` layout (torch's kernel) ``packed`` is
+    uint8 ``[out, in * repeat / 2]`` and ``scale_zeros`` bfloat16
+    ``[in * repeat / GROUP_SIZE, out, 2]``; in the ``native`` layout
+    (:mod:`services.node.quant_kernel`) ``packed`` is int32
+    ``[out / 16, in * bits / 32, 16]`` and ``scale_zeros`` bfloat16
+    ``[out / 16, in / GROUP_SIZE, 2, 16]`` (module doc). ``layout=None`` takes
+    the native one when its kernel is available.
     """
 
-    def __init__(self, groups: Groups) -> None:
+    def __init__(self, groups: Groups, layout: Layout | None = None) -> None:
         super().__init__()
-        self._take([groups])
+        self._take([groups], layout)
 
     @classmethod
-    def from_parts(cls, parts: Iterable[Groups]) -> QuantMatrix:
+    def from_parts(cls, parts: Iterable[Groups], layout: Layout | None = None) -> QuantMatrix:
         """One matrix from consecutive slices of its rows (each a multiple of :data:`ROW_BLOCK`), packed as they
         come, so a large matrix (an embedding) never exists unpacked whole."""
         matrix = cls.__new__(cls)
         nn.Module.__init__(matrix)
-        matrix._take(parts)
+        matrix._take(parts, layout)
         return matrix
 
-    def _take(self, parts: Iterable[Groups]) -> None:
+    def _take(self, parts: Iterable[Groups], layout: Layout | None) -> None:
+        self.layout: Layout = layout or ("native" if quant_kernel.available() else "aten")
+        if self.layout == "native" and not quant_kernel.available():
+            raise QuantError("the native layout needs meshnet's kernel, which is not available here")
         packed, scale_zeros, repeat, cols = [], [], 0, 0
         for groups in parts:
             rows, cols = groups.q.shape
@@ -269,19 +305,39 @@ class QuantMatrix(nn.Module):
                 raise QuantError(problem)
             repeat = groups.repeat
             for row in range(0, rows, PACK_ROWS):  # row blocks pack independently (module doc)
-                packed.append(torch.ops.aten._convert_weight_to_int4pack_for_cpu(
-                    groups.q[row:row + PACK_ROWS].to(torch.int32), 1))
-            scale_zeros.append(torch.stack([groups.scale, groups.zero], -1).transpose(0, 1).to(KERNEL_DTYPE))
+                if self.layout == "native":
+                    part, scales = _native_pack(_slice(groups, row, row + PACK_ROWS))
+                    packed.append(part)
+                    scale_zeros.append(scales)
+                else:
+                    packed.append(torch.ops.aten._convert_weight_to_int4pack_for_cpu(
+                        groups.q[row:row + PACK_ROWS].to(torch.int32), 1))
+            if self.layout == "aten":
+                scale_zeros.append(torch.stack([groups.scale, groups.zero], -1).transpose(0, 1).to(KERNEL_DTYPE))
+        native = self.layout == "native"
         self.register_buffer("packed", torch.cat(packed))
-        self.register_buffer("scale_zeros", torch.cat(scale_zeros, 1).contiguous())
-        self.out_features = int(self.packed.shape[0])
+        self.register_buffer("scale_zeros", torch.cat(scale_zeros, 0 if native else 1).contiguous())
         self.in_features = cols // repeat
+        self.out_features = int(self.packed.shape[0]) * (NATIVE_BLOCK if native else 1)
         self.repeat = repeat
         self.format: QuantFormat = "int8" if repeat == 2 else "int4"
+        self.bits = 8 if repeat == 2 else 4
+
+    @property
+    def max_kernel_rows(self) -> int:
+        """The most rows a product takes on the kernel; more dequantize the matrix for the call."""
+        return NATIVE_MAX_ROWS if self.layout == "native" else KERNEL_MAX_ROWS
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         """``x @ W^T`` for ``x`` of shape ``[..., in]``, in ``x``'s format (module doc: rows decide the kernel)."""
         lead = x.shape[:-1]
+        if self.layout == "native":  # float32 rows, weights and sums either way
+            flat = x.reshape(-1, self.in_features).to(torch.float32)
+            if flat.shape[0] > NATIVE_MAX_ROWS:
+                out = F.linear(flat, self.dequantize(torch.float32))
+            else:
+                out = quant_kernel.mm(flat, self.packed, self.scale_zeros, self.bits)
+            return out.to(x.dtype).reshape(*lead, self.out_features)
         flat = x.reshape(-1, self.in_features).to(KERNEL_DTYPE)
         if flat.shape[0] > KERNEL_MAX_ROWS:  # the kernel's arithmetic: bfloat16 rows, float32 weights and sums
             out = F.linear(flat.to(torch.float32), self.dequantize(torch.float32)).to(KERNEL_DTYPE)
@@ -292,15 +348,28 @@ class QuantMatrix(nn.Module):
         return out.to(x.dtype).reshape(*lead, self.out_features)
 
     def unpacked(self) -> torch.Tensor:
-        """The 4-bit integers, ``[out, in * repeat]`` uint8 0..15."""
-        return unpack(self.packed, self.out_features)
+        """The 4-bit integers, ``[out, in * repeat]`` uint8 0..15 (int8 as its two nibble halves)."""
+        if self.layout == "aten":
+            return unpack(self.packed, self.out_features)
+        q = _native_integers(self.packed, self.bits)
+        if self.bits == 4:
+            return q.to(torch.uint8)
+        return torch.cat([torch.bitwise_right_shift(q, 4) + NIBBLE_MID, torch.bitwise_and(q, 15)], 1).to(torch.uint8)
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """The float ``[out, in]`` matrix the kernel multiplies by (for a large product, or a reference)."""
+        """The float ``[out, in]`` matrix the kernel multiplies by (for a large product, or a reference); in
+        float64 the exact values, in float32 rounded once more than the native kernel rounds them."""
+        if self.layout == "native":
+            scales = self.scale_zeros.permute(0, 3, 1, 2).reshape(self.out_features, -1, 2)
+            return _native_dequantize(_native_integers(self.packed, self.bits), scales, self.bits, dtype)
         return _dequantize(self.unpacked(), self.scale_zeros, self.repeat, self.in_features, dtype)
 
     def rows(self, index: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """Rows ``index`` (long ``[n]``) of the float matrix, without dequantizing the others (embeddings)."""
+        if self.layout == "native":
+            block, lane = index // NATIVE_BLOCK, index % NATIVE_BLOCK
+            q = _lane_integers(self.packed[block, :, lane], self.bits)
+            return _native_dequantize(q, self.scale_zeros[block, :, :, lane], self.bits, dtype)
         view = self.packed.view(self.out_features // ROW_BLOCK, -1, ROW_BLOCK // 2)
         block, within = index // ROW_BLOCK, index % ROW_BLOCK
         picked = view[block, :, within % (ROW_BLOCK // 2)]  # [n, in * repeat]
@@ -309,7 +378,7 @@ class QuantMatrix(nn.Module):
         return _dequantize(q, self.scale_zeros[:, index], self.repeat, self.in_features, dtype)
 
     def extra_repr(self) -> str:
-        return f"{self.format}, in={self.in_features}, out={self.out_features}, group={GROUP_SIZE}"
+        return f"{self.format}, in={self.in_features}, out={self.out_features}, group={GROUP_SIZE}, {self.layout}"
 
 
 def unpack(packed: torch.Tensor, out_features: int) -> torch.Tensor:
@@ -328,6 +397,62 @@ def _dequantize(q: torch.Tensor, scale_zeros: torch.Tensor, repeat: int, in_feat
     if repeat > 1:
         w = w.view(rows, repeat, in_features).sum(1)
     return w.to(dtype)
+
+
+def _slice(groups: Groups, start: int, end: int) -> Groups:
+    return Groups(q=groups.q[start:end], scale=groups.scale[start:end], zero=groups.zero[start:end],
+                  repeat=groups.repeat)
+
+
+def _native_pack(groups: Groups) -> tuple[torch.Tensor, torch.Tensor]:
+    """``groups`` in the native layout (module doc): int32 ``[rows/16, in*bits/32, 16]`` integers and bfloat16
+    ``[rows/16, in/GROUP_SIZE, 2, 16]`` scales and zeros. int8's two nibble halves become one signed byte."""
+    rows, cols = groups.q.shape
+    blocks = rows // NATIVE_BLOCK
+    if groups.repeat == 1:
+        q = groups.q.view(blocks, NATIVE_BLOCK, cols // 8, 4, 2)
+        data = torch.bitwise_or(q[..., 0], torch.bitwise_left_shift(q[..., 1], 4))  # [blocks, 16, dwords, 4]
+        scale, zero = groups.scale, groups.zero
+    else:
+        cols //= 2
+        n_groups = cols // GROUP_SIZE
+        high, low = groups.q[:, :cols].to(torch.int16), groups.q[:, cols:].to(torch.int16)
+        scale = groups.scale[:, n_groups:]
+        if not (torch.equal(groups.scale[:, :n_groups], scale * 16) and not groups.zero[:, :n_groups].any()
+                and torch.equal(groups.zero[:, n_groups:], scale * NIBBLE_MID)):
+            raise QuantError("int8 groups whose nibble halves do not share one scale")
+        signed = ((high - NIBBLE_MID) * 16 + low).to(torch.int8)
+        data = signed.view(torch.uint8).view(blocks, NATIVE_BLOCK, cols // 4, 4)
+        zero = torch.zeros_like(scale)
+    packed = data.transpose(1, 2).contiguous().view(torch.int32).squeeze(-1)  # [blocks, dwords, 16]
+    scales = torch.stack([scale, zero], -1).view(blocks, NATIVE_BLOCK, -1, 2).permute(0, 2, 3, 1)
+    return packed, scales.to(KERNEL_DTYPE).contiguous()
+
+
+def _lane_integers(dwords: torch.Tensor, bits: int) -> torch.Tensor:
+    """The integers of native dwords ``[..., n]`` (int32, each 32/bits consecutive inputs of one row) as int16
+    ``[..., n * 32 / bits]``: 0..15 for int4, -128..127 for int8."""
+    data = dwords.contiguous().view(torch.uint8)  # little-endian: the first inputs in the low byte
+    if bits == 8:
+        return data.view(torch.int8).to(torch.int16)
+    both = torch.stack([torch.bitwise_and(data, 15), torch.bitwise_right_shift(data, 4)], -1)
+    return both.flatten(-2).to(torch.int16)
+
+
+def _native_integers(packed: torch.Tensor, bits: int) -> torch.Tensor:
+    """A native matrix's integers, int16 ``[out, in]``."""
+    return _lane_integers(packed.transpose(1, 2).reshape(-1, packed.shape[1]), bits)
+
+
+def _native_dequantize(q: torch.Tensor, scale_zeros: torch.Tensor, bits: int, dtype: torch.dtype) -> torch.Tensor:
+    """``(q - 8) s + z`` (int4) or ``q s + z`` (int8) of native integers ``[n, in]`` and their scales and zeros
+    ``[n, in/GROUP_SIZE, 2]``; in float64 when asked for it (exact), else float32."""
+    rows, cols = q.shape
+    compute = torch.float64 if dtype == torch.float64 else torch.float32
+    sz = scale_zeros.to(compute)
+    centred = q.to(compute) - (NIBBLE_MID if bits == 4 else 0)
+    w = centred.view(rows, cols // GROUP_SIZE, GROUP_SIZE) * sz[..., :1] + sz[..., 1:]
+    return w.reshape(rows, cols).to(dtype)
 
 
 class QuantLinear(nn.Module):

@@ -1,0 +1,132 @@
+"""Quantized products: torch's int4 kernel (``aten``) against meshnet's native one, per matrix and per step.
+
+    PYTHONPATH=libs:. .venv/bin/python -m benchmarks.kernels [--reps 30] [--threads 1 2] [--no-step|--no-matrices]
+
+Prints two tables (milliseconds, the fastest of ``--reps`` runs, each old run
+beside its new one, interleaved, in one process):
+
+* per matrix: the default model's shapes (fused q/k/v 576 -> 960, o 576 ->
+  576, fused gate/up 576 -> 3072, down 1536 -> 576 in int4; the LM head
+  576 -> 49152 in int8), random weights, at 1, 4, 8 and 16 rows, and beside
+  them what the dequantized product (:meth:`QuantMatrix.dequantize` and a
+  float32 product, what a long prompt chunk does) costs at 64..512 rows, to
+  place :data:`services.node.quant.NATIVE_MAX_ROWS`;
+* per decode step: the default model's GGUF as one int4 shard (30 layers and
+  the LM head, ``Shard.run_rows`` and ``logits_rows``) for 1 and 8 sessions
+  each with a 32-token prompt cached, loaded once per layout.
+
+The fastest run is the figure: the machine is shared, and load from elsewhere only adds time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import time
+from collections.abc import Callable, Sequence
+from typing import Final
+from unittest import mock
+
+import torch
+
+from services.node import quant_kernel
+from services.node.kv_cache import ShardCache
+from services.node.model_source import resolve_model
+from services.node.quant import QUANTIZED_DTYPE, QuantMatrix, groups_of
+from services.node.shard import Shard, load_shard
+
+logger = logging.getLogger(__name__)
+
+SHAPES: Final = (("qkv 960x576", 960, 576, "int4"), ("o 576x576", 576, 576, "int4"),
+                 ("gate_up 3072x576", 3072, 576, "int4"), ("down 576x1536", 576, 1536, "int4"),
+                 ("lm_head 49152x576", 49152, 576, "int8"))
+ROWS: Final = (1, 4, 8, 16)
+LARGE_ROWS: Final = (64, 128, 256, 512)
+STEP_ROWS: Final = (1, 8)
+PROMPT_TOKENS: Final = 32
+
+
+def fastest(runs: Sequence[Callable[[], object]], reps: int) -> list[float]:
+    """The fastest time of each of ``runs`` in ms, the runs interleaved rep by rep (after one warm-up each)."""
+    best = [float("inf")] * len(runs)
+    for run in runs:
+        run()
+    for _ in range(reps):
+        for index, run in enumerate(runs):
+            started = time.perf_counter()
+            run()
+            best[index] = min(best[index], (time.perf_counter() - started) * 1e3)
+    return best
+
+
+def matrices(reps: int, threads: Sequence[int]) -> None:
+    print(f"{'matrix':<20} {'thr':>3} {'rows':>4} {'aten ms':>9} {'native ms':>9} {'speed-up':>8}")
+    for name, out_features, in_features, fmt in SHAPES:
+        groups = groups_of(torch.randn(out_features, in_features, generator=torch.Generator().manual_seed(0)),
+                           fmt)  # type: ignore[arg-type]
+        old, new = QuantMatrix(groups, "aten"), QuantMatrix(groups, "native")
+        del groups
+        for count in threads:
+            torch.set_num_threads(count)
+            for rows in ROWS:
+                x = torch.randn(rows, in_features)
+                a, b = fastest([lambda x=x, m=old: m.matmul(x), lambda x=x, m=new: m.matmul(x)], reps)
+                print(f"{name:<20} {count:>3} {rows:>4} {a:>9.3f} {b:>9.3f} {a / b:>7.1f}x")
+            for rows in LARGE_ROWS:
+                x = torch.randn(rows, in_features)
+                kernel, dequantized = fastest(
+                    [lambda x=x, m=new: quant_kernel.mm(x, m.packed, m.scale_zeros, m.bits),
+                     lambda x=x, m=new: torch.nn.functional.linear(x, m.dequantize(torch.float32))],
+                    max(3, reps // 5))
+                print(f"{name:<20} {count:>3} {rows:>4}  native {kernel:.2f} ms, dequantized+float32 "
+                      f"{dequantized:.2f} ms")
+
+
+def steps(reps: int, threads: Sequence[int]) -> None:
+    model = resolve_model("default")
+    cpu = torch.device("cpu")
+    with mock.patch.object(quant_kernel, "available", return_value=False):
+        old = load_shard(model.path, 0, 29, QUANTIZED_DTYPE, cpu, "int4", model.gguf)
+    new = load_shard(model.path, 0, 29, QUANTIZED_DTYPE, cpu, "int4", model.gguf)
+    print(f"\n{'decode step (30 layers + LM head)':<36} {'thr':>3} {'rows':>4} {'aten ms':>9} {'native ms':>9} "
+          f"{'speed-up':>8}")
+    prompt = torch.arange(100, 100 + PROMPT_TOKENS).unsqueeze(0)
+    for count in threads:
+        torch.set_num_threads(count)
+        for rows in STEP_ROWS:
+            runs = []
+            for shard in (old, new):
+                caches = [shard.new_cache() for _ in range(rows)]
+                for cache in caches:
+                    shard.run_layers(shard.embed(prompt), cache, 0)
+                hidden = shard.embed(torch.full((1, rows), 42)).view(rows, 1, -1)
+
+                def step(shard: Shard = shard, caches: list[ShardCache] = caches, hidden: torch.Tensor = hidden) -> None:
+                    out = shard.run_rows(hidden, caches, [PROMPT_TOKENS] * len(caches), 0)
+                    shard.logits_rows(out)
+                    for cache in caches:
+                        cache.truncate(PROMPT_TOKENS)
+                runs.append(step)
+            a, b = fastest(runs, reps)
+            print(f"{'int4 shard 0-29':<36} {count:>3} {rows:>4} {a:>9.2f} {b:>9.2f} {a / b:>7.1f}x")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--reps", type=int, default=30)
+    parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--no-step", action="store_true", help="skip the whole-shard decode step")
+    parser.add_argument("--no-matrices", action="store_true", help="skip the per-matrix table")
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    if not quant_kernel.available():
+        raise SystemExit("the native kernel is not available (see the log above)")
+    with torch.inference_mode():
+        if not args.no_matrices:
+            matrices(args.reps, args.threads)
+        if not args.no_step:
+            steps(args.reps, args.threads)
+
+
+if __name__ == "__main__":
+    main()
