@@ -124,7 +124,11 @@ def test_chat_streams_an_answer_to_the_terminal(local_mesh) -> None:
 def test_ctrl_c_stops_every_process_of_the_mesh(local_mesh) -> None:
     up, base = local_mesh
     up.proc.send_signal(signal.SIGINT)
-    assert up.proc.wait(timeout=30) == 0
+    try:
+        code = up.proc.wait(timeout=UP_STOP_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"meshnet up did not stop in {UP_STOP_TIMEOUT_S:.0f} s after Ctrl-C; its output:\n{up.output()}")
+    assert code == 0, up.output()
     up.reader.join(timeout=5)
     assert "stopped" in up.output()
     with pytest.raises(httpx.HTTPError):
