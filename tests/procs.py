@@ -244,3 +244,23 @@ def start_together(specs: Sequence[tuple[ServiceKind, Mapping[str, str]]]) -> li
             service.kill()
         raise
     return services
+
+
+@contextlib.contextmanager
+def named_nodes(layers: Mapping[str, tuple[int, int]], common: Mapping[str, str],
+                extra: Mapping[str, Mapping[str, str]] | None = None) -> Iterator[dict[str, Service]]:
+    """Nodes without a tracker, one per ``layers`` entry (its name: ``(start, end)``), each with its pinned
+    route key and hop key (:func:`pinned_node_env`), ``common`` and its own ``extra`` settings; started
+    together, healthy on entry, stopped on exit."""
+    started: dict[str, Service] = {}
+    try:
+        for name, (start, end) in layers.items():
+            started[name] = start_service("node", {**common, **pinned_node_env(name), "MESHNET_NODE_ID": name,
+                                                   "MESHNET_LAYERS": f"{start}-{end}", **(extra or {}).get(name, {})},
+                                          wait_ready=False)
+        for service in started.values():
+            wait_healthy(service)
+        yield started
+    finally:
+        for service in started.values():
+            service.stop()

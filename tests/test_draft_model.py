@@ -37,10 +37,10 @@ from tests.procs import (
     TEST_ROUTE_KEY,
     TEST_SECRET,
     Service,
+    named_nodes,
     node_hop_key,
     pinned_node_env,
     start_service,
-    wait_healthy,
 )
 from tests.tiny_model import build_tiny_model
 
@@ -155,18 +155,8 @@ def nodes(tiny_model_dir: Path, other_model_dir: Path) -> Iterator[dict[str, Ser
                   "MESHNET_DRAFT_MODEL": str(other_model_dir)},
         "plain": {"MESHNET_SPECULATE": "off"},
     }
-    started: dict[str, Service] = {}
-    try:
-        for name, (start, end) in LAYERS.items():
-            started[name] = start_service("node", {**common, **pinned_node_env(name), "MESHNET_NODE_ID": name,
-                                                   "MESHNET_LAYERS": f"{start}-{end}", **extra.get(name, {})},
-                                          wait_ready=False)
-        for service in started.values():
-            wait_healthy(service)
+    with named_nodes(LAYERS, common, extra) as started:
         yield started
-    finally:
-        for service in started.values():
-            service.stop()
 
 
 def _model(nodes: dict[str, Service], head: str) -> str:

@@ -41,10 +41,8 @@ from tests.procs import (
     TEST_ROUTE_KEY,
     TEST_SECRET,
     Service,
+    named_nodes,
     node_hop_key,
-    pinned_node_env,
-    start_service,
-    wait_healthy,
 )
 
 NUM_LAYERS = 4
@@ -72,18 +70,8 @@ PARALLEL_REQUESTS = 4
 def nodes(tiny_model_dir: Path) -> Iterator[dict[str, Service]]:
     common = {"MESHNET_MODEL": str(tiny_model_dir), "MESHNET_DTYPE": "float32", "MESHNET_DEVICE": "cpu"}
     extra = {"spec": {"MESHNET_SPECULATE": "on", "MESHNET_SPECULATE_MAX": "4"}, "plain": {"MESHNET_SPECULATE": "off"}}
-    started: dict[str, Service] = {}
-    try:
-        for name, (start, end) in LAYERS.items():
-            started[name] = start_service("node", {**common, **pinned_node_env(name), "MESHNET_NODE_ID": name,
-                                                   "MESHNET_LAYERS": f"{start}-{end}", **extra.get(name, {})},
-                                          wait_ready=False)
-        for service in started.values():
-            wait_healthy(service)
+    with named_nodes(LAYERS, common, extra) as started:
         yield started
-    finally:
-        for service in started.values():
-            service.stop()
 
 
 @pytest.fixture(scope="module")
