@@ -6,6 +6,7 @@ A real tracker and two nodes splitting the tiny model in float32; the official c
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Final
@@ -43,26 +44,38 @@ class Mesh:
                        self.metric(name, "meshnet_node_forks_total", outcome="refused")) for name in self.nodes}
 
 
-@pytest.fixture(scope="module")
-def mesh(tiny_model_dir: Path) -> Iterator[Mesh]:
+@contextlib.contextmanager
+def started_mesh(model_dir: Path, speculate: str) -> Iterator[Mesh]:
     tracker = start_service("tracker", {"MESHNET_HEARTBEAT_S": HEARTBEAT_S, "MESHNET_STORE": "memory"})
     nodes: dict[str, Service] = {}
     try:
         for node_id, layers in NODES:
             nodes[node_id] = start_service("node", {
-                "MESHNET_MODEL": str(tiny_model_dir), "MESHNET_LAYERS": layers, "MESHNET_TRACKER": tracker.url,
+                "MESHNET_MODEL": str(model_dir), "MESHNET_LAYERS": layers, "MESHNET_TRACKER": tracker.url,
                 "MESHNET_NODE_ID": node_id, "MESHNET_DTYPE": "float32", "MESHNET_DEVICE": "cpu",
-                "MESHNET_HEARTBEAT_S": HEARTBEAT_S}, wait_ready=False)
+                "MESHNET_HEARTBEAT_S": HEARTBEAT_S, "MESHNET_SPECULATE": speculate}, wait_ready=False)
         for node in nodes.values():
             wait_healthy(node)
-        yield Mesh(tracker, nodes, wait_until_servable(tracker, tiny_model_dir.name))
+        yield Mesh(tracker, nodes, wait_until_servable(tracker, model_dir.name))
     finally:
         for service in [*nodes.values(), tracker]:
             service.stop()
 
 
+@pytest.fixture(scope="module")
+def mesh(tiny_model_dir: Path) -> Iterator[Mesh]:
+    with started_mesh(tiny_model_dir, "off") as running:
+        yield running
+
+
+@pytest.fixture(scope="module")
+def speculating(tiny_model_dir: Path) -> Iterator[Mesh]:
+    with started_mesh(tiny_model_dir, "on") as running:
+        yield running
+
+
 def chat(mesh: Mesh, **extra: Any) -> Any:
-    return mesh.client.chat.completions.create(model=mesh.model, messages=PROMPT, max_tokens=8, **extra)
+    return mesh.client.chat.completions.create(model=mesh.model, messages=PROMPT, **{"max_tokens": 8, **extra})
 
 
 def streamed_texts(chunks: list[Any], n: int, *, chat_api: bool) -> list[str]:
@@ -123,3 +136,14 @@ def test_a_fork_whose_source_is_gone_falls_back_to_a_prefill_and_still_equals(me
         singles = [mesh.client.chat.completions.create(model=mesh.model, messages=PROMPT, max_tokens=1,
                                                        temperature=0.9, seed=seed + i) for i in range(N)]
         assert [c.message.content for c in several.choices] == [s.choices[0].message.content for s in singles]
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.9])
+def test_with_speculation_on_the_choices_still_equal_separate_requests(speculating: Mesh,
+                                                                      temperature: float) -> None:
+    before = speculating.counts()
+    several = chat(speculating, n=N, temperature=temperature, seed=7, max_tokens=12)
+    copied = {name: speculating.counts()[name][1] - before[name][1] for name in speculating.nodes}
+    singles = [chat(speculating, temperature=temperature, seed=7 + i, max_tokens=12) for i in range(N)]
+    assert [c.message.content for c in several.choices] == [s.choices[0].message.content for s in singles]
+    assert all(value == (N - 1) * (several.usage.prompt_tokens - 1) for value in copied.values()), copied
