@@ -130,12 +130,17 @@ def test_n_greedy_choices_with_structured_output_equal_one_answer(mesh: Mesh) ->
 def test_a_fork_whose_source_is_gone_falls_back_to_a_prefill_and_still_equals(mesh: Mesh) -> None:
     """``max_tokens=1``: the first choice ends (and closes its session) as soon as its prompt is in, so the
     others' forks may find it gone at the head or on a hop; whichever way, every choice equals its request."""
+    def outcomes() -> float:
+        return sum(mesh.metric("front-node", "meshnet_node_forks_total", outcome=o) for o in ("forked", "refused"))
+
+    before = outcomes()
     for seed in range(4):
         several = mesh.client.chat.completions.create(model=mesh.model, messages=PROMPT, max_tokens=1, n=N,
                                           temperature=0.9, seed=seed)
         singles = [mesh.client.chat.completions.create(model=mesh.model, messages=PROMPT, max_tokens=1,
                                                        temperature=0.9, seed=seed + i) for i in range(N)]
         assert [c.message.content for c in several.choices] == [s.choices[0].message.content for s in singles]
+    assert outcomes() - before == 4 * (N - 1), "every follower forked or fell back to a prefill"
 
 
 @pytest.mark.parametrize("temperature", [0.0, 0.9])
