@@ -28,6 +28,7 @@ from pydantic import BaseModel, Field, ValidationError
 
 from meshwire import headers as h
 from meshwire.fields import STRICT_MODEL, AsTuple
+from meshwire.fork import ForkSource
 from meshwire.frames import (
     FrameError,
     FrameLimits,
@@ -139,6 +140,9 @@ class StepInfo:
     draft: tuple[int, ...] | None = None
     """On a speculative frame of ``k + 1`` positions: the ``k`` drafted tokens its positions 1..k hold. The
     tail verifies them against its own picks and answers the accepted run (:attr:`ForwardAnswer.tokens`)."""
+    fork: ForkSource | None = None
+    """On a session's first frame: open it with a copy of the first rows of another session of the same route
+    (:mod:`meshwire.fork`)."""
 
     def headers(self) -> dict[str, str]:
         """The headers that carry this step, besides the frame's own."""
@@ -165,6 +169,8 @@ class StepInfo:
             out[HANDOFF_FROM] = self.handoff.header()
         if self.draft is not None:
             out[h.DRAFT] = format_int_list(self.draft)
+        if self.fork is not None:
+            out[h.FORK_FROM] = self.fork.header()
         return out
 
     @property
@@ -277,6 +283,7 @@ def _step_info(headers: Mapping[str, str], address: HopAddress, tokens: int) -> 
     hold = get_header(headers, HOLD)
     handoff = get_header(headers, HANDOFF_FROM)
     draft = _draft(get_header(headers, h.DRAFT), tokens)
+    fork = get_header(headers, h.FORK_FROM)
     if draft is not None and (get_header(headers, h.WIRE) or "").strip() != h.SPECULATIVE_WIRE_VERSION:
         raise FrameError("wire_version", f"a frame with {h.DRAFT} carries {h.WIRE} {h.SPECULATIVE_WIRE_VERSION!r}")
     return StepInfo(
@@ -295,6 +302,7 @@ def _step_info(headers: Mapping[str, str], address: HopAddress, tokens: int) -> 
         hold=None if hold is None else parse_digest(hold),
         handoff=None if handoff is None else HandoffSource.parse(handoff),
         draft=draft,
+        fork=None if fork is None else ForkSource.parse(fork),
     )
 
 

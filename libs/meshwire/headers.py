@@ -60,10 +60,16 @@ DRAFT: Final = "X-Meshnet-Draft"
 verifies them and answers the accepted run (see :mod:`meshwire.forward_step`)."""
 PROGRESS: Final = "X-Meshnet-Progress"
 """From the tracker to a head: add the token ids behind each stream event (see :mod:`meshwire.resume`)."""
+CHOICE_GROUP: Final = "X-Meshnet-Choice-Group"
+"""From the tracker to a head: ``<group id>;<index>;<n>``, the choices of one ``n > 1`` request sent along one
+route, whose prompt the head prefills once and forks (see :mod:`meshwire.fork`)."""
+FORK_FROM: Final = "X-Meshnet-Fork-From"
+"""On a session's first frame: ``<source session>:<positions>``, open it with a copy of the first ``positions``
+KV rows of the source session of the same route (see :mod:`meshwire.fork`)."""
 
 ALL: Final[tuple[str, ...]] = (
     WIRE, SHAPE, DTYPE, SESSION, CHUNK_INDEX, CHUNK_TOTAL, ENCODING, HOP_INDEX, START_LAYER,
     ATTN_MASK, POSITION_IDS, ROUTE, POSITION_OFFSET, STEP, SAMPLING, RESERVE, CONTROL,
-    SAMPLE_DRAWS, SAMPLE_IDS, SCORE, LEASE, DRAFT,
+    SAMPLE_DRAWS, SAMPLE_IDS, SCORE, LEASE, DRAFT, CHOICE_GROUP, FORK_FROM,
 )
 """Every header name meshnet defines, canonical spelling."""

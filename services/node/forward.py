@@ -42,6 +42,7 @@ from starlette.responses import Response
 from meshwire import errors
 from meshwire import headers as h
 from meshwire.auth import check_bearer
+from meshwire.fork import FORK_REFUSED, ForkSource
 from meshwire.forward_step import (
     CloseRequest,
     DataRequest,
@@ -278,6 +279,8 @@ class ForwardService:
         async with session.lock:
             if info.handoff is not None and info.step == 0 and session.position == 0 and not session.closed:
                 await self._take_over(session, info, hop.token)
+            if info.fork is not None and info.step == 0 and session.position == 0 and not session.closed:
+                self._fork(session, info.fork, hop.token)
             self._check_order(session, info)
             if info.sample_ids and shard.is_tail and session.sampler is None:
                 if len(session.replayed_ids) + len(info.sample_ids) > (info.sample_draws or 0):
@@ -341,6 +344,35 @@ class ForwardService:
                            log_tag(session.session_id), exc.reason, exc)
             raise ForwardRefusal(409, HANDOFF_FAILED, f"node {self.node_id}: {exc}") from None
 
+    def _fork(self, session: Session, fork: ForkSource, route_token: str) -> None:
+        """Start the fresh ``session`` with the first rows of ``fork``'s source session; 409 ``fork_refused``
+        (the session closed here) when the source is not open here, was opened by another route, or is short.
+
+        The rows below the source's prompt never change once written (later steps only append, and a
+        rejected draft is cut back no further than the prompt), so they are read without its lock.
+        """
+        source = self._sessions.get(fork.session)
+        problem = None
+        if source is None or source.closed:
+            problem = "is not open on this node"
+        elif source.route_key is None or source.route_key != route_key(route_token):
+            problem = "was opened along another route"
+        elif source.position < fork.positions:
+            problem = f"holds {source.position} positions, not {fork.positions}"
+        if problem is None:
+            assert source is not None
+            try:
+                session.cache.copy_prefix(source.cache, fork.positions)  # type: ignore[attr-defined]
+            except ValueError as exc:
+                problem = f"cannot be copied ({exc})"
+        if problem is not None:
+            self._sessions.close(session.session_id)
+            self._metrics.forks.labels(outcome="refused").inc()
+            raise ForwardRefusal(409, FORK_REFUSED, f"node {self.node_id} cannot fork session "
+                                                    f"{log_tag(fork.session)}: it {problem}")
+        self._metrics.forks.labels(outcome="forked").inc()
+        self._metrics.fork_positions.inc(fork.positions)
+
     def _stepped(self, session: Session, tokens: int) -> None:
         """``session`` took its step on this node (whatever became of it further down the route)."""
         session.next_step += 1
@@ -360,6 +392,8 @@ class ForwardService:
             raise ForwardRefusal(409, "unknown_session", f"session {log_tag(session_id)} is not open on this node "
                                                          f"(closed, expired, or never opened); step {info.step}")
         start = 0 if info.handoff is None else info.handoff.positions
+        if info.fork is not None:
+            start = info.fork.positions
         if info.position_offset != start:
             raise ForwardRefusal(409, "bad_position", f"the first frame of session {log_tag(session_id)} must start at "
                                                       f"position {start}, not {info.position_offset}")

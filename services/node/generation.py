@@ -50,6 +50,7 @@ from typing import Any, Final, Literal
 
 import orjson
 
+from meshwire.fork import ChoiceGroup, ForkSource
 from meshwire.forward_step import Scoring, StepInfo, close_headers
 from meshwire.kv_handoff import HandoffSource
 from meshwire.sampling_params import MAX_REPLAY_IDS_PER_FRAME, MAX_SEED, SamplingParams, TokenLogprobs
@@ -79,6 +80,9 @@ RETRY_AFTER_GIVE_UP: Final = "2"
 RETIRE_WAIT_S: Final = 2.0
 """How long a failover waits for the broken session's close on the surviving hops (which frees KV
 the replay may need there) before it replays anyway; the close goes on in the background."""
+FORK_WAIT_S: Final = 30.0
+"""How long a choice of an ``n > 1`` request waits for the first choice's prompt to be in, to fork it
+(:mod:`meshwire.fork`), before it prefills its prompt itself."""
 
 
 @dataclass(frozen=True)
@@ -97,6 +101,8 @@ class GenerationRequest:
     they are replayed, not sent again, and the answer goes on after them."""
     prefill: PrefillPlan | None = None
     """A prefill route to run the prompt along (a long prompt, on a mesh with prefill nodes)."""
+    group: ChoiceGroup | None = None
+    """The ``n > 1`` request this is one choice of (:mod:`meshwire.fork`): its prompt is prefilled once."""
 
 
 @dataclass(frozen=True)
@@ -170,6 +176,10 @@ class HandoffRefused(GenerationFailed):
     def __init__(self, reason: str, message: str) -> None:
         super().__init__(409, "handoff_failed", message)
         self.reason = reason
+
+
+class ForkRefused(Exception):
+    """A session could not be opened as a fork of another (this head or a hop refused): prefill instead."""
 
 
 class RouteBusy(GenerationFailed):
@@ -304,6 +314,47 @@ class SessionChain:
             return answer.run
         return None if pick is None else (pick,)
 
+    async def fork(self, leader: SessionChain, prompt: Sequence[int]) -> Pick:
+        """Open this session as a fork of ``leader``'s (the same prompt, along the same route): every node copies
+        the first ``len(prompt) - 1`` KV rows of the leader's session, then the last prompt token runs as a
+        one-token step that samples this session's first token. Raises :class:`ForkRefused` when this head or
+        a hop cannot fork (the caller prefills instead)."""
+        positions = len(prompt) - 1
+        session = self._open() if self._session is None else self._session
+        async with session.lock:
+            if session.closed:
+                raise GenerationFailed(503, "session_expired", f"session {self.session_id} was closed on the head")
+            source = leader._session
+            same_route = (self.hop is None and leader.hop is None) or (
+                self.hop is not None and leader.hop is not None and self.hop.token == leader.hop.token)
+            if source is None or source.closed or not same_route or session.position != 0:
+                raise ForkRefused("the first choice's session is gone or on another route")
+            try:
+                session.cache.copy_prefix(source.cache, positions)  # type: ignore[attr-defined]
+            except ValueError as exc:
+                raise ForkRefused(str(exc)) from None
+            offset = session.position
+            onward = self._onward(offset, samples=True, sample_draws=None,
+                                  fork=ForkSource(leader.session_id, positions))
+            sampler = (await self._local_sampler(session)) if self.solo else None
+            try:
+                answer = await self._stepper.run(session, position_offset=offset, from_layer=0, tokens=1,
+                                                 ids=[prompt[-1]], sampler=sampler, onward=onward)
+            except SessionRefused as exc:
+                raise GenerationFailed(503, exc.code, str(exc), retry_after=str(exc.retry_after_s)) from None
+            except SamplingFailed as exc:
+                raise GenerationFailed(400, INVALID_SAMPLING, str(exc)) from None
+            except ChainFailure as exc:
+                self._step += 1
+                if exc.handoff_failed:
+                    raise ForkRefused(str(exc)) from exc
+                raise _generation_failure(exc) from exc
+            self._step += 1
+        self.last_timings = answer.node_timings_ms
+        pick = self._picked(answer, True)
+        assert pick is not None
+        return pick
+
     async def adopt(self, handoff: HandoffSource, token: int, draws: int, puller: KvPuller) -> Pick:
         """The decode route's first step on a prompt prefilled elsewhere: pull, then feed ``token`` back.
 
@@ -349,7 +400,8 @@ class SessionChain:
 
     def _onward(self, offset: int, *, samples: bool, sample_draws: int | None, chunk_index: int = 0,
                 chunk_total: int = 1, sample_ids: tuple[int, ...] | None = None, score: Scoring | None = None,
-                draft: tuple[int, ...] | None = None, handoff: HandoffSource | None = None) -> Onward | None:
+                draft: tuple[int, ...] | None = None, handoff: HandoffSource | None = None,
+                fork: ForkSource | None = None) -> Onward | None:
         """The next hop of this step's frame and its step headers (``None``: this head runs every layer).
 
         Every frame of the session names the route, hop 1 and the step; the first
@@ -365,7 +417,7 @@ class SessionChain:
             route_token=self.hop.token, hop_index=1, start_layer=nxt.start_layer, step=self._step,
             position_offset=offset, reserve=self._reserve if self._step == 0 else None,
             sampling=self._sampling_json if samples else None, sample_draws=sample_draws, sample_ids=sample_ids,
-            score=score, hold=self._hold, draft=draft, handoff=handoff), chunk_index, chunk_total)
+            score=score, hold=self._hold, draft=draft, handoff=handoff, fork=fork), chunk_index, chunk_total)
 
     def _picked(self, answer: StepDone, samples: bool) -> Pick | None:
         if samples and answer.token is None:
@@ -469,6 +521,17 @@ class _Run:
     speculation: Speculation
     handoff: HandoffSource | None = None
     """Where the prompt's KV is held, until the decode route's first step takes it over."""
+    fork: SessionChain | None = None
+    """The first choice's session (an ``n > 1`` request), until this one's first step forks it."""
+
+
+@dataclass
+class _Group:
+    """The choices of one ``n > 1`` request on this head: the first one's prompt, route and session once in."""
+
+    prompt: tuple[int, ...]
+    route_token: str | None
+    leader: asyncio.Future[SessionChain | None]
 
 
 class Generator:
@@ -499,6 +562,8 @@ class Generator:
         """The head's draft model (``--draft-model``); ``None``: drafts come from prompt lookup."""
         self._closing: set[asyncio.Task[None]] = set()
         self._generating = 0
+        self._groups: dict[str, _Group] = {}
+        """``n > 1`` requests whose first choice is generating here, by the tracker's group id."""
         """Requests generating on this head now (speculation's ``auto`` stands down when there are many)."""
 
     async def generate(self, request: GenerationRequest, hop: RoutedHop | None) -> AsyncIterator[GenerationEvent]:
@@ -520,8 +585,14 @@ class Generator:
         pending: list[TokenInfo] = []
         """Log-probabilities of tokens whose text has not gone out yet."""
         self._generating += 1
+        lead: _Group | None = None
         try:
+            lead = await self._join_group(run, request, hop)
             picks = await self._first_tokens(run, request, history)
+            if lead is not None and not lead.leader.done():
+                chain = run.chain
+                same = chain.prefilled and (chain.hop.token if chain.hop else None) == lead.route_token
+                lead.leader.set_result(chain if same else None)
             echo = None
             if request.echo is not None and not request.resume:
                 scored = None if request.sampling.logprobs is None else (None, *run.chain.scored)
@@ -574,10 +645,41 @@ class Generator:
                            completion_tokens=len(history.generated))
         finally:
             self._generating -= 1
+            if lead is not None:
+                if not lead.leader.done():
+                    lead.leader.set_result(None)
+                if request.group is not None and self._groups.get(request.group.group) is lead:
+                    del self._groups[request.group.group]
             if upcoming is not None:  # the client went away while a step was in flight
                 upcoming.cancel()
             run.speculation.close()
             await self._close(run, upcoming)
+
+    async def _join_group(self, run: _Run, request: GenerationRequest, hop: RoutedHop | None) -> _Group | None:
+        """An ``n > 1`` choice: the group it now leads (the first to arrive), or ``None`` after waiting (at most
+        :data:`FORK_WAIT_S`) for the leader's prompt, whose session this one then forks (``run.fork``).
+
+        A choice forks only a leader with the same prompt along the same route; a resumed answer, a prefill/decode
+        split and a prompt whose tokens are scored take no part.
+        """
+        group = request.group
+        if (group is None or request.resume or request.prefill is not None or len(request.prompt_ids) < 2
+                or _scores_prompt(request, History(request.prompt_ids)) is not None):
+            return None
+        token = None if hop is None else hop.token
+        entry = self._groups.get(group.group)
+        if entry is None:
+            entry = _Group(request.prompt_ids, token, asyncio.get_running_loop().create_future())
+            self._groups[group.group] = entry
+            return entry
+        if entry.prompt != request.prompt_ids or entry.route_token != token:
+            return None
+        try:
+            run.fork = await asyncio.wait_for(asyncio.shield(entry.leader), FORK_WAIT_S)
+        except TimeoutError:
+            logger.info("session %s: the first choice's prompt is not in after %.0f s; prefilling",
+                        log_tag(run.chain.session_id), FORK_WAIT_S)
+        return None
 
     def _mode_for(self, request: GenerationRequest) -> SpeculateMode:
         """The request's speculation: ``auto`` speculates on greedy requests only, because a seeded sampled
@@ -647,6 +749,23 @@ class Generator:
         self._metrics.pd_requests.labels(outcome="handoff").inc()
         return pick
 
+    async def _forked(self, run: _Run, request: GenerationRequest, history: History, leader: SessionChain) -> Pick:
+        """The first token of a choice whose session forks the first choice's; on a refused fork, a prefill."""
+        chain = run.chain
+        try:
+            pick = await chain.fork(leader, history.prompt)
+        except ForkRefused as exc:
+            self._metrics.forks.labels(outcome="refused").inc()
+            logger.info("session %s could not fork the first choice's prompt (%s); prefilling it",
+                        log_tag(chain.session_id), exc)
+            closing = self._spawn_close(chain)
+            await asyncio.wait({closing}, timeout=RETIRE_WAIT_S)
+            run.chain = self._chain(chain.hop, request, history)
+            return await self._prefill(run.chain, history.tokens())
+        self._metrics.forks.labels(outcome="forked").inc()
+        self._metrics.fork_positions.inc(len(history.prompt) - 1)
+        return pick
+
     async def _next_tokens(self, run: _Run, request: GenerationRequest, history: History) -> tuple[Pick, ...]:
         """The token(s) that follow ``history``, moving the request to a new route while hops fail.
 
@@ -662,6 +781,9 @@ class Generator:
                     async with run.failover.bounded():
                         if chain.prefilled:
                             token = await self._decode(chain, history, request, run.speculation)
+                        elif run.fork is not None:
+                            leader, run.fork = run.fork, None
+                            token = (await self._forked(run, request, history, leader),)
                         elif run.handoff is not None:
                             handoff, run.handoff = run.handoff, None
                             token = (await self._adopt(run, request, history, handoff),)

@@ -39,6 +39,7 @@ import orjson
 from pydantic import ValidationError
 
 from meshwire import errors
+from meshwire.fork import FORK_REFUSED
 from meshwire.forward_step import ForwardAnswer
 from meshwire.hop_proof import sign_request
 from meshwire.kv_handoff import HANDOFF_FAILED
@@ -302,7 +303,7 @@ def judge_payload(node: RouteNode, status: int, payload: Any, retry_after: str |
         raise ChainFailure(503, payload, busy_node=busy, retry_after=retry_after or DEFAULT_RETRY_AFTER_S)
     if status == 400 and code == INVALID_SAMPLING:
         raise ChainFailure(400, payload)
-    if status == 409 and code == HANDOFF_FAILED:
+    if status == 409 and code in (HANDOFF_FAILED, FORK_REFUSED):
         raise ChainFailure(409, payload, handoff_failed=True)
     culprit = named if isinstance(named, str) else node.node_id
     message = str(error.get("message", str(payload)[:200]))

@@ -146,6 +146,27 @@ class ShardCache:
             if held > length:
                 layer.crop(length - held)
 
+    def copy_prefix(self, source: ShardCache, length: int) -> None:
+        """Start this empty cache with a copy of ``source``'s first ``length`` tokens (a fork, ``meshwire.fork``).
+
+        Raises :class:`ValueError` when it cannot: this cache is not empty, ``source`` holds fewer tokens, or a
+        layer is not a plain growing one (a sliding window keeps only its last tokens).
+        """
+        if self.seq_len or source.entry_layer is None:
+            raise ValueError("a fork starts an empty cache from a source that ran a step")
+        if source.seq_len < length:
+            raise ValueError(f"the source holds {source.seq_len} tokens, not {length}")
+        pairs = []
+        for mine, theirs in zip(self.kv.layers, source.kv.layers, strict=True):
+            if not theirs.is_initialized:
+                continue
+            if not isinstance(mine, GrowingLayer) or not isinstance(theirs, GrowingLayer):
+                raise ValueError("only full-attention layers can be forked")  # noqa: TRY004 - a refusal, not a bug
+            pairs.append((mine, theirs))
+        for mine, theirs in pairs:
+            mine.update(theirs.keys[:, :, :length], theirs.values[:, :, :length])
+        self.entry_layer = source.entry_layer
+
     def nbytes(self) -> int:
         """Bytes of memory the cache's keys and values take."""
         total = 0

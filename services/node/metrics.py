@@ -77,6 +77,13 @@ class NodeMetrics:
         self.positions_computed = Counter("meshnet_node_positions_computed",
                                           "Token positions this node ran through its layers (prompts and decode steps)",
                                           registry=r)
+        # --- n > 1 from one prefill (meshwire.fork) ---
+        self.forks = Counter("meshnet_node_forks",
+                             "Sessions opened as a fork of another's prompt, by outcome (forked, refused)",
+                             ["outcome"], registry=r)
+        self.fork_positions = Counter("meshnet_node_fork_positions",
+                                      "Prompt positions copied from another session's KV instead of computed",
+                                      registry=r)
         # --- prefill/decode handoffs (meshwire.kv_handoff) ---
         self.handoffs_held = Counter("meshnet_node_kv_handoffs_held",
                                      "Prompts this prefill node ran and held the KV of for decode nodes", registry=r)

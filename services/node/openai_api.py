@@ -41,6 +41,7 @@ from meshwire import errors, sse
 from meshwire import headers as h
 from meshwire import openai as oa
 from meshwire.auth import check_bearer, check_bearer_any
+from meshwire.fork import ChoiceGroup
 from meshwire.hop_proof import TRACKER_SIGNER_PREFIX, ProofProblem, check_claim, read_claim
 from meshwire.limits import MAX_HEADER_VALUE_CHARS
 from meshwire.responses_api import ResponseEvents, ResponsesRequest, usage_of
@@ -325,10 +326,10 @@ class OpenAIService:
                                "invalid_request", RESUME_KEY) from None
         parsed = self._validate(body, schema)
         assert isinstance(parsed, oa.SamplingRequest)
-        return await self._prepare_parsed(request, parsed, chat=chat, resume=resume)
+        return await self._prepare_parsed(request, parsed, chat=chat, resume=resume, from_mesh=from_mesh)
 
     async def _prepare_parsed(self, request: Request, parsed: oa.SamplingRequest, *, chat: bool,
-                              resume: Resume | None = None) -> Prepared:
+                              resume: Resume | None = None, from_mesh: bool = False) -> Prepared:
         node = self._node
         generator = node.generator
         assert generator is not None
@@ -361,6 +362,12 @@ class OpenAIService:
         plan = self._prefill_plan(request, len(prompt))
         if plan is not None:
             generation = dataclasses.replace(generation, prefill=plan)
+        group = request.headers.get(h.CHOICE_GROUP) if from_mesh else None
+        if group is not None:
+            try:
+                generation = dataclasses.replace(generation, group=ChoiceGroup.parse(group))
+            except ValueError as exc:
+                raise ApiError(400, str(exc), "bad_header") from None
         sent = "" if not (tools and generation.resume) else await asyncio.to_thread(
             sent_text, generator.tokenizer, generation.stop, generation.resume)
         return Prepared(generation=generation, hop=hop, stream=parsed.stream, include_usage=parsed.include_usage,

@@ -7,6 +7,10 @@ reproducible choice by choice, and choice ``i`` equals the same request with
 ``n=1`` and ``seed + i``. Each choice is a stream that outlives its head
 (:mod:`.continuation`), exactly as a one-choice request is.
 
+The choices go along one route, marked as one group (``meshwire.fork``): the
+head prefills the prompt once and the other choices fork its KV, which
+changes no token of any choice.
+
 Streamed, the clients sees one stream: every event under one id, each
 choice's chunks with their ``index`` as they arrive, one usage chunk at the
 end when ``stream_options.include_usage`` asks for it (the prompt counted
@@ -45,8 +49,8 @@ class ChoicePayloads:
     close: Callable[[], Awaitable[None]]
 
 
-OpenChoice = Callable[[bytes], Awaitable[ChoicePayloads]]
-"""Send one choice's body along a route: its events (raises the OpenAI error when no head takes it)."""
+OpenChoice = Callable[[bytes, int], Awaitable[ChoicePayloads]]
+"""Send choice ``index``'s body along a route: its events (raises the OpenAI error when no head takes it)."""
 
 
 def choice_body(body: bytes, index: int) -> bytes:
@@ -77,7 +81,7 @@ async def several_choices(open_choice: OpenChoice, body: bytes, parsed: oa.Sampl
 
 async def _open_all(open_choice: OpenChoice, body: bytes, n: int) -> list[ChoicePayloads]:
     """Every choice's stream, or none: when one cannot be opened, those that were are closed."""
-    results = await asyncio.gather(*(open_choice(choice_body(body, index)) for index in range(n)),
+    results = await asyncio.gather(*(open_choice(choice_body(body, index), index) for index in range(n)),
                                    return_exceptions=True)
     failure = next((result for result in results if isinstance(result, BaseException)), None)
     if failure is None:

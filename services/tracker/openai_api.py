@@ -19,6 +19,7 @@ With ``MESHNET_API_KEYS`` set, each route needs ``Authorization: Bearer <key>``
 from __future__ import annotations
 
 import logging
+import secrets
 from typing import Final, Literal
 
 import httpx
@@ -28,6 +29,7 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
 
 from meshwire import errors
+from meshwire.fork import ChoiceGroup
 from meshwire.openai import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -59,6 +61,8 @@ SCHEMAS: Final[dict[Endpoint, type[SamplingRequest | ResponsesRequest]]] = {
     "chat": ChatCompletionRequest, "completions": CompletionRequest, "responses": ResponsesRequest}
 ROUTE_ATTEMPTS: Final = 2
 """Routes tried per request: the first, and one more avoiding a head that failed."""
+GROUP_ID_BYTES: Final = 8
+"""Random bytes of the id marking the choices of one ``n > 1`` request as one group (``meshwire.fork``)."""
 
 router = APIRouter()
 
@@ -92,8 +96,13 @@ async def _front_door(request: Request, endpoint: Endpoint) -> Response:
         continued = endpoint != "responses"  # chats and completions outlive their head (see .continuation)
         if isinstance(parsed, SamplingRequest) and parsed.choices > 1:
             key_id = request.scope.get(SCOPE_KEY_ID)
+            await state.trust.ready()
+            shared = state.route_for(model, set())  # one route for every choice: its head prefills the prompt once
+            group = secrets.token_hex(GROUP_ID_BYTES)
             response = await several_choices(
-                lambda choice_body: _proxy_payloads(state, model, path, choice_body, key_id), body, parsed,
+                lambda choice_body, index: _proxy_payloads(
+                    state, model, path, choice_body, key_id, route=shared,
+                    choice_group=ChoiceGroup(group, index, parsed.choices)), body, parsed,
                 chat=endpoint == "chat")
             status = response.status_code
             return response
@@ -114,21 +123,23 @@ async def _front_door(request: Request, endpoint: Endpoint) -> Response:
 
 async def _proxy(state: TrackerState, model: str, path: str, body: bytes, *, stream: bool = False,
                  collect: bool | None = None, key_id: str | None = None,
-                 raw: bool = False) -> Response | ChoicePayloads:
+                 raw: bool = False, route: SignedRoute | None = None,
+                 choice_group: ChoiceGroup | None = None) -> Response | ChoicePayloads:
     """Send ``body`` along a route, and along a second one if the first head fails to answer.
 
     A streamed chat or completion asks the head for progress, so that if the
     head dies mid-answer the stream goes on from another head
     (:mod:`.continuation`). With ``collect`` set (``True``: a chat), the stream
     is assembled into the non-streamed answer the client asked for. With
-    ``key_id`` (an API key's id), the answer's tokens are counted under it.
+    ``key_id`` (an API key's id), the answer's tokens are counted under it. ``route`` is the first route
+    to try (else the mesh's choice), ``choice_group`` the ``n > 1`` request this is one choice of.
     """
     exclude: set[str] = set()
     refused: HeadRefused | None = None
     await state.trust.ready()
     for attempt in range(ROUTE_ATTEMPTS):
         try:
-            route = state.route_for(model, exclude)
+            route = route if attempt == 0 and route is not None else state.route_for(model, exclude)
         except HTTPError:
             if refused is not None:
                 raise refused.error from None  # no other route: the head's own answer says most
@@ -137,7 +148,7 @@ async def _proxy(state: TrackerState, model: str, path: str, body: bytes, *, str
         state.registry.begin_request(node_ids)
         elapsed = first_byte_timer()
         outcome = await open_head(state.http(), route, path, body, state.trust.signing_key(), progress=stream,
-                                  prefill=_prefill_offer(state, model))
+                                  prefill=_prefill_offer(state, model), choice_group=choice_group)
         if isinstance(outcome, HeadError):
             state.registry.end_request(node_ids)
             raise outcome.error
@@ -168,11 +179,13 @@ async def _proxy(state: TrackerState, model: str, path: str, body: bytes, *, str
     raise refused.error
 
 
-async def _proxy_payloads(state: TrackerState, model: str, path: str, body: bytes,
-                          key_id: str | None) -> ChoicePayloads:
+async def _proxy_payloads(state: TrackerState, model: str, path: str, body: bytes, key_id: str | None, *,
+                          route: SignedRoute | None = None,
+                          choice_group: ChoiceGroup | None = None) -> ChoicePayloads:
     """One streamed answer's parsed events (continued across heads), for a caller that assembles several;
-    its tokens counted under ``key_id``."""
-    outcome = await _proxy(state, model, path, body, stream=True, key_id=key_id, raw=True)
+    its tokens counted under ``key_id`` (``route``, ``choice_group``: see :func:`_proxy`)."""
+    outcome = await _proxy(state, model, path, body, stream=True, key_id=key_id, raw=True, route=route,
+                           choice_group=choice_group)
     assert isinstance(outcome, ChoicePayloads)
     return outcome
 

@@ -32,6 +32,7 @@ from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from meshwire import errors, headers, limits
+from meshwire.fork import ChoiceGroup
 from meshwire.hop_proof import TRACKER_SIGNER_PREFIX, sign_request
 from meshwire.route_keys import SigningKey
 from meshwire.routes import SignedRoute
@@ -91,9 +92,11 @@ class PrefillOffer:
 
 
 def head_request_headers(route: SignedRoute, key: SigningKey, path: str, body: bytes, *,
-                         progress: bool = False, prefill: PrefillOffer | None = None) -> dict[str, str]:
+                         progress: bool = False, prefill: PrefillOffer | None = None,
+                         choice_group: ChoiceGroup | None = None) -> dict[str, str]:
     """The only headers a head receives from the tracker (``progress``: token ids in every stream event;
-    ``prefill``: a prefill route for a prompt of at least its ``min_prompt_tokens``).
+    ``prefill``: a prefill route for a prompt of at least its ``min_prompt_tokens``; ``choice_group``: the
+    ``n > 1`` request this is one choice of, see ``meshwire.fork``).
 
     The request is signed with the tracker's route key (:mod:`meshwire.hop_proof`), which the head
     holds from ``GET /v1/keys``: no secret goes to the node.
@@ -107,12 +110,14 @@ def head_request_headers(route: SignedRoute, key: SigningKey, path: str, body: b
     if prefill is not None:
         sent[headers.PREFILL_ROUTE] = prefill.route.token
         sent[headers.PD_MIN_PROMPT_TOKENS] = str(prefill.min_prompt_tokens)
+    if choice_group is not None:
+        sent[headers.CHOICE_GROUP] = choice_group.header()
     return {**sent, **sign_request(key, f"{TRACKER_SIGNER_PREFIX}{key.kid}", path, sent, body)}
 
 
 async def open_head(client: httpx.AsyncClient, route: SignedRoute, path: str, body: bytes,
-                    key: SigningKey, *, progress: bool = False,
-                    prefill: PrefillOffer | None = None) -> httpx.Response | HeadRefused | HeadError:
+                    key: SigningKey, *, progress: bool = False, prefill: PrefillOffer | None = None,
+                    choice_group: ChoiceGroup | None = None) -> httpx.Response | HeadRefused | HeadError:
     """Send ``body`` to the head's ``path``; return its streaming response, or why not to use it.
 
     A returned response is a relayable 2xx, open, and must be closed by the
@@ -124,7 +129,7 @@ async def open_head(client: httpx.AsyncClient, route: SignedRoute, path: str, bo
     head = route.nodes[0]
     request = client.build_request("POST", head.endpoint.rstrip("/") + path, content=body,
                                    headers=head_request_headers(route, key, path, body, progress=progress,
-                                                                prefill=prefill))
+                                                                prefill=prefill, choice_group=choice_group))
     try:
         response = await client.send(request, stream=True)
     except httpx.HTTPError as exc:
