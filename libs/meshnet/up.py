@@ -182,6 +182,9 @@ def run_up(settings: UpSettings, log_level: str = "info") -> int:
     children: list[Child] = []
     interrupted = False
     previous = signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
+    # Ctrl-C stops the mesh even when this process was started with SIGINT ignored (a shell starts background
+    # jobs so, and Python then never turns SIGINT into KeyboardInterrupt): `kill -INT` must stop it too.
+    previous_int = signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         children.append(_spawn("tracker", ["tracker", "--host", host, "--port", str(settings.port)], env, base,
                                log_level))
@@ -229,6 +232,7 @@ def run_up(settings: UpSettings, log_level: str = "info") -> int:
         return 1
     finally:
         signal.signal(signal.SIGTERM, previous)
+        signal.signal(signal.SIGINT, previous_int)
         _stop(children)
         if interrupted:
             print("meshnet up: stopped.", file=sys.stderr)
