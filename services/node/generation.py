@@ -44,7 +44,7 @@ import logging
 import secrets
 import time
 import uuid
-from collections.abc import AsyncIterator, Coroutine, Sequence
+from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final, Literal
 
@@ -290,18 +290,7 @@ class SessionChain:
                 sample_draws=self._sample_draws if self._sample_draws and not self.prefilled else None,
                 sample_ids=self._replayed_in(offset, len(ids)), score=score, draft=draft or None)
             sampler = (await self._local_sampler(session)) if self.solo and samples else None
-            try:
-                answer = await self._stepper.run(session, position_offset=offset, from_layer=0, tokens=len(ids),
-                                                 ids=ids, sampler=sampler, onward=onward, score=score,
-                                                 draft=draft or None)
-            except SessionRefused as exc:
-                raise GenerationFailed(503, exc.code, str(exc), retry_after=str(exc.retry_after_s)) from None
-            except SamplingFailed as exc:
-                raise GenerationFailed(400, INVALID_SAMPLING, str(exc)) from None
-            except ChainFailure as exc:
-                self._step += 1
-                raise _generation_failure(exc) from exc
-            self._step += 1
+            answer = await self._run_step(session, offset, ids, sampler, onward, score=score, draft=draft or None)
         if score is not None:
             if len(answer.scored) != len(score.ids):
                 assert self.hop is not None
@@ -313,6 +302,27 @@ class SessionChain:
         if answer.run is not None:
             return answer.run
         return None if pick is None else (pick,)
+
+    async def _run_step(self, session: Session, offset: int, ids: Sequence[int], sampler: Sampler | None,
+                        onward: Onward | None, *, score: Scoring | None = None, draft: tuple[int, ...] | None = None,
+                        refused: Callable[[ChainFailure], Exception] | None = None) -> StepDone:
+        """One step of ``session`` along the route (the caller holds its lock), counted, its failures as the
+        generator reports them; ``refused`` makes the exception for a hop that refused a fork's or a handoff's
+        KV (the caller then prefills instead)."""
+        try:
+            answer = await self._stepper.run(session, position_offset=offset, from_layer=0, tokens=len(ids),
+                                             ids=ids, sampler=sampler, onward=onward, score=score, draft=draft)
+        except SessionRefused as exc:
+            raise GenerationFailed(503, exc.code, str(exc), retry_after=str(exc.retry_after_s)) from None
+        except SamplingFailed as exc:
+            raise GenerationFailed(400, INVALID_SAMPLING, str(exc)) from None
+        except ChainFailure as exc:  # the frame went out: the step counts
+            self._step += 1
+            if refused is not None and exc.handoff_failed:
+                raise refused(exc) from exc
+            raise _generation_failure(exc) from exc
+        self._step += 1
+        return answer
 
     async def fork(self, leader: SessionChain, prompt: Sequence[int]) -> Pick:
         """Open this session as a fork of ``leader``'s (the same prompt, along the same route): every node copies
@@ -337,19 +347,8 @@ class SessionChain:
             onward = self._onward(offset, samples=True, sample_draws=None,
                                   fork=ForkSource(leader.session_id, positions))
             sampler = (await self._local_sampler(session)) if self.solo else None
-            try:
-                answer = await self._stepper.run(session, position_offset=offset, from_layer=0, tokens=1,
-                                                 ids=[prompt[-1]], sampler=sampler, onward=onward)
-            except SessionRefused as exc:
-                raise GenerationFailed(503, exc.code, str(exc), retry_after=str(exc.retry_after_s)) from None
-            except SamplingFailed as exc:
-                raise GenerationFailed(400, INVALID_SAMPLING, str(exc)) from None
-            except ChainFailure as exc:
-                self._step += 1
-                if exc.handoff_failed:
-                    raise ForkRefused(str(exc)) from exc
-                raise _generation_failure(exc) from exc
-            self._step += 1
+            answer = await self._run_step(session, offset, [prompt[-1]], sampler, onward,
+                                          refused=lambda exc: ForkRefused(str(exc)))
         self.last_timings = answer.node_timings_ms
         pick = self._picked(answer, True)
         assert pick is not None
@@ -381,19 +380,8 @@ class SessionChain:
             offset = session.position
             onward = self._onward(offset, samples=True, sample_draws=draws or None, handoff=handoff)
             sampler = (await self._local_sampler(session)) if self.solo else None
-            try:
-                answer = await self._stepper.run(session, position_offset=offset, from_layer=0, tokens=1,
-                                                 ids=[token], sampler=sampler, onward=onward)
-            except SessionRefused as exc:
-                raise GenerationFailed(503, exc.code, str(exc), retry_after=str(exc.retry_after_s)) from None
-            except SamplingFailed as exc:
-                raise GenerationFailed(400, INVALID_SAMPLING, str(exc)) from None
-            except ChainFailure as exc:
-                self._step += 1
-                if exc.handoff_failed:
-                    raise HandoffRefused("hop_refused", str(exc)) from exc
-                raise _generation_failure(exc) from exc
-            self._step += 1
+            answer = await self._run_step(session, offset, [token], sampler, onward,
+                                          refused=lambda exc: HandoffRefused("hop_refused", str(exc)))
         pick = self._picked(answer, True)
         assert pick is not None
         return pick
