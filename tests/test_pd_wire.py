@@ -178,15 +178,14 @@ def test_prefill_nodes_register_their_group_and_a_node_of_another_layout_is_refu
     assert httpx.get(f"{bootstrap.url}/route", params={"engine_rank": 1, "target_dp_group": 0}).status_code == 500
 
     async def problems() -> tuple[HandoffFailed | None, HandoffFailed | None]:
-        async with httpx.AsyncClient() as http:
-            same = KvPuller(http=http, node_id="d", hop_key=HOP_KEY, bootstrap_url=bootstrap.url, shape=F32,
-                            max_chunk_bytes=1 << 20, timeout_s=5)
-            other = KvPuller(http=http, node_id="d", hop_key=HOP_KEY, bootstrap_url=bootstrap.url, shape=BF16,
-                             max_chunk_bytes=1 << 20, timeout_s=5)
-            out = (await same.layout_problem(), await other.layout_problem())
-            await same.aclose()
-            await other.aclose()
-            return out
+        same = KvPuller(node_id="d", hop_key=HOP_KEY, bootstrap_url=bootstrap.url, shape=F32,
+                        max_chunk_bytes=1 << 20, timeout_s=5)
+        other = KvPuller(node_id="d", hop_key=HOP_KEY, bootstrap_url=bootstrap.url, shape=BF16,
+                         max_chunk_bytes=1 << 20, timeout_s=5)
+        out = (await same.layout_problem(), await other.layout_problem())
+        await same.aclose()
+        await other.aclose()
+        return out
 
     same, other = asyncio.run(problems())
     assert same is None
@@ -213,15 +212,14 @@ def test_a_pull_from_a_prefill_node_that_never_answers_times_out_as_a_handoff_fa
     assert httpx.put(f"{bootstrap.url}/route", json=registration).status_code == 200
 
     async def pull() -> HandoffFailed:
-        async with httpx.AsyncClient() as http:
-            puller = KvPuller(http=http, node_id="d", hop_key=HOP_KEY, bootstrap_url=bootstrap.url, shape=F32,
-                              max_chunk_bytes=1 << 20, timeout_s=1.0)
-            try:
-                await puller.pull_into(None, HandoffSource("s-x", 0, 40), 0, 1, "cpu", "a.route")  # type: ignore[arg-type]
-            except HandoffFailed as exc:
-                return exc
-            finally:
-                await puller.aclose()
+        puller = KvPuller(node_id="d", hop_key=HOP_KEY, bootstrap_url=bootstrap.url, shape=F32,
+                          max_chunk_bytes=1 << 20, timeout_s=1.0)
+        try:
+            await puller.pull_into(None, HandoffSource("s-x", 0, 40), 0, 1, "cpu", "a.route")  # type: ignore[arg-type]
+        except HandoffFailed as exc:
+            return exc
+        finally:
+            await puller.aclose()
         raise AssertionError("the pull did not fail")
 
     try:

@@ -16,6 +16,13 @@ the prefill nodes (:class:`~meshwire.kv_handoff.HandoffSource`):
    was asked (dtype, shape, positions) before it is appended to the session's
    cache.
 
+Step 3 runs on a background thread at a lower CPU priority
+(:mod:`services.node.background`, ``--kv-pull-nice``), in chunks of at most
+:data:`PULL_CHUNK_BYTES`, with its own blocking HTTP client: receiving and
+copying tens of megabytes then takes the core only while this node's decode
+steps leave it free, so the streams it already serves keep their pace while a
+long prompt is handed over (``python -m benchmarks.pd``).
+
 The whole pull is bounded by ``timeout_s``. Any failure raises
 :class:`HandoffFailed` with a reason (``bootstrap``, ``layout_mismatch``,
 ``prefill_unreachable``, ``pull_refused``, ``bad_chunk``, ``timeout``): the
@@ -26,6 +33,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import ssl
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -52,6 +61,7 @@ from meshwire.kv_handoff import (
     placement_layers,
 )
 from meshwire.route_keys import SigningKey
+from services.node.background import DEFAULT_NICE, BackgroundPool
 from services.node.kv_cache import ShardCache
 from services.node.kv_transfer import KVTransferError, append_kv, held_positions
 from services.node.metrics import NodeMetrics
@@ -63,6 +73,11 @@ LAYOUT_CACHE_S: Final = 5.0
 BOOTSTRAP_TIMEOUT_S: Final = 5.0
 BOOTSTRAP_RETRY: Final = RetryPolicy(attempts=2, backoff_s=0.1, max_backoff_s=0.5)
 """A handoff does not wait long for the registry: the decode route can always prefill itself."""
+PULL_CHUNK_BYTES: Final = 8 << 20
+"""Bytes a pull chunk holds at most (fewer when ``--max-frame-bytes`` is lower): one chunk is in memory at a
+time, and its copy into the cache is one stretch of work on the pull thread."""
+PULL_WORKERS: Final = 2
+"""Pulls that run at once (more wait their turn): each is memory bandwidth the decode steps also need."""
 
 
 class HandoffFailed(Exception):
@@ -83,23 +98,62 @@ class StageSource:
     url: str
 
 
+class _Stopped(Exception):
+    """The pull's caller gave up (timeout, cancelled request): the pull thread stops where it is."""
+
+
+class _PullJob:
+    """One pull's cache and its stop switch, shared by the waiting coroutine and the pull thread.
+
+    Appends happen under ``lock`` after checking the switch, and :meth:`stop` throws it under the same
+    lock: once the waiter has stopped a job, the thread never writes to the cache again (the session may
+    be prefilled afresh or freed).
+    """
+
+    def __init__(self, cache: ShardCache, device: Any) -> None:
+        self.cache = cache
+        self.device = device
+        self.lock = threading.Lock()
+        self._stopped = threading.Event()
+
+    @property
+    def stopped(self) -> bool:
+        return self._stopped.is_set()
+
+    def stop(self) -> None:
+        """Stop the pull; waits for an append in progress (one chunk's copy) to end."""
+        with self.lock:
+            self._stopped.set()
+
+    def append(self, first: int, chunk: Any) -> None:
+        with self.lock:
+            if self._stopped.is_set():
+                raise _Stopped
+            append_kv(self.cache, first, chunk, self.device)
+
+
 class KvPuller:
     """Pulls a handoff's KV for some layers from the prefill nodes the bootstrap registry names."""
 
-    def __init__(self, *, http: httpx.AsyncClient, node_id: str, hop_key: SigningKey, bootstrap_url: str,
+    def __init__(self, *, node_id: str, hop_key: SigningKey, bootstrap_url: str,
                  shape: KVShape, max_chunk_bytes: int, timeout_s: float, metrics: NodeMetrics | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
-        self._http = http
+                 clock: Callable[[], float] = time.monotonic, verify: ssl.SSLContext | bool = True,
+                 nice: int = DEFAULT_NICE) -> None:
         self._node_id = node_id
         self._hop_key = hop_key
         self._bootstrap = AsyncBootstrapClient(bootstrap_url, timeout_s=BOOTSTRAP_TIMEOUT_S, retry=BOOTSTRAP_RETRY)
         self.shape = shape
         self.layout: dict[str, Any] = cache_layout(shape)
-        self._max_chunk_bytes = max_chunk_bytes
+        self._max_chunk_bytes = min(max_chunk_bytes, PULL_CHUNK_BYTES)
         self._timeout_s = timeout_s
         self._clock = clock
         self._metrics = metrics
         self._info: tuple[float, PrefillInfo] | None = None
+        self._verify = verify
+        self._pool = BackgroundPool("kv-pull", workers=PULL_WORKERS, nice=nice)
+        self._local = threading.local()
+        self._clients: list[httpx.Client] = []
+        self._clients_lock = threading.Lock()
 
     async def prefill_info(self) -> PrefillInfo:
         """The registry's sizes, layout and placement (reused for :data:`LAYOUT_CACHE_S`)."""
@@ -162,9 +216,13 @@ class KvPuller:
         if problem is not None:
             raise problem
         stages = await self._stages(source, first, last)
-        pulled = 0
-        for stage in stages:
-            pulled += await self._pull_stage(cache, source, stage, device, route_token)
+        job = _PullJob(cache, device)
+        work = self._pool.submit(lambda: sum(self._pull_stage(job, source, stage, route_token) for stage in stages))
+        try:
+            pulled = await asyncio.wrap_future(work)
+        except asyncio.CancelledError:  # a timeout or a request gone: the thread must not write on
+            job.stop()
+            raise
         lengths = held_positions(cache, first, last)
         if lengths != {source.positions}:
             raise HandoffFailed("bad_chunk", f"after the pull layers {first}-{last} hold {sorted(lengths)} positions, "
@@ -196,8 +254,8 @@ class KvPuller:
             raise HandoffFailed("bootstrap", f"the prefill group's stages do not hold every layer of {first}-{last}")
         return sorted(out, key=lambda s: s.first)
 
-    async def _pull_stage(self, cache: ShardCache, source: HandoffSource, stage: StageSource, device: Any,
-                          route_token: str) -> int:
+    def _pull_stage(self, job: _PullJob, source: HandoffSource, stage: StageSource, route_token: str) -> int:
+        """Pull one stage's layers chunk by chunk into the job's cache (on a pull thread); the bytes pulled."""
         layers = stage.last - stage.first + 1
         per_chunk = chunk_positions(layers, self.shape, self._max_chunk_bytes)
         total = -(-source.positions // per_chunk)
@@ -206,16 +264,27 @@ class KvPuller:
             start = index * per_chunk
             count = min(source.positions, start + per_chunk) - start
             expected = (2 * layers, self.shape.kv_heads, count, self.shape.head_dim)
-            chunk = await self._fetch(stage, source, index, total, per_chunk, expected, route_token)
+            chunk = self._fetch(job, stage, source, index, total, per_chunk, expected, route_token)
             try:
-                await asyncio.to_thread(append_kv, cache, stage.first, chunk, device)
+                job.append(stage.first, chunk)
             except KVTransferError as exc:
                 raise HandoffFailed("bad_chunk", str(exc)) from None
             pulled += chunk.numel() * chunk.element_size()
         return pulled
 
-    async def _fetch(self, stage: StageSource, source: HandoffSource, index: int, total: int, per_chunk: int,
-                     expected: tuple[int, ...], route_token: str) -> Any:
+    def _client(self) -> httpx.Client:
+        """This pull thread's own keep-alive client (a blocking one: the thread has no event loop)."""
+        client: httpx.Client | None = getattr(self._local, "client", None)
+        if client is None:
+            client = httpx.Client(http1=True, http2=False, verify=self._verify,
+                                  timeout=httpx.Timeout(self._timeout_s, connect=BOOTSTRAP_TIMEOUT_S))
+            self._local.client = client
+            with self._clients_lock:
+                self._clients.append(client)
+        return client
+
+    def _fetch(self, job: _PullJob, stage: StageSource, source: HandoffSource, index: int, total: int,
+               per_chunk: int, expected: tuple[int, ...], route_token: str) -> Any:
         headers = {h.WIRE: h.WIRE_VERSION, h.ROUTE: route_token, h.SESSION: source.session,
                    KV_LAYERS: format_layers(stage.first, stage.last), h.CHUNK_INDEX: str(index),
                    KV_CHUNK_POSITIONS: str(per_chunk)}
@@ -226,9 +295,11 @@ class KvPuller:
         nbytes *= self.shape.itemsize
         limit = nbytes + MAX_PULL_ANSWER_EXTRA
         try:
-            async with self._http.stream("POST", f"{stage.url}{PULL_PATH}", headers=headers) as response:
+            with self._client().stream("POST", f"{stage.url}{PULL_PATH}", headers=headers) as response:
                 body = bytearray()
-                async for part in response.aiter_bytes():
+                for part in response.iter_bytes():
+                    if job.stopped:
+                        raise _Stopped
                     body += part
                     if len(body) > limit:
                         raise HandoffFailed("bad_chunk", f"a KV chunk from stage {stage.stage} is over {limit} bytes")
@@ -252,6 +323,11 @@ class KvPuller:
         return frame.tensor
 
     async def aclose(self) -> None:
+        self._pool.shutdown()
+        with self._clients_lock:
+            clients, self._clients = self._clients, []
+        for client in clients:
+            client.close()
         await self._bootstrap.aclose()
 
 

@@ -157,9 +157,10 @@ class NodeRuntime:
         handoff_limits = HandoffLimits(max_held=s.handoff_max_held, max_bytes=s.handoff_max_bytes,
                                        position_bytes=shape.position_bytes_per_layer)
         if s.bootstrap is not None and s.role != "prefill":
-            self.puller = KvPuller(http=self.http, node_id=self.node_id, hop_key=self.hop_key,
+            self.puller = KvPuller(node_id=self.node_id, hop_key=self.hop_key,
                                    bootstrap_url=s.bootstrap, shape=shape, max_chunk_bytes=s.max_frame_bytes,
-                                   timeout_s=s.handoff_pull_timeout_s, metrics=self.metrics)
+                                   timeout_s=s.handoff_pull_timeout_s, metrics=self.metrics,
+                                   verify=tls.httpx_verify(s.tls_ca), nice=s.kv_pull_nice)
         if s.role == "prefill":
             if s.bootstrap is None:
                 logger.warning("--role prefill without --bootstrap: this node registers in no bootstrap registry, so "

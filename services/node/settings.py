@@ -20,6 +20,7 @@ from meshwire import limits, slow_clients, tls
 from meshwire.auth import DEFAULT_SECRET
 from meshwire.fields import ApiKeyList
 from meshwire.route_keys import KeyProblem, KeySet, SigningKey
+from services.node.background import DEFAULT_NICE, MAX_NICE
 from services.node.cpu_gate import DEFAULT_CPU_LOCK
 
 DEFAULT_MODEL: Final = "HuggingFaceTB/SmolLM2-135M-Instruct"
@@ -194,6 +195,9 @@ class NodeSettings(BaseSettings):
     """Bytes of KV a prefill node holds for handoffs at once at most."""
     handoff_pull_timeout_s: float = Field(default=DEFAULT_HANDOFF_PULL_TIMEOUT_S, gt=0, le=3600)
     """How long a decode node may take to pull a handoff's KV before it prefills the prompt itself."""
+    kv_pull_nice: int = Field(default=DEFAULT_NICE, ge=0, le=MAX_NICE)
+    """How far below the node's CPU priority a decode node pulls a handoff's KV (0: the same): the streams it
+    already decodes keep their pace while a long prompt's KV arrives, which then takes longer on a busy node."""
 
     # --- TLS and slow clients ------------------------------------------------------
     tls_cert: str | None = None
