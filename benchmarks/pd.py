@@ -102,9 +102,23 @@ async def phase(name: str, tracker: str, decode: str, model: str, seconds: float
         await asyncio.gather(*tasks)
     ms = sorted(g * 1000 for g in gaps)
     out = {"phase": name, "gaps": len(ms), "tbt_p50_ms": _pct(ms, 50), "tbt_p99_ms": _pct(ms, 99),
+           "gaps_by_ms": _histogram(ms),
            "long_prompts": len(ttfts), "long_prompt_tokens": sum(prompt_tokens),
            "ttft_s": [round(t, 2) for t in ttfts], "ttft_median_s": statistics.median(ttfts) if ttfts else None}
     print(json.dumps(out), file=sys.stderr, flush=True)
+    return out
+
+
+GAP_BUCKETS_MS: tuple[float, ...] = (35, 42, 50, 75, 100, 200, 500)
+"""Upper bounds of the buckets a phase's gaps are counted in: where a p99 comes from."""
+
+
+def _histogram(ms: list[float]) -> dict[str, int]:
+    """How many gaps fall in each bucket of :data:`GAP_BUCKETS_MS` (``"<=35"``, ..., ``">500"``)."""
+    out = {f"<={bound:g}": 0 for bound in GAP_BUCKETS_MS} | {f">{GAP_BUCKETS_MS[-1]:g}": 0}
+    for value in ms:
+        bound = next((b for b in GAP_BUCKETS_MS if value <= b), None)
+        out[f"<={bound:g}" if bound is not None else f">{GAP_BUCKETS_MS[-1]:g}"] += 1
     return out
 
 

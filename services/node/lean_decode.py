@@ -161,9 +161,14 @@ class LeanDecoder:
         at = 0
         for cache, n in segments:
             keys, values = cache.layers[index].update(k[:, :, at:at + n], v[:, :, at:at + n])
-            attended.append(F.scaled_dot_product_attention(
-                q[:, :, at:at + n].to(wide), keys.to(wide), values.to(wide), attn_mask=_causal(n, keys.shape[2], x),
-                scale=w.scaling, enable_gqa=True))
+            if n == 1:  # a decode row: each KV head's query heads attend as one group (keys and values read once)
+                grouped = q[:, :, at:at + 1].reshape(1, kv_heads, heads // kv_heads, dim)
+                attended.append(F.scaled_dot_product_attention(
+                    grouped.to(wide), keys.to(wide), values.to(wide), scale=w.scaling).reshape(1, heads, 1, dim))
+            else:
+                attended.append(F.scaled_dot_product_attention(
+                    q[:, :, at:at + n].to(wide), keys.to(wide), values.to(wide),
+                    attn_mask=_causal(n, keys.shape[2], x), scale=w.scaling, enable_gqa=True))
             at += n
         joined = (attended[0] if len(attended) == 1 else torch.cat(attended, 2)).to(x.dtype)
         x = x + _product(joined.transpose(1, 2).reshape(1, total, heads * dim), w.out, w.out_bias)
