@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from services.node.cpu_gate import CpuGate, cpu_gate_for
+from services.node.cpu_gate import CONTENTION_MEMORY_S, CpuGate, cpu_gate_for
 
 HOLDER_READY = "holding"
 
@@ -105,3 +105,50 @@ def test_an_unopenable_lock_file_means_all_threads_and_a_warning(tmp_path: Path,
     assert "cannot open the CPU lock" in caplog.text
     with gate.hold(3) as share:
         assert share.threads == 3 and share.waited_s == 0.0
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_after_meeting_another_node_a_node_keeps_to_half_the_slots_for_a_while_then_takes_all_again(
+        tmp_path: Path) -> None:
+    """Two streams over a 2-node mesh: a node that found the other computing keeps to its share even when
+    the other is between two steps, so the other's next step runs beside it instead of waiting for it."""
+    path = tmp_path / "cpu.lock"
+    clock = _Clock()
+    gate = CpuGate(str(path), slots=4, clock=clock)
+    with gate.hold(4) as share:
+        assert share.threads == 4 and not gate.sharing  # alone: every core
+    other = _holder(path, slots=4, take=1)
+    try:
+        with gate.hold(4) as share:
+            assert share.threads == 3  # what the other left free, and it met the other
+    finally:
+        _release(other)
+    assert gate.sharing
+    clock.now += CONTENTION_MEMORY_S / 2
+    with gate.hold(4) as share:  # every slot free, but the other node computed a moment ago
+        assert share.threads == 2
+    clock.now += CONTENTION_MEMORY_S
+    assert not gate.sharing
+    with gate.hold(4) as share:  # nobody met for a while: a lone stream has every core again
+        assert share.threads == 4
+
+
+def test_a_node_keeping_to_its_share_still_notices_the_other_node_on_the_slots_it_does_not_take(
+        tmp_path: Path) -> None:
+    path = tmp_path / "cpu.lock"
+    clock = _Clock()
+    gate = CpuGate(str(path), slots=2, clock=clock)
+    other = _holder(path, slots=2, take=1)  # one slot, whichever its pid starts at
+    try:
+        with gate.hold(1) as share:  # one thread wanted: taken at once, the other slot only looked at
+            assert share.threads == 1 and share.waited_s == 0.0
+        assert gate.sharing
+    finally:
+        _release(other)

@@ -21,7 +21,16 @@ with one thread per slot held:
   core, as if alone;
 * only the slot it waited for when all were taken: under concurrent load the
   nodes settle on a share each and compute side by side, never more threads
-  than cores.
+  than cores;
+* at most half the slots for :data:`CONTENTION_MEMORY_S` after a forward of
+  its own met another node's (a slot taken, or a wait), even when every slot
+  is free at that moment: two streams through a 2-node mesh keep both nodes
+  busy, each step's forward on one node while the other's runs beside it.
+  Taking every free core whenever the other node was between two steps made
+  that node wait for the whole next step instead (2 streams: 56 tokens/s in
+  aggregate against 84 with a core pinned to each node, ``benchmarks
+  concurrency`` on 2 cores). A lone stream never meets the other node's
+  forward, so it keeps every core.
 
 The kernel releases the locks of a process that dies, so a crashed node
 never blocks the others. On a machine of its own a node takes its slots
@@ -36,7 +45,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Final
 
@@ -48,6 +57,9 @@ DISABLED_VALUES: Final = frozenset({"", "off", "none"})
 """``MESHNET_CPU_LOCK`` values that turn sharing off (each node computes whenever it likes)."""
 LOCK_FILE_MODE: Final = 0o666
 """Nodes run by different users on one machine can all open the lock file."""
+CONTENTION_MEMORY_S: Final = 0.5
+"""How long a node keeps to half the slots after its forward met another node's: tens of decode steps,
+so a steady concurrent load stays shared, and a lone stream after it has every core again within a second."""
 
 
 def machine_cores() -> int:
@@ -74,9 +86,12 @@ class CpuGate:
     in-process lock keeps it correct should two threads ever use it.
     """
 
-    def __init__(self, path: str, slots: int | None = None) -> None:
+    def __init__(self, path: str, slots: int | None = None, clock: Callable[[], float] = time.monotonic) -> None:
         self.path = path
         self.slots = slots if slots is not None else machine_cores()
+        self._clock = clock
+        self._contended_at: float | None = None
+        """When a forward of this node last met another node's (took fewer slots than free, or waited)."""
         self._local = threading.Lock()
         self._first = os.getpid() % self.slots
         """Where this process starts looking for a free slot (processes spread over the slots)."""
@@ -87,6 +102,11 @@ class CpuGate:
         """False when the lock file could not be opened (the node then computes with all its threads)."""
         return self._fd is not None
 
+    @property
+    def sharing(self) -> bool:
+        """Whether a forward of this node met another node's within :data:`CONTENTION_MEMORY_S`."""
+        return self._contended_at is not None and self._clock() - self._contended_at < CONTENTION_MEMORY_S
+
     @contextlib.contextmanager
     def hold(self, max_threads: int) -> Iterator[Share]:
         """Hold a share of the slots (at most ``max_threads``) for the block."""
@@ -96,18 +116,28 @@ class CpuGate:
                 yield Share(threads=max_threads, waited_s=0.0)
                 return
             fd = self._fd
+            limit = max_threads if not self.sharing else max(1, min(max_threads, self.slots // 2))
             held: list[int] = []
+            contended = False
             for offset in range(self.slots):
-                if len(held) >= max_threads:
-                    break
                 slot = (self._first + offset) % self.slots
+                if len(held) >= limit:  # look whether another node computes now (a free slot is let go at once)
+                    if _try_lock(fd, slot):
+                        _unlock(fd, slot)
+                    else:
+                        contended = True
+                    continue
                 if _try_lock(fd, slot):
                     held.append(slot)
+                else:
+                    contended = True
             waited = 0.0
             if not held:
                 _lock(fd, self._first)
                 held = [self._first]
                 waited = time.perf_counter() - began
+            if contended:
+                self._contended_at = self._clock()
             try:
                 yield Share(threads=len(held), waited_s=waited)
             finally:
