@@ -43,10 +43,12 @@ of a core its decode steps also want."""
 class BackgroundPool:
     """A bounded pool of lower-priority threads (``nice`` 0 keeps the node's own priority)."""
 
-    def __init__(self, name: str, *, workers: int, nice: int) -> None:
+    def __init__(self, name: str, *, workers: int, nice: int, setup: Callable[[], None] | None = None) -> None:
         if not 0 <= nice <= MAX_NICE:
             raise ValueError(f"nice must be 0..{MAX_NICE}, got {nice}")
         self.nice = nice
+        self._setup = setup
+        """Run first on each thread (a node keeps torch to one thread there: ``compute.one_torch_thread``)."""
         self._warned = threading.Event()
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix=name,
                                                            initializer=self._lower_priority)
@@ -60,6 +62,8 @@ class BackgroundPool:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
     def _lower_priority(self) -> None:
+        if self._setup is not None:
+            self._setup()
         if self.nice == 0:
             return
         try:

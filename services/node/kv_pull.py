@@ -62,6 +62,7 @@ from meshwire.kv_handoff import (
 )
 from meshwire.route_keys import SigningKey
 from services.node.background import DEFAULT_NICE, BackgroundPool
+from services.node.compute import one_torch_thread
 from services.node.kv_cache import ShardCache
 from services.node.kv_transfer import KVTransferError, append_kv, held_positions
 from services.node.metrics import NodeMetrics
@@ -150,7 +151,7 @@ class KvPuller:
         self._metrics = metrics
         self._info: tuple[float, PrefillInfo] | None = None
         self._verify = verify
-        self._pool = BackgroundPool("kv-pull", workers=PULL_WORKERS, nice=nice)
+        self._pool = BackgroundPool("kv-pull", workers=PULL_WORKERS, nice=nice, setup=one_torch_thread)
         self._local = threading.local()
         self._clients: list[httpx.Client] = []
         self._clients_lock = threading.Lock()

@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Final, Literal
 
 import httpx
@@ -27,7 +28,7 @@ except ImportError:  # pragma: no cover - depends on which pieces are installed
 from meshwire import tls
 from meshwire.frames import DTYPE_NAMES, FrameLimits
 from meshwire.registry import NodeRegistration
-from services.node.compute import ComputeWorker, ShardRunner
+from services.node.compute import ComputeWorker, ShardRunner, one_torch_thread
 from services.node.cpu_gate import cpu_gate_for
 from services.node.device import pick_device, pick_dtype
 from services.node.draft_model import load_draft_model
@@ -81,6 +82,7 @@ class NodeRuntime:
         self.metrics = NodeMetrics(self.sessions)
         self.sessions.on_handoff_expired = self.metrics.handoffs_freed.labels(how="expired").inc
         self.worker = ComputeWorker(settings.threads)
+        one_torch_thread()  # the event loop's thread: only the compute thread runs torch with several threads
         self.http = httpx.AsyncClient(
             http1=True, http2=False,
             limits=httpx.Limits(max_connections=HTTP_POOL_CONNECTIONS, max_keepalive_connections=HTTP_POOL_CONNECTIONS),
@@ -124,6 +126,8 @@ class NodeRuntime:
         """
         s = self.settings
         began = time.perf_counter()
+        asyncio.get_running_loop().set_default_executor(  # asyncio.to_thread's threads: torch on one thread each
+            ThreadPoolExecutor(thread_name_prefix="meshnet-io", initializer=one_torch_thread))
         resolved = await self.worker.run(resolve_model, s.model, s.model_cache_dir)
         self.model_id = resolved.model_id
         device = pick_device(s.device)
