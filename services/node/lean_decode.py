@@ -43,6 +43,7 @@ from torch import nn
 from transformers import PretrainedConfig
 from transformers.cache_utils import Cache
 
+from services.node import quant_kernel
 from services.node.chunk_precision import HALF_DTYPES
 from services.node.quant import QuantMatrix
 
@@ -83,8 +84,9 @@ class LeanDecoder:
         batched rows (a float32 shard's lone steps keep transformers' exact path)."""
         self.grouped_rows = grouped_rows
         """Whether a decode row attends with each KV head's query heads as one group, reading its keys and
-        values once instead of once per query head (a 2,048-token row of the default model: 47.2 -> 45.0 ms a
-        turn). It rounds differently from transformers' attention, so only quantized shards, which never
+        values once instead of once per query head, with two matrix products on a CPU (a turn of four short
+        rows and one 2,048-token row of the default model, int4 on one thread: 47.2 ms with transformers'
+        per-head attention, 45.0 grouped in torch's fused kernel, 40.5 grouped in meshnet's kernel). It rounds differently from transformers' attention, so only quantized shards, which never
         match transformers bit for bit, take it; a half-precision shard's lone steps must."""
         self._heads: int = config.num_attention_heads
         self._kv_heads: int = config.num_key_value_heads
@@ -169,8 +171,8 @@ class LeanDecoder:
             keys, values = cache.layers[index].update(k[:, :, at:at + n], v[:, :, at:at + n])
             if n == 1 and self.grouped_rows:  # a decode row: each KV head's query heads attend as one group
                 grouped = q[:, :, at:at + 1].reshape(1, kv_heads, heads // kv_heads, dim)
-                attended.append(F.scaled_dot_product_attention(
-                    grouped.to(wide), keys.to(wide), values.to(wide), scale=w.scaling).reshape(1, heads, 1, dim))
+                attended.append(_grouped_row_attention(grouped.to(wide), keys.to(wide), values.to(wide),
+                                                       w.scaling).reshape(1, heads, 1, dim))
             else:
                 attended.append(F.scaled_dot_product_attention(
                     q[:, :, at:at + n].to(wide), keys.to(wide), values.to(wide),
@@ -184,6 +186,30 @@ class LeanDecoder:
         gate, up = _product(_rms_norm(x, w.post_norm, w.post_eps), w.gate_up, w.gate_up_bias).split(
             [self._intermediate, self._intermediate], -1)
         return x + _product(F.silu(gate) * up, w.down, w.down_bias)
+
+
+def _grouped_row_attention(grouped: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                           scaling: float) -> torch.Tensor:
+    """One decode row's attention, each KV head's query heads as one group: ``[1, kv, G, dim]`` against
+    ``[1, kv, L, dim]`` keys and values.
+
+    A decode row's attention should cost the read of its keys and values.
+    torch's CPU flash attention is blocked for long runs of queries and took
+    twice that for the handful a row has; meshnet's kernel
+    (``kernels/row_attention.cpp``) reads each key and value once for the
+    whole group, at about the speed of reading them (the default model, 30
+    layers of 2,048 cached positions, one thread: 10.0 ms in torch's, 5.6 in
+    the kernel, 5.4 to sum the same bytes). Without the kernel (no AVX-512,
+    no build), two matrix products around a softmax on a CPU, the fused
+    kernel elsewhere.
+    """
+    if grouped.device.type != "cpu":
+        return F.scaled_dot_product_attention(grouped, keys, values, scale=scaling)
+    if (grouped.dtype == torch.float32 and keys.dtype == torch.float32 and values.dtype == torch.float32
+            and keys.stride(-1) == 1 and values.stride(-1) == 1 and quant_kernel.row_attention_ready()):
+        return quant_kernel.row_attention(grouped[0].contiguous(), keys[0], values[0], scaling).unsqueeze(0)
+    scores = torch.matmul(grouped, keys.transpose(-1, -2)).mul_(scaling)
+    return torch.matmul(scores.softmax(-1), values)
 
 
 def _causal(n: int, total: int, x: torch.Tensor) -> torch.Tensor | None:

@@ -48,7 +48,9 @@ from torch.utils import cpp_extension
 
 logger = logging.getLogger(__name__)
 
-SOURCE: Final = Path(__file__).parent / "kernels" / "quant_mm.cpp"
+SOURCES: Final = tuple(Path(__file__).parent / "kernels" / name for name in ("quant_mm.cpp", "row_attention.cpp"))
+"""Compiled into one library: the quantized product and the attention of decode rows
+(``kernels/row_attention.cpp``, used by :mod:`services.node.lean_decode`)."""
 CACHE_ENV: Final = "MESHNET_KERNEL_CACHE"
 """Environment variable naming the folder built kernels are kept in (default under ``~/.cache``)."""
 DEFAULT_CACHE: Final = Path("~/.cache/meshnet/kernels")
@@ -73,14 +75,15 @@ def _command(compiler: str, output: Path) -> list[str]:
     abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
     includes = [*cpp_extension.include_paths(), sysconfig.get_paths()["include"]]
     libs = cpp_extension.library_paths()
-    return [compiler, *FLAGS, f"-D_GLIBCXX_USE_CXX11_ABI={abi}", *(f"-I{p}" for p in includes), str(SOURCE),
+    return [compiler, *FLAGS, f"-D_GLIBCXX_USE_CXX11_ABI={abi}", *(f"-I{p}" for p in includes), *map(str, SOURCES),
             *(f"-L{p}" for p in libs), *(f"-Wl,-rpath,{p}" for p in libs), "-lc10", "-ltorch_cpu", "-o", str(output)]
 
 
 def library_path() -> Path:
     """Where the build of this source for this torch lives (it may not exist yet)."""
     digest = hashlib.sha256()
-    digest.update(SOURCE.read_bytes())
+    for source in SOURCES:
+        digest.update(source.read_bytes())
     digest.update(f"{torch.__version__}|{sys.version_info[:2]}|{' '.join(FLAGS)}".encode())
     return cache_dir() / f"{LIBRARY_NAME}-{digest.hexdigest()[:16]}.so"
 
@@ -135,6 +138,23 @@ def available() -> bool:
         return False
     logger.info("quantized products use meshnet's native kernel (%s)", isa)
     return True
+
+
+AVX512: Final = 3
+"""The ``isa`` number from which the native kernels vectorise (AMX, 4, includes AVX-512)."""
+
+
+@functools.cache
+def row_attention_ready() -> bool:
+    """Whether decode rows should attend with the native kernel: loaded, on a CPU with AVX-512 (elsewhere its
+    portable loops are slower than torch's products)."""
+    return available() and int(torch.ops.meshnet_quant.best_isa()) >= AVX512
+
+
+def row_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float) -> torch.Tensor:
+    """Each KV head's query heads of one decode row against its cache: float32 ``q`` ``[H, G, D]``, ``keys``
+    and ``values`` ``[H, L, D]`` (unit stride along ``D``), result ``[H, G, D]`` (``kernels/row_attention.cpp``)."""
+    return torch.ops.meshnet_quant.row_attention(q, keys, values, scale)
 
 
 def mm(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, bits: int, isa: int = 0) -> torch.Tensor:
