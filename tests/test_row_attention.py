@@ -23,16 +23,19 @@ def _reference(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale:
     return torch.matmul(scores.softmax(-1), values.double())
 
 
+@pytest.mark.parametrize("cached", [torch.float32, torch.float16, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("dim", [64, 128, 16, 24])
 @pytest.mark.parametrize("group", [1, 3, 5, 8])
 @pytest.mark.parametrize("length", [1, 15, 16, 17, 300])
-def test_a_groups_attention_equals_float64_attention_within_the_float32_bound(dim: int, group: int,
-                                                                               length: int) -> None:
+def test_a_groups_attention_equals_float64_attention_within_the_float32_bound(dim: int, group: int, length: int,
+                                                                               cached: torch.dtype) -> None:
+    """Keys and values kept in 16 bits are widened exactly: the bound is float32's, against attention over
+    the same 16-bit values."""
     gen = torch.Generator().manual_seed(dim * 1000 + group * 100 + length)
     heads, capacity = 3, length + 40
     q = torch.randn(heads, group, dim, generator=gen)
-    cache_k = torch.randn(1, heads, capacity, dim, generator=gen)
-    cache_v = torch.randn(1, heads, capacity, dim, generator=gen)
+    cache_k = torch.randn(1, heads, capacity, dim, generator=gen).to(cached)
+    cache_v = torch.randn(1, heads, capacity, dim, generator=gen).to(cached)
     keys, values = cache_k[0, :, :length], cache_v[0, :, :length]  # a cache's first positions: strided heads
     scale = dim ** -0.5
     out = quant_kernel.row_attention(q, keys, values, scale)
@@ -55,11 +58,13 @@ def test_a_rows_result_does_not_depend_on_the_thread_count() -> None:
     assert torch.equal(one, two)
 
 
-@pytest.mark.parametrize("bad", ["dtype", "heads", "dim", "lengths", "stride", "empty"])
+@pytest.mark.parametrize("bad", ["dtype", "mixed", "heads", "dim", "lengths", "stride", "empty"])
 def test_shapes_it_cannot_take_are_refused_with_what_was_wrong(bad: str) -> None:
     q, keys, values = torch.randn(3, 3, 64), torch.randn(3, 20, 64), torch.randn(3, 20, 64)
     if bad == "dtype":
-        keys = keys.double()
+        keys, values = keys.double(), values.double()
+    elif bad == "mixed":
+        keys = keys.half()
     elif bad == "heads":
         keys = torch.randn(2, 20, 64)
     elif bad == "dim":

@@ -171,7 +171,7 @@ class LeanDecoder:
             keys, values = cache.layers[index].update(k[:, :, at:at + n], v[:, :, at:at + n])
             if n == 1 and self.grouped_rows:  # a decode row: each KV head's query heads attend as one group
                 grouped = q[:, :, at:at + 1].reshape(1, kv_heads, heads // kv_heads, dim)
-                attended.append(_grouped_row_attention(grouped.to(wide), keys.to(wide), values.to(wide),
+                attended.append(_grouped_row_attention(grouped.to(wide), keys, values,  # as cached: widened as read
                                                        w.scaling).reshape(1, heads, 1, dim))
             else:
                 attended.append(F.scaled_dot_product_attention(
@@ -188,6 +188,10 @@ class LeanDecoder:
         return x + _product(F.silu(gate) * up, w.down, w.down_bias)
 
 
+ROW_KERNEL_CACHE_DTYPES: Final = (torch.float32, torch.float16, torch.bfloat16)
+"""Cache formats meshnet's row-attention kernel reads (widening 16-bit ones to float32 as it loads them)."""
+
+
 def _grouped_row_attention(grouped: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
                            scaling: float) -> torch.Tensor:
     """One decode row's attention, each KV head's query heads as one group: ``[1, kv, G, dim]`` against
@@ -199,15 +203,17 @@ def _grouped_row_attention(grouped: torch.Tensor, keys: torch.Tensor, values: to
     (``kernels/row_attention.cpp``) reads each key and value once for the
     whole group, at about the speed of reading them (the default model, 30
     layers of 2,048 cached positions, one thread: 10.0 ms in torch's, 5.6 in
-    the kernel, 5.4 to sum the same bytes). Without the kernel (no AVX-512,
+    the kernel, 5.4 to sum the same bytes; 2.9 from a float16 cache). Without the kernel (no AVX-512,
     no build), two matrix products around a softmax on a CPU, the fused
     kernel elsewhere.
     """
+    if (grouped.device.type == "cpu" and grouped.dtype == torch.float32 and keys.dtype in ROW_KERNEL_CACHE_DTYPES
+            and values.dtype == keys.dtype and keys.stride(-1) == 1 and values.stride(-1) == 1
+            and quant_kernel.row_attention_ready()):
+        return quant_kernel.row_attention(grouped[0].contiguous(), keys[0], values[0], scaling).unsqueeze(0)
+    keys, values = keys.to(grouped.dtype), values.to(grouped.dtype)  # a 16-bit cache (--kv-dtype) read wide
     if grouped.device.type != "cpu":
         return F.scaled_dot_product_attention(grouped, keys, values, scale=scaling)
-    if (grouped.dtype == torch.float32 and keys.dtype == torch.float32 and values.dtype == torch.float32
-            and keys.stride(-1) == 1 and values.stride(-1) == 1 and quant_kernel.row_attention_ready()):
-        return quant_kernel.row_attention(grouped[0].contiguous(), keys[0], values[0], scaling).unsqueeze(0)
     scores = torch.matmul(grouped, keys.transpose(-1, -2)).mul_(scaling)
     return torch.matmul(scores.softmax(-1), values)
 

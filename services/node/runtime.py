@@ -148,7 +148,7 @@ class NodeRuntime:
         config = await asyncio.to_thread(AutoConfig.from_pretrained, resolved.path)
         start, end = s.layer_range() or (0, config.num_hidden_layers - 1)
         self.shard = await self.worker.run(load_shard, resolved.path, start, end, dtype, device, weights,
-                                           resolved.gguf if weights != "float" else None)
+                                           resolved.gguf if weights != "float" else None, s.kv_dtype)
         weight_bytes = self.shard.weight_bytes()
         self.metrics.weight_bytes.set(weight_bytes)
         self.runner = ShardRunner(self.shard, self.worker, max_batch=s.max_batch, max_step_tokens=s.max_step_tokens,

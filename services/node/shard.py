@@ -73,6 +73,9 @@ _MASK_BUILDERS: Final[dict[str, Callable[..., torch.Tensor | None]]] = {
     "sliding_attention": create_sliding_window_causal_mask,
 }
 
+KV_DTYPES: Final[dict[str, torch.dtype | None]] = {"auto": None, "float16": torch.float16,
+                                                  "bfloat16": torch.bfloat16}
+"""What ``--kv-dtype`` names: the format a quantized shard's KV cache keeps (``auto``: the compute format)."""
 EMBED_KEY: Final = "model.embed_tokens.weight"
 LM_HEAD_KEY: Final = "lm_head.weight"
 
@@ -433,7 +436,7 @@ def _mask_kinds(config: PretrainedConfig, start: int, end: int) -> dict[int, Mas
 
 
 def load_shard(path: Path, start: int, end: int, dtype: torch.dtype, device: torch.device,
-               weights: WeightsFormat = "float", gguf: Path | None = None) -> Shard:
+               weights: WeightsFormat = "float", gguf: Path | None = None, kv_dtype: str = "auto") -> Shard:
     """Load layers ``start..end`` (inclusive) of the model in folder ``path``.
 
     Only the tensors of the kept modules are read from the safetensors files;
@@ -511,13 +514,19 @@ def load_shard(path: Path, start: int, end: int, dtype: torch.dtype, device: tor
         lean=lean,
         weights_format=served,
     )
+    if kv_dtype != "auto":
+        if served == "float":
+            logger.warning("--kv-dtype %s applies to quantized weights only: layers %d-%d keep their KV cache as %s",
+                           kv_dtype, start, end, _name(shard.kv_dtype or dtype))
+        else:
+            shard.kv_dtype = KV_DTYPES[kv_dtype]
     chunks = (
         ""
         if chunk_dtype == dtype
         else f" (multi-token chunks in {_name(chunk_dtype)}: no native {_name(dtype)} matrix kernels here)"
     )
     logger.info(
-        "loaded layers %d-%d of %d (%s) as %s%s on %s%s: %.1f MiB in %.2f s",
+        "loaded layers %d-%d of %d (%s) as %s%s on %s%s, KV cache as %s: %.1f MiB in %.2f s",
         start,
         end,
         num_layers,
@@ -526,6 +535,7 @@ def load_shard(path: Path, start: int, end: int, dtype: torch.dtype, device: tor
         "" if served == "float" else f" with {served} weights" + (f" from {gguf.name}" if gguf else ""),
         device,
         chunks,
+        _name(shard.kv_dtype or dtype),
         shard.weight_bytes() / (1 << 20),
         time.perf_counter() - began,
     )

@@ -10,8 +10,10 @@
 //   pass 2  o[g] = sum_l p[g, l] v[l]                one value row in registers, every query's sums
 // Arithmetic: float32 products and sums; a dot product sums its 16-lane pieces, then the lanes (pairwise).
 //
-// Shapes: q float32 [H, G, D] (contiguous), k and v float32 [H, L, D] with unit stride along D (a cache's
-// slice of its first L positions is fine), result float32 [H, G, D]. The heads run in parallel
+// Shapes: q float32 [H, G, D] (contiguous), k and v [H, L, D] with unit stride along D (a cache's slice of
+// its first L positions is fine), result float32 [H, G, D]. Keys and values may be kept in float32, float16
+// or bfloat16 (a node's --kv-dtype): each is widened to float32 as it is loaded, so a 16-bit cache costs
+// half the read and nothing else. The heads run in parallel
 // (at::parallel_for), so torch.set_num_threads bounds it.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -24,6 +26,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <utility>
 
 namespace {
 
@@ -33,12 +36,29 @@ constexpr int64_t kQueryTile = 4;
 constexpr int64_t kPrefetchKeys = 32;  // cached positions read ahead of the one being multiplied    // queries whose sums pass 2 keeps in registers at once
 
 struct View {
-  const float* data;
+  const void* data;
   int64_t head_stride;
   int64_t row_stride;
 };
 
 // ----------------------------------------------------------------------------- AVX-512
+
+// 16 cached numbers widened to float32.
+template <typename E>
+__attribute__((target("avx512f"))) inline __m512 load16(const E* p);
+template <>
+__attribute__((target("avx512f"))) inline __m512 load16<float>(const float* p) {
+  return _mm512_loadu_ps(p);
+}
+template <>
+__attribute__((target("avx512f"))) inline __m512 load16<at::Half>(const at::Half* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+template <>
+__attribute__((target("avx512f"))) inline __m512 load16<at::BFloat16>(const at::BFloat16* p) {
+  const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+}
 
 // The lane sums of 16 vectors as one vector (lane i: the sum of a[i]'s lanes): pairs interleaved and added
 // within 128-bit quarters, then the quarters added across; 45 operations where 16 separate reductions
@@ -57,55 +77,55 @@ __attribute__((target("avx512f"))) inline __m512 sum_lanes16(const __m512* a) {
   return _mm512_add_ps(_mm512_shuffle_f32x4(u01, u23, 0x88), _mm512_shuffle_f32x4(u01, u23, 0xDD));
 }
 
-template <int NV>
+template <int NV, typename E>
 __attribute__((target("avx512f"))) void scores_avx512(const float* q, int64_t G, View k, int64_t h, int64_t L,
                                                       float scale, float* s) {
-  const float* keys = k.data + h * k.head_stride;
+  const E* keys = static_cast<const E*>(k.data) + h * k.head_stride;
   const __m512 scaling = _mm512_set1_ps(scale);
   int64_t l = 0;
   for (; l + kLanes <= L; l += kLanes) {  // 16 keys at a time, their 16 dot products summed together
-    const float* block = keys + l * k.row_stride;
+    const E* block = keys + l * k.row_stride;
     if (l + kPrefetchKeys < L)
       for (int i = 0; i < kLanes; ++i)
-        for (int64_t b = 0; b < NV * kLanes * 4; b += 64)
+        for (int64_t b = 0; b < NV * kLanes * static_cast<int64_t>(sizeof(E)); b += 64)
           _mm_prefetch(reinterpret_cast<const char*>(block + (kPrefetchKeys + i) * k.row_stride) + b, _MM_HINT_T0);
     for (int64_t g = 0; g < G; ++g) {
       const float* qg = q + g * NV * kLanes;
       __m512 qv[NV], acc[kLanes];
       for (int j = 0; j < NV; ++j) qv[j] = _mm512_loadu_ps(qg + j * kLanes);
       for (int i = 0; i < kLanes; ++i) {
-        const float* row = block + i * k.row_stride;
-        acc[i] = _mm512_mul_ps(_mm512_loadu_ps(row), qv[0]);
-        for (int j = 1; j < NV; ++j) acc[i] = _mm512_fmadd_ps(_mm512_loadu_ps(row + j * kLanes), qv[j], acc[i]);
+        const E* row = block + i * k.row_stride;
+        acc[i] = _mm512_mul_ps(load16(row), qv[0]);
+        for (int j = 1; j < NV; ++j) acc[i] = _mm512_fmadd_ps(load16(row + j * kLanes), qv[j], acc[i]);
       }
       _mm512_storeu_ps(s + g * L + l, _mm512_mul_ps(sum_lanes16(acc), scaling));
     }
   }
   for (; l < L; ++l) {
-    const float* row = keys + l * k.row_stride;
+    const E* row = keys + l * k.row_stride;
     for (int64_t g = 0; g < G; ++g) {
       const float* qg = q + g * NV * kLanes;
-      __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(row), _mm512_loadu_ps(qg));
-      for (int j = 1; j < NV; ++j) acc = _mm512_fmadd_ps(_mm512_loadu_ps(row + j * kLanes), _mm512_loadu_ps(qg + j * kLanes), acc);
+      __m512 acc = _mm512_mul_ps(load16(row), _mm512_loadu_ps(qg));
+      for (int j = 1; j < NV; ++j) acc = _mm512_fmadd_ps(load16(row + j * kLanes), _mm512_loadu_ps(qg + j * kLanes), acc);
       s[g * L + l] = _mm512_reduce_add_ps(acc) * scale;
     }
   }
 }
 
-template <int NV, int T>
+template <int NV, int T, typename E>
 __attribute__((target("avx512f"))) void values_tile_avx512(const float* p, int64_t L, View v, int64_t h,
                                                            float* out) {
-  const float* values = v.data + h * v.head_stride;
+  const E* values = static_cast<const E*>(v.data) + h * v.head_stride;
   __m512 acc[T][NV];
   for (int t = 0; t < T; ++t)
     for (int j = 0; j < NV; ++j) acc[t][j] = _mm512_setzero_ps();
   for (int64_t l = 0; l < L; ++l) {
-    const float* row = values + l * v.row_stride;
+    const E* row = values + l * v.row_stride;
     if (l + kPrefetchKeys < L)
-      for (int64_t b = 0; b < NV * kLanes * 4; b += 64)
+      for (int64_t b = 0; b < NV * kLanes * static_cast<int64_t>(sizeof(E)); b += 64)
         _mm_prefetch(reinterpret_cast<const char*>(row + kPrefetchKeys * v.row_stride) + b, _MM_HINT_T0);
     __m512 vv[NV];
-    for (int j = 0; j < NV; ++j) vv[j] = _mm512_loadu_ps(row + j * kLanes);
+    for (int j = 0; j < NV; ++j) vv[j] = load16(row + j * kLanes);
     for (int t = 0; t < T; ++t) {
       const __m512 weight = _mm512_set1_ps(p[t * L + l]);
       for (int j = 0; j < NV; ++j) acc[t][j] = _mm512_fmadd_ps(weight, vv[j], acc[t][j]);
@@ -115,20 +135,20 @@ __attribute__((target("avx512f"))) void values_tile_avx512(const float* p, int64
     for (int j = 0; j < NV; ++j) _mm512_storeu_ps(out + t * NV * kLanes + j * kLanes, acc[t][j]);
 }
 
-template <int NV>
+template <int NV, typename E>
 void values_avx512(const float* p, int64_t G, int64_t L, View v, int64_t h, float* out) {
   const int64_t D = NV * kLanes;
   int64_t g = 0;
-  for (; g + kQueryTile <= G; g += kQueryTile) values_tile_avx512<NV, kQueryTile>(p + g * L, L, v, h, out + g * D);
+  for (; g + kQueryTile <= G; g += kQueryTile) values_tile_avx512<NV, kQueryTile, E>(p + g * L, L, v, h, out + g * D);
   switch (G - g) {
     case 3:
-      values_tile_avx512<NV, 3>(p + g * L, L, v, h, out + g * D);
+      values_tile_avx512<NV, 3, E>(p + g * L, L, v, h, out + g * D);
       break;
     case 2:
-      values_tile_avx512<NV, 2>(p + g * L, L, v, h, out + g * D);
+      values_tile_avx512<NV, 2, E>(p + g * L, L, v, h, out + g * D);
       break;
     case 1:
-      values_tile_avx512<NV, 1>(p + g * L, L, v, h, out + g * D);
+      values_tile_avx512<NV, 1, E>(p + g * L, L, v, h, out + g * D);
       break;
     default:
       break;
@@ -138,28 +158,37 @@ void values_avx512(const float* p, int64_t G, int64_t L, View v, int64_t h, floa
 using ScoresFn = void (*)(const float*, int64_t, View, int64_t, int64_t, float, float*);
 using ValuesFn = void (*)(const float*, int64_t, int64_t, View, int64_t, float*);
 
-template <int NV>
+template <int NV, typename E>
 constexpr std::pair<ScoresFn, ValuesFn> avx512_pair() {
-  return {scores_avx512<NV>, values_avx512<NV>};
+  return {scores_avx512<NV, E>, values_avx512<NV, E>};
 }
 
-std::pair<ScoresFn, ValuesFn> avx512_fns(int64_t vectors) {
+template <typename E>
+std::pair<ScoresFn, ValuesFn> avx512_fns_of(int64_t vectors) {
   switch (vectors) {
-    case 1: return avx512_pair<1>();
-    case 2: return avx512_pair<2>();
-    case 3: return avx512_pair<3>();
-    case 4: return avx512_pair<4>();
-    case 5: return avx512_pair<5>();
-    case 6: return avx512_pair<6>();
-    case 7: return avx512_pair<7>();
-    default: return avx512_pair<8>();
+    case 1: return avx512_pair<1, E>();
+    case 2: return avx512_pair<2, E>();
+    case 3: return avx512_pair<3, E>();
+    case 4: return avx512_pair<4, E>();
+    case 5: return avx512_pair<5, E>();
+    case 6: return avx512_pair<6, E>();
+    case 7: return avx512_pair<7, E>();
+    default: return avx512_pair<8, E>();
+  }
+}
+
+std::pair<ScoresFn, ValuesFn> avx512_fns(at::ScalarType type, int64_t vectors) {
+  switch (type) {
+    case at::kHalf: return avx512_fns_of<at::Half>(vectors);
+    case at::kBFloat16: return avx512_fns_of<at::BFloat16>(vectors);
+    default: return avx512_fns_of<float>(vectors);
   }
 }
 
 // ----------------------------------------------------------------------------- portable
 
 void scores_generic(const float* q, int64_t G, int64_t D, View k, int64_t h, int64_t L, float scale, float* s) {
-  const float* keys = k.data + h * k.head_stride;
+  const float* keys = static_cast<const float*>(k.data) + h * k.head_stride;
   for (int64_t l = 0; l < L; ++l) {
     const float* row = keys + l * k.row_stride;
     for (int64_t g = 0; g < G; ++g) {
@@ -171,7 +200,7 @@ void scores_generic(const float* q, int64_t G, int64_t D, View k, int64_t h, int
 }
 
 void values_generic(const float* p, int64_t G, int64_t D, int64_t L, View v, int64_t h, float* out) {
-  const float* values = v.data + h * v.head_stride;
+  const float* values = static_cast<const float*>(v.data) + h * v.head_stride;
   std::fill(out, out + G * D, 0.0f);
   for (int64_t l = 0; l < L; ++l) {
     const float* row = values + l * v.row_stride;
@@ -187,17 +216,20 @@ bool vector_path(int64_t D) {
   return __builtin_cpu_supports("avx512f") && D % kLanes == 0 && D / kLanes <= kMaxVectors;
 }
 
-View view_of(const at::Tensor& t) { return View{t.data_ptr<float>(), t.stride(0), t.stride(1)}; }
+View view_of(const at::Tensor& t) { return View{t.data_ptr(), t.stride(0), t.stride(1)}; }
 
 at::Tensor row_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double scale) {
   TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kFloat && q.is_contiguous(),
               "meshnet_quant.row_attention: q must be contiguous float32 [H, G, D]");
   const int64_t H = q.size(0), G = q.size(1), D = q.size(2);
+  const at::ScalarType type = k.scalar_type();
+  TORCH_CHECK(type == at::kFloat || type == at::kHalf || type == at::kBFloat16,
+              "meshnet_quant.row_attention: keys must be float32, float16 or bfloat16, not ", type);
   for (const at::Tensor* t : {&k, &v}) {
-    TORCH_CHECK(t->dim() == 3 && t->scalar_type() == at::kFloat && t->size(0) == H && t->size(2) == D &&
+    TORCH_CHECK(t->dim() == 3 && t->scalar_type() == type && t->size(0) == H && t->size(2) == D &&
                     t->stride(2) == 1,
-                "meshnet_quant.row_attention: keys and values must be float32 [", H, ", L, ", D,
-                "] with unit stride along the head dim");
+                "meshnet_quant.row_attention: keys and values must be [", H, ", L, ", D,
+                "] of one type with unit stride along the head dim");
   }
   const int64_t L = k.size(1);
   TORCH_CHECK(v.size(1) == L && L > 0, "meshnet_quant.row_attention: ", L, " keys but ", v.size(1), " values");
@@ -206,10 +238,13 @@ at::Tensor row_attention(const at::Tensor& q, const at::Tensor& k, const at::Ten
   const float* qd = q.data_ptr<float>();
   float* sd = scores.data_ptr<float>();
   float* od = out.data_ptr<float>();
-  const View kv = view_of(k), vv = view_of(v);
-  const float sc = static_cast<float>(scale);
   const bool vec = vector_path(D);
-  const auto fns = avx512_fns(D / kLanes);
+  // The portable loops read float32: a 16-bit cache is widened first there (a CPU without AVX-512).
+  const at::Tensor keys = vec || type == at::kFloat ? k : k.to(at::kFloat);
+  const at::Tensor vals = vec || type == at::kFloat ? v : v.to(at::kFloat);
+  const View kv = view_of(keys), vv = view_of(vals);
+  const float sc = static_cast<float>(scale);
+  const auto fns = avx512_fns(type, D / kLanes);
   at::parallel_for(0, H, 1, [&](int64_t begin, int64_t end) {
     for (int64_t h = begin; h < end; ++h) {
       if (vec) fns.first(qd + h * G * D, G, kv, h, L, sc, sd + h * G * L);
