@@ -17,7 +17,9 @@ Reported: the streams' time between tokens (p50, p99) per phase, the long
 prompts' time to first token per phase, and, from the decode node's metrics,
 the KV bytes pulled and the pull time per 1,000 prompt tokens.
 
-    python -m benchmarks.pd [--model M] [--long-tokens 2048] [--seconds 60]
+    python -m benchmarks.pd [--model M] [--long-tokens 2048] [--seconds 60] [--kv-dtype float16]
+
+``--kv-dtype`` keeps both nodes' KV caches in 16 bits (``results/pd-kv-<dtype>.json``).
 
 The machine this runs on may be shared (the load average at the start is
 printed): read the figures as a comparison of the phases, not as absolutes.
@@ -145,6 +147,8 @@ def main() -> int:
     parser.add_argument("--long-tokens", type=int, default=2048)
     parser.add_argument("--seconds", type=float, default=60.0)
     parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--kv-dtype", default="auto", choices=["auto", "float16", "bfloat16"],
+                        help="KV cache format of both nodes (MESHNET_KV_DTYPE); the results file is named after it")
     args = parser.parse_args()
     load = os.getloadavg()[0]
     print(f"load average at start: {load:.2f} on {os.cpu_count()} cores", file=sys.stderr)
@@ -156,7 +160,8 @@ def main() -> int:
         services.append(tracker)
         common = {"MESHNET_MODEL": args.model, "MESHNET_DTYPE": args.dtype, "MESHNET_DEVICE": "cpu",
                   "MESHNET_TRACKER": tracker.url, "MESHNET_BOOTSTRAP": bootstrap.url, "MESHNET_HEARTBEAT_S": "1",
-                  "MESHNET_THREADS": "1", "OMP_NUM_THREADS": "1", "MESHNET_CPU_LOCK": "off"}
+                  "MESHNET_THREADS": "1", "OMP_NUM_THREADS": "1", "MESHNET_CPU_LOCK": "off",
+                  "MESHNET_KV_DTYPE": args.kv_dtype}
         decode = start_service("node", {**common, "MESHNET_ROLE": "decode", "MESHNET_NODE_ID": "decode"},
                                wait_ready=False)
         prefill = start_service("node", {**common, "MESHNET_ROLE": "prefill", "MESHNET_NODE_ID": "prefill"},
@@ -184,7 +189,7 @@ def main() -> int:
         pulled = {k: after.get(k, 0) - before.get(k, 0) for k in after}
         prompt_tokens = results[2]["long_prompt_tokens"]
         summary = {
-            "machine_load_at_start": load, "model": model, "long_tokens": args.long_tokens,
+            "machine_load_at_start": load, "model": model, "long_tokens": args.long_tokens, "kv_dtype": args.kv_dtype,
             "phases": results, "decode_node_metrics_delta": pulled,
             "kv_bytes_per_1000_prompt_tokens": (pulled.get("meshnet_node_kv_pulled_bytes_total", 0) / prompt_tokens
                                                 * 1000) if prompt_tokens else None,
@@ -192,8 +197,9 @@ def main() -> int:
                                                     * 1000) if prompt_tokens else None,
             "command": " ".join(sys.argv),
         }
-        RESULTS.parent.mkdir(parents=True, exist_ok=True)
-        RESULTS.write_text(json.dumps(summary, indent=2))
+        results_file = RESULTS if args.kv_dtype == "auto" else RESULTS.with_name(f"pd-kv-{args.kv_dtype}.json")
+        results_file.parent.mkdir(parents=True, exist_ok=True)
+        results_file.write_text(json.dumps(summary, indent=2))
         print(json.dumps(summary, indent=2))
     finally:
         for service in reversed(services):
