@@ -41,13 +41,55 @@ class GrowingLayer(DynamicLayer):
     """
 
     def __init__(self, reserve_tokens: int | None = None, store_dtype: torch.dtype | None = None) -> None:
+        self._key_buffer: torch.Tensor | None = None
+        self._value_buffer: torch.Tensor | None = None
+        self._length = 0
         super().__init__()
         self._reserve = reserve_tokens
         self._store_dtype = store_dtype
         """Format the keys and values are kept in (``None``: the format they arrive in)."""
-        self._key_buffer: torch.Tensor | None = None
-        self._value_buffer: torch.Tensor | None = None
-        self._length = 0
+
+    # ``keys``/``values`` are views of the filled part made when read, so a step that writes the buffers
+    # directly (the fused decode rows, :meth:`advance`) only moves ``_length``.
+    @property  # type: ignore[override]
+    def keys(self) -> torch.Tensor | None:
+        if self._key_buffer is None:
+            return self._unbuffered_keys
+        return self._key_buffer[:, :, : self._length]
+
+    @keys.setter
+    def keys(self, value: torch.Tensor | None) -> None:
+        self._unbuffered_keys = value
+
+    @property  # type: ignore[override]
+    def values(self) -> torch.Tensor | None:
+        if self._value_buffer is None:
+            return self._unbuffered_values
+        return self._value_buffer[:, :, : self._length]
+
+    @values.setter
+    def values(self, value: torch.Tensor | None) -> None:
+        self._unbuffered_values = value
+
+    @property
+    def buffers(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The key and value buffers ``[1, kv_heads, capacity, head_dim]`` (``None`` before the first token)."""
+        if self._key_buffer is None or self._value_buffer is None:
+            return None
+        return self._key_buffer, self._value_buffer
+
+    def make_room(self, tokens: int) -> bool:
+        """Grow the buffers, if needed, to hold ``tokens`` more positions; ``False`` when there are none yet."""
+        if self._key_buffer is None or self._value_buffer is None:
+            return False
+        end = self._length + tokens
+        if end > self._key_buffer.shape[-2]:
+            self._grow(self._key_buffer, self._value_buffer, end)
+        return True
+
+    def advance(self, tokens: int) -> None:
+        """Count ``tokens`` more positions, written into the buffers by the caller (after :meth:`make_room`)."""
+        self._length += tokens
 
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, *args: object, **kwargs: object
@@ -62,9 +104,7 @@ class GrowingLayer(DynamicLayer):
         self._key_buffer[:, :, self._length : end].copy_(key_states)
         self._value_buffer[:, :, self._length : end].copy_(value_states)
         self._length = end
-        self.keys = self._key_buffer[:, :, :end]
-        self.values = self._value_buffer[:, :, :end]
-        return self.keys, self.values
+        return self._key_buffer[:, :, :end], self._value_buffer[:, :, :end]
 
     def get_seq_length(self) -> int:
         """Tokens held."""
@@ -87,9 +127,6 @@ class GrowingLayer(DynamicLayer):
         if tokens_to_remove > 0:
             raise ValueError(f"crop takes the negative number of tokens to remove, got {tokens_to_remove}")
         self._length = max(self._length + tokens_to_remove, 0)
-        if self._key_buffer is not None and self._value_buffer is not None:
-            self.keys = self._key_buffer[:, :, : self._length]
-            self.values = self._value_buffer[:, :, : self._length]
 
     def _grow(self, key_states: torch.Tensor, value_states: torch.Tensor, needed: int) -> None:
         current = 0 if self._key_buffer is None else self._key_buffer.shape[-2]

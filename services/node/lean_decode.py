@@ -45,7 +45,8 @@ from transformers.cache_utils import Cache
 
 from services.node import quant_kernel
 from services.node.chunk_precision import HALF_DTYPES
-from services.node.quant import QuantMatrix
+from services.node.kv_cache import GrowingLayer
+from services.node.quant import NATIVE_MAX_ROWS, QuantMatrix
 
 logger = logging.getLogger(__name__)
 
@@ -88,10 +89,18 @@ class LeanDecoder:
         rows and one 2,048-token row of the default model, int4 on one thread: 47.2 ms with transformers'
         per-head attention, 45.0 grouped in torch's fused kernel, 40.5 grouped in meshnet's kernel). It rounds differently from transformers' attention, so only quantized shards, which never
         match transformers bit for bit, take it; a half-precision shard's lone steps must."""
+        self._fused = _fused_layers(layers) if grouped_rows else None
+        """Each layer's tensors as :func:`services.node.quant_kernel.decode_rows` takes them, where every layer
+        can run there (quantized, native layout, no biases, float32 norms); else ``None``."""
+        self.fused = self._fused is not None
+        """Whether decode rows (a step whose segments are all one token) run as one native call for all layers
+        (``kernels/decode_rows.cpp``) instead of layer by layer through torch."""
+        self._fused_ranges: dict[tuple[int, int], tuple[list[torch.Tensor], list[int], list[float]]] = {}
         self._heads: int = config.num_attention_heads
         self._kv_heads: int = config.num_key_value_heads
         self._head_dim: int = getattr(config, "head_dim", None) or config.hidden_size // self._heads
         self._intermediate: int = config.intermediate_size
+        self._scaling: float = next(iter(layers.values())).scaling if layers else 1.0
 
     def run(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: Cache,
             first: int, last: int) -> torch.Tensor:
@@ -150,10 +159,59 @@ class LeanDecoder:
         if hidden.ndim != 3 or hidden.shape[0] != 1 or hidden.shape[1] != total or min(n for _, n in segments) < 1:
             raise ValueError(f"ragged positions must be [1, T, hidden] with T the sum of the segments "
                              f"{[n for _, n in segments]}, got {list(hidden.shape)}")
+        if self.fused and all(n == 1 for _, n in segments):
+            out = self._run_fused(hidden, cos, sin, [cache for cache, _ in segments], first, last)
+            if out is not None:
+                return out
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
         for index in range(first, last + 1):
             hidden = self._layer(index, hidden, cos, sin, segments)
         return hidden
+
+    def _run_fused(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, caches: Sequence[Cache],
+                   first: int, last: int) -> torch.Tensor | None:
+        """Decode rows through layers ``first..last`` in one native call, or ``None`` (nothing changed) where
+        the call cannot take them: rows not float32 on a CPU, too many, or a cache layer not a growing one
+        holding the session's prompt. Each cache layer gets room for the row first and counts it after."""
+        rows = len(caches)
+        if hidden.dtype != torch.float32 or hidden.device.type != "cpu" or rows > NATIVE_MAX_ROWS \
+                or not quant_kernel.decode_rows_ready():
+            return None
+        layers = [cache.layers[index] for index in range(first, last + 1) for cache in caches]
+        keys, values, lengths = [], [], []
+        for layer in layers:
+            if not isinstance(layer, GrowingLayer) or not layer.make_room(1):
+                return None
+            key_buffer, value_buffer = layer.buffers  # type: ignore[misc]
+            keys.append(key_buffer)
+            values.append(value_buffer)
+            lengths.append(layer.get_seq_length())
+        if len({key.dtype for key in keys} | {value.dtype for value in values}) != 1:
+            return None
+        weights, bits, eps = self._fused_range(first, last)
+        width = hidden.shape[-1]
+        out = quant_kernel.decode_rows(hidden.reshape(rows, width), cos.reshape(rows, -1), sin.reshape(rows, -1),
+                                       weights, bits, eps, keys, values, lengths, self._scaling, self._heads,
+                                       self._kv_heads)
+        for layer in layers:
+            layer.advance(1)
+        return out.view(1, rows, width)
+
+    def _fused_range(self, first: int, last: int) -> tuple[list[torch.Tensor], list[int], list[float]]:
+        """The native call's weight, bits and eps lists for layers ``first..last`` (made once per range)."""
+        key = (first, last)
+        if key not in self._fused_ranges:
+            assert self._fused is not None
+            weights: list[torch.Tensor] = []
+            bits: list[int] = []
+            eps: list[float] = []
+            for index in range(first, last + 1):
+                layer_weights, layer_bits, layer_eps = self._fused[index]
+                weights.extend(layer_weights)
+                bits.extend(layer_bits)
+                eps.extend(layer_eps)
+            self._fused_ranges[key] = (weights, bits, eps)
+        return self._fused_ranges[key]
 
     def _layer(self, index: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                segments: Sequence[tuple[Cache, int]]) -> torch.Tensor:
@@ -186,6 +244,27 @@ class LeanDecoder:
         gate, up = _product(_rms_norm(x, w.post_norm, w.post_eps), w.gate_up, w.gate_up_bias).split(
             [self._intermediate, self._intermediate], -1)
         return x + _product(F.silu(gate) * up, w.down, w.down_bias)
+
+
+def _fused_layers(layers: dict[int, _LeanLayer]) -> dict[int, tuple[list[torch.Tensor], list[int], list[float]]] | None:
+    """Each layer's norms, packed matrices and scales, bits and eps for the native decode-rows call, or ``None``
+    when a layer cannot take it (a float or torch-layout matrix, a bias, norms not float32) or the scaling
+    differs between layers."""
+    fused = {}
+    scalings = {layer.scaling for layer in layers.values()}
+    for index, layer in layers.items():
+        matrices = (layer.qkv, layer.out, layer.gate_up, layer.down)
+        if any(not isinstance(m, QuantMatrix) or m.layout != "native" for m in matrices) \
+                or any(b is not None for b in (layer.qkv_bias, layer.out_bias, layer.gate_up_bias, layer.down_bias)) \
+                or any(n.dtype != torch.float32 or not n.is_contiguous() for n in (layer.input_norm, layer.post_norm)) \
+                or len(scalings) != 1:
+            return None
+        weights = [layer.input_norm, layer.post_norm]
+        for matrix in matrices:
+            assert isinstance(matrix, QuantMatrix)
+            weights.extend((matrix.packed, matrix.scale_zeros))
+        fused[index] = (weights, [m.bits for m in matrices], [layer.input_eps, layer.post_eps])  # type: ignore[union-attr]
+    return fused
 
 
 ROW_KERNEL_CACHE_DTYPES: Final = (torch.float32, torch.float16, torch.bfloat16)

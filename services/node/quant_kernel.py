@@ -48,9 +48,13 @@ from torch.utils import cpp_extension
 
 logger = logging.getLogger(__name__)
 
-SOURCES: Final = tuple(Path(__file__).parent / "kernels" / name for name in ("quant_mm.cpp", "row_attention.cpp"))
-"""Compiled into one library: the quantized product and the attention of decode rows
-(``kernels/row_attention.cpp``, used by :mod:`services.node.lean_decode`)."""
+KERNELS: Final = Path(__file__).parent / "kernels"
+SOURCES: Final = tuple(KERNELS / name for name in ("quant_mm.cpp", "row_attention.cpp", "decode_rows.cpp"))
+"""Compiled into one library: the quantized product, the attention of decode rows
+(``kernels/row_attention.cpp``) and whole decode steps of quantized layers (``kernels/decode_rows.cpp``),
+used by :mod:`services.node.lean_decode`."""
+HEADERS: Final = (KERNELS / "meshnet_kernels.h",)
+"""What the sources share; part of the build's hash."""
 CACHE_ENV: Final = "MESHNET_KERNEL_CACHE"
 """Environment variable naming the folder built kernels are kept in (default under ``~/.cache``)."""
 DEFAULT_CACHE: Final = Path("~/.cache/meshnet/kernels")
@@ -82,7 +86,7 @@ def _command(compiler: str, output: Path) -> list[str]:
 def library_path() -> Path:
     """Where the build of this source for this torch lives (it may not exist yet)."""
     digest = hashlib.sha256()
-    for source in SOURCES:
+    for source in (*SOURCES, *HEADERS):
         digest.update(source.read_bytes())
     digest.update(f"{torch.__version__}|{sys.version_info[:2]}|{' '.join(FLAGS)}".encode())
     return cache_dir() / f"{LIBRARY_NAME}-{digest.hexdigest()[:16]}.so"
@@ -155,6 +159,24 @@ def row_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, sca
     """Each KV head's query heads of one decode row against its cache: float32 ``q`` ``[H, G, D]``, ``keys``
     and ``values`` ``[H, L, D]`` (unit stride along ``D``), result ``[H, G, D]`` (``kernels/row_attention.cpp``)."""
     return torch.ops.meshnet_quant.row_attention(q, keys, values, scale)
+
+
+@functools.cache
+def decode_rows_ready() -> bool:
+    """Whether decode rows of quantized layers run as one native call (``kernels/decode_rows.cpp``): loaded, on a
+    CPU with AVX-512 (its attention's fast path)."""
+    return row_attention_ready()
+
+
+def decode_rows(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, weights: list[torch.Tensor], bits: list[int],
+                eps: list[float], keys: list[torch.Tensor], values: list[torch.Tensor], lengths: list[int],
+                scaling: float, heads: int, kv_heads: int) -> torch.Tensor:
+    """B decode rows (float32 ``x`` ``[B, hidden]``, each row's rotary ``cos``/``sin`` ``[B, head_dim]``) through
+    every layer whose tensors ``weights`` lists, appending to the cache buffers ``keys``/``values`` (layer-major
+    (layer, row) pairs, each holding ``lengths`` positions and room for one more); the rows' output
+    (``kernels/decode_rows.cpp`` says what each argument holds)."""
+    return torch.ops.meshnet_quant.decode_rows(x, cos, sin, weights, bits, eps, keys, values, lengths, scaling, heads,
+                                               kv_heads)
 
 
 def mm(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, bits: int, isa: int = 0) -> torch.Tensor:

@@ -22,6 +22,8 @@
 #include <c10/util/Exception.h>
 #include <torch/library.h>
 
+#include "meshnet_kernels.h"
+
 #include <cpuid.h>
 #include <immintrin.h>
 #include <sys/syscall.h>
@@ -450,6 +452,11 @@ at::Tensor mm(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& s
 }
 
 }  // namespace
+
+at::Tensor meshnet::quant_mm(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales, int64_t bits,
+                             int64_t isa) {
+  return mm(x, packed, scales, bits, isa);
+}
 
 TORCH_LIBRARY(meshnet_quant, m) {
   m.def("mm(Tensor x, Tensor packed, Tensor scales, int bits, int isa=0) -> Tensor");

@@ -22,9 +22,12 @@
 #include <c10/util/Exception.h>
 #include <torch/library.h>
 
+#include "meshnet_kernels.h"
+
 #include <immintrin.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <utility>
 
@@ -263,6 +266,32 @@ at::Tensor row_attention(const at::Tensor& q, const at::Tensor& k, const at::Ten
 }
 
 }  // namespace
+
+bool meshnet::row_attention_vectorised(int64_t D) { return vector_path(D); }
+
+void meshnet::attend_group(const float* q, int64_t G, int64_t D, const void* keys, const void* values,
+                           int64_t row_stride, at::ScalarType type, int64_t L, float scale, float* scores,
+                           float* out) {
+  const View kv{keys, 0, row_stride}, vv{values, 0, row_stride};
+  const bool vec = vector_path(D);
+  TORCH_CHECK(vec || type == at::kFloat, "meshnet_quant: a 16-bit cache needs the AVX-512 path");
+  const auto fns = avx512_fns(type, D / kLanes);
+  if (vec) fns.first(q, G, kv, 0, L, scale, scores);
+  else scores_generic(q, G, D, kv, 0, L, scale, scores);
+  for (int64_t g = 0; g < G; ++g) {
+    float* s = scores + g * L;
+    const float top = *std::max_element(s, s + L);
+    float sum = 0.0f;
+    for (int64_t l = 0; l < L; ++l) {
+      s[l] = std::exp(s[l] - top);
+      sum += s[l];
+    }
+    const float inverse = 1.0f / sum;
+    for (int64_t l = 0; l < L; ++l) s[l] *= inverse;
+  }
+  if (vec) fns.second(scores, G, L, vv, 0, out);
+  else values_generic(scores, G, D, L, vv, 0, out);
+}
 
 TORCH_LIBRARY_FRAGMENT(meshnet_quant, m) {
   m.def("row_attention(Tensor q, Tensor k, Tensor v, float scale) -> Tensor");
