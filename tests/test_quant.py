@@ -47,7 +47,7 @@ PRODUCT_RTOL = 2.0 ** -6
 """A product's largest error, relative to the largest value of the float result (bfloat16 has 8 significant bits)."""
 HIDDEN_RTOL = 1e-2
 """A quantized shard's hidden states against the bfloat16-rounding float reference, relative to their magnitude."""
-ROWS = (1, 2, 3, 4, 8, 16, 17, 40, 257)
+ROWS = (1, 2, 3, 4, 8, 16, 17, 40, 257, 2049)
 """Row counts a product sees: lone and batched decode steps and prompt chunks (the kernel), and a prompt chunk
 above :data:`KERNEL_MAX_ROWS` (the matrix dequantized for the call)."""
 PROMPT_IDS = [5, 17, 99, 300, 42, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22]

@@ -108,6 +108,20 @@ def test_on_one_path_a_rows_result_is_the_same_bits_alone_in_any_batch_and_on_an
 
 
 @pytest.mark.parametrize("fmt", ["int4", "int8"])
+def test_a_prompts_many_rows_keep_the_bound_and_each_rows_bits(fmt: str) -> None:
+    """Many rows (a prompt chunk) pass over each weight tile in sets that stay in L2 (AMX: ``block_amx_many``):
+    each row still computes what it computes in a pass of 16, within the float32 bound of the exact product."""
+    matrix = _matrix((576, 1536), fmt, seed=8)  # K = 1536: 300 rows span several sets of rows
+    x = torch.randn(300, 1536, generator=torch.Generator().manual_seed(9))
+    exact = matrix.dequantize(torch.float64)
+    many = quant_kernel.mm(x, matrix.packed, matrix.scale_zeros, matrix.bits)
+    assert bool(((many.double() - x.double() @ exact.t()).abs() <= bound(x, matrix)).all())
+    passes = torch.cat([quant_kernel.mm(x[i:i + 16], matrix.packed, matrix.scale_zeros, matrix.bits)
+                        for i in range(0, 288, 16)])
+    assert torch.equal(many[:288], passes)  # full passes of 16 (from 8 rows a pass takes AMX too)
+
+
+@pytest.mark.parametrize("fmt", ["int4", "int8"])
 def test_the_native_layout_holds_the_same_values_as_torchs_layout_in_no_more_bytes(fmt: str) -> None:
     groups = groups_of(torch.randn(192, 96, generator=torch.Generator().manual_seed(3)), fmt)  # type: ignore[arg-type]
     native, aten = QuantMatrix(groups, "native"), QuantMatrix(groups, "aten")

@@ -103,11 +103,13 @@ for the call. Speed alone would put the line near 300 rows (one ``3072 x 576`` i
 through the kernel cost the default model greedy answers (see the module notes)."""
 NATIVE_BLOCK: Final = 16
 """Output rows of one block of the native layout (one 16-lane float32 vector of the kernel)."""
-NATIVE_MAX_ROWS: Final = 256
+NATIVE_MAX_ROWS: Final = 2048
 """Products of up to this many rows run on the native kernel; larger ones dequantize the matrix for the call.
-Both compute float32 rows and sums, so the line is speed alone (benchmarks/kernels.py, 1 thread, loaded machine:
-at 256 rows the kernel took 2.5 / 11.1 / 7.2 ms for q/k/v, gate/up and down against 10.0 / 29.8 / 9.4 ms
-dequantized, at 512 rows down tied: 15.6 against 15.3 ms)."""
+Both compute float32 rows and sums, so the line is speed alone. With AMX, many rows pass over each unpacked
+weight tile in sets that stay in L2 (``kernels/quant_mm.cpp``, ``block_amx_many``), so the kernel's cost
+grows linearly with the rows and stays below the dequantized product's (1 thread, random int4 matrices:
+gate/up 3072x576 at 256 / 512 rows 3.9 / 8.6 ms against 11.7 / 17.2 dequantized, down 576x1536 2.5 / 5.0
+against 5.2 / 8.0); the line only bounds the kernel's scratch (the rows' pieces: 3 x rows x in x 2 bytes)."""
 KERNEL_DTYPE: Final = torch.bfloat16
 """Activation, scale and zero format of the CPU kernel's fast path."""
 QUANTIZED_DTYPE: Final = torch.float32

@@ -19,6 +19,7 @@
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
 #include <c10/util/Exception.h>
 #include <torch/library.h>
 
@@ -32,6 +33,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
 namespace {
 
@@ -45,6 +47,8 @@ constexpr int kPieces = 3;  // bfloat16 pieces a float32 row is split into for A
 // Fewest rows a call takes on AMX when the caller lets the kernel choose: below, unpacking the weights
 // into AMX's tiles costs more than the AVX-512 products it saves (measured: benchmarks/kernels.py).
 constexpr int64_t kAmxMinRows = 8;
+// Bytes of rows' pieces a set of many rows may take (block_amx_many): well inside a core's L2.
+constexpr int64_t kPiecesBudget = 512 * 1024;
 
 struct Args {
   const float* x;       // [B, K] rows, row stride ldx
@@ -339,9 +343,89 @@ void rows_amx(const Args& a, int64_t blk, int64_t nb, int64_t row0, int64_t n) {
   for (int64_t b = 0; b < nb; ++b) block_amx<BITS>(a, blk + b, row0, n);
 }
 
+// Many rows (a prompt chunk): the same arithmetic as block_amx for every row, but each group's weight tile
+// is unpacked once and applied to every 16-row chunk of a set of rows (`first`, `chunks` of 16), where
+// block_amx called per chunk unpacks it again for each. The pieces and sums are padded to whole chunks
+// (zero rows); `total` is scratch of chunks * 16 * 16 floats; only real rows (below `rows`) are written.
+template <int BITS>
+__attribute__((target("avx512f,avx512bw,amx-tile,amx-bf16"))) void block_amx_many(const Args& a, int64_t blk,
+                                                                                    int64_t first, int64_t chunks,
+                                                                                    int64_t rows, float* total) {
+  constexpr int PER = 32 / BITS;
+  const int64_t groups = a.K / kGroup;
+  const int64_t dwords = a.K / PER;
+  const __m512i lut16 = _mm512_set_epi16(
+      0x40E0, 0x40C0, 0x40A0, 0x4080, 0x4040, 0x4000, 0x3F80, 0x0000, int16_t(0xBF80), int16_t(0xC000),
+      int16_t(0xC040), int16_t(0xC080), int16_t(0xC0A0), int16_t(0xC0C0), int16_t(0xC0E0), int16_t(0xC100),
+      0x40E0, 0x40C0, 0x40A0, 0x4080, 0x4040, 0x4000, 0x3F80, 0x0000, int16_t(0xBF80), int16_t(0xC000),
+      int16_t(0xC040), int16_t(0xC080), int16_t(0xC0A0), int16_t(0xC0C0), int16_t(0xC0E0), int16_t(0xC100));
+  const __m512i high_half = _mm512_set1_epi32(int32_t(0xFFFF0000u));
+  alignas(64) int32_t tile_w[16][kBlock];
+  alignas(64) float sums[kMaxChunk][kBlock];
+  for (int64_t r = 0; r < chunks * kMaxChunk; ++r) _mm512_store_ps(total + r * kBlock, _mm512_setzero_ps());
+  const int64_t piece_stride = a.B * a.K;
+  for (int64_t g = 0; g < groups; ++g) {
+    const uint16_t* sg = a.sz + (blk * groups + g) * 2 * kBlock;
+    const __m512 s = _mm512_castsi512_ps(_mm512_slli_epi32(
+        _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sg))), 16));
+    const __m512 z = _mm512_castsi512_ps(_mm512_slli_epi32(
+        _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sg + kBlock))), 16));
+#pragma GCC unroll 8
+    for (int d = 0; d < kGroup / PER; ++d) {
+      const __m512i v = _mm512_loadu_si512(a.w + (blk * dwords + g * (kGroup / PER) + d) * kBlock);
+      if constexpr (BITS == 4) {
+#pragma GCC unroll 4
+        for (int b = 0; b < 4; ++b) {
+          const __m512i t = b == 0 ? v : _mm512_srli_epi32(v, 8 * b);
+          const __m512i words = _mm512_ternarylogic_epi32(_mm512_slli_epi32(t, 12), t, high_half, 0xE4);
+          _mm512_store_si512(tile_w[d * 4 + b], _mm512_permutexvar_epi16(words, lut16));
+        }
+      } else {
+#pragma GCC unroll 2
+        for (int i = 0; i < PER; i += 2) {
+          __m512 q[2];
+#pragma GCC unroll 2
+          for (int h = 0; h < 2; ++h) {
+            const int e = i + h;
+            const __m512i t = e == 3 ? v : _mm512_slli_epi32(v, 24 - 8 * e);
+            q[h] = _mm512_cvtepi32_ps(_mm512_srai_epi32(t, 24));
+          }
+          const __m512i pair = _mm512_ternarylogic_epi32(_mm512_castps_si512(q[1]),
+                                                         _mm512_srli_epi32(_mm512_castps_si512(q[0]), 16),
+                                                         high_half, 0xE4);
+          _mm512_store_si512(tile_w[(d * PER + i) / 2], pair);
+        }
+      }
+    }
+    asm volatile("" : : : "memory");
+    _tile_loadd(1, tile_w, 64);
+    for (int64_t c = 0; c < chunks; ++c) {
+      const uint16_t* xp = a.xp + (first + c * kMaxChunk) * a.K;
+      _tile_zero(0);
+      _tile_loadd(2, xp + g * kGroup, a.K * 2);
+      _tile_dpbf16ps(0, 2, 1);
+      _tile_loadd(3, xp + piece_stride + g * kGroup, a.K * 2);
+      _tile_dpbf16ps(0, 3, 1);
+      _tile_loadd(4, xp + 2 * piece_stride + g * kGroup, a.K * 2);
+      _tile_dpbf16ps(0, 4, 1);
+      _tile_stored(0, sums, 64);
+      asm volatile("" : : : "memory");
+      float* chunk_total = total + c * kMaxChunk * kBlock;
+      const float* chunk_sums = a.xsum + (first + c * kMaxChunk) * groups + g;
+      for (int64_t r = 0; r < kMaxChunk; ++r) {
+        const __m512 with_zero = _mm512_fmadd_ps(z, _mm512_set1_ps(chunk_sums[r * groups]),
+                                                 _mm512_load_ps(chunk_total + r * kBlock));
+        _mm512_store_ps(chunk_total + r * kBlock, _mm512_fmadd_ps(s, _mm512_load_ps(sums[r]), with_zero));
+      }
+    }
+  }
+  for (int64_t r = 0; r < chunks * kMaxChunk && first + r < rows; ++r)
+    _mm512_storeu_ps(a.out + (first + r) * a.ldo + blk * kBlock, _mm512_load_ps(total + r * kBlock));
+}
+
 // Each row as kPieces bfloat16 pieces that add up to it exactly (hi = RNE(x), mid = RNE(x - hi), lo = the
 // rest), and its sum over each group (in input order).
-void split_rows(const float* x, int64_t ldx, int64_t B, int64_t K, uint16_t* pieces, float* xsum) {
+void split_rows(const float* x, int64_t ldx, int64_t B, int64_t K, uint16_t* pieces, float* xsum, int64_t padded) {
   auto bf16 = [](float f) -> uint16_t {
     uint32_t u;
     std::memcpy(&u, &f, 4);
@@ -358,7 +442,7 @@ void split_rows(const float* x, int64_t ldx, int64_t B, int64_t K, uint16_t* pie
       float rest = x[r * ldx + k];
       for (int p = 0; p < kPieces; ++p) {
         const uint16_t h = bf16(rest);
-        pieces[(p * B + r) * K + k] = h;
+        pieces[(p * padded + r) * K + k] = h;
         rest -= widen(h);
       }
     }
@@ -420,14 +504,40 @@ at::Tensor mm(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& s
   Args a{rows.data_ptr<float>(), rows.stride(0), packed.data_ptr<int32_t>(),
          reinterpret_cast<const uint16_t*>(scales.data_ptr<at::BFloat16>()), K, out.data_ptr<float>(), N};
   at::Tensor pieces, sums;
+  // More rows than one pass keeps: on AMX, every group's weight tile serves every 16-row chunk
+  // (block_amx_many), the rows padded with zeros to whole chunks.
+  const bool many = isa == kAmx && B > kMaxChunk;
+  const int64_t padded = many ? (B + kMaxChunk - 1) / kMaxChunk * kMaxChunk : B;
   if (isa == kAmx || isa == kAvx512) {
-    sums = at::empty({B, K / kGroup}, x.options());
-    if (isa == kAmx) pieces = at::empty({kPieces, B, K}, x.options().dtype(at::kShort));
+    sums = many ? at::zeros({padded, K / kGroup}, x.options()) : at::empty({padded, K / kGroup}, x.options());
+    const at::TensorOptions piece_options = x.options().dtype(at::kShort);
+    if (isa == kAmx)
+      pieces = many ? at::zeros({kPieces, padded, K}, piece_options) : at::empty({kPieces, padded, K}, piece_options);
     split_rows(a.x, a.ldx, B, K, isa == kAmx ? reinterpret_cast<uint16_t*>(pieces.data_ptr<int16_t>()) : nullptr,
-               sums.data_ptr<float>());
+               sums.data_ptr<float>(), padded);
     a.xp = isa == kAmx ? reinterpret_cast<const uint16_t*>(pieces.data_ptr<int16_t>()) : nullptr;
-    a.B = B;
+    a.B = padded;
     a.xsum = sums.data_ptr<float>();
+  }
+  if (many) {
+    // Rows in sets whose pieces stay in a core's L2 while every block of outputs passes over them (else
+    // each block streams all the pieces from memory again: 2.4 MB for 256 rows of K = 1536).
+    const int64_t set_chunks = std::max<int64_t>(1, kPiecesBudget / (kPieces * K * 2 * kMaxChunk));
+    const int64_t grain_many = std::max<int64_t>(1, kGrainWork / (kBlock * K * padded));
+    at::parallel_for(0, blocks, grain_many, [&](int64_t begin, int64_t end) {
+      std::vector<float> scratch(static_cast<size_t>(set_chunks * kMaxChunk * kBlock) + 16);
+      float* total = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(scratch.data()) + 63) & ~uintptr_t(63));
+      configure_tiles(kMaxChunk);
+      for (int64_t first = 0; first < padded; first += set_chunks * kMaxChunk) {
+        const int64_t chunks = std::min(set_chunks, (padded - first) / kMaxChunk);
+        for (int64_t blk = begin; blk < end; ++blk) {
+          if (bits == 4) block_amx_many<4>(a, blk, first, chunks, B, total);
+          else block_amx_many<8>(a, blk, first, chunks, B, total);
+        }
+      }
+      release_tiles();
+    });
+    return out;
   }
   const RowsFn fn = bits == 4 ? rows_fn<4>(isa) : rows_fn<8>(isa);
   const int64_t grain = std::max<int64_t>(1, kGrainWork / (kBlock * K * std::min(B, kMaxChunk)));
