@@ -368,3 +368,25 @@ async def test_trackers_on_one_redis_sign_with_one_key_and_admit_by_one_token_li
     token, record = mint("a", time.time())
     await trackers[0].put_token(record)
     assert await b.admit(f"Bearer {token}", reg("a")) == record
+
+
+async def test_closing_ends_the_listener_even_when_redis_turns_its_cancellation_into_a_timeout(
+        flushed: RedisServer, monkeypatch: pytest.MonkeyPatch) -> None:
+    """redis-py's ``get_message(timeout=...)`` can answer a cancellation with a ``TimeoutError`` (a RedisError),
+    which reads as a lost connection: a tracker's shutdown (and a test under load) then waited for ever."""
+    import redis.asyncio.client
+    from redis.exceptions import TimeoutError as RedisTimeout
+
+    real = redis.asyncio.client.PubSub.get_message
+
+    async def swallowing(self: Any, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return await real(self, *args, **kwargs)
+        except asyncio.CancelledError:
+            raise RedisTimeout("Timeout reading from socket") from None
+
+    monkeypatch.setattr(redis.asyncio.client.PubSub, "get_message", swallowing)
+    store = RedisStore(flushed.url, POLICY, now)
+    await store.start()
+    await asyncio.sleep(0.2)  # the listener is inside get_message
+    await asyncio.wait_for(store.close(), DEADLINE_S)

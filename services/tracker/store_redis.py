@@ -91,6 +91,8 @@ RECONNECT_MAX_S: Final = 2.0
 """Bounds of the backoff between attempts to reach a Redis that is away."""
 POLL_S: Final = 1.0
 """How long one wait for a channel message lasts (the listener checks its connection in between)."""
+CLOSE_RETRY_S: Final = 0.5
+"""How long :meth:`RedisStore.close` waits for its tasks before cancelling them again."""
 MAX_CONNECTIONS: Final = 64
 """Most connections one tracker opens to Redis for commands."""
 MAX_EVENT_BYTES: Final = 256 * 1024
@@ -255,6 +257,8 @@ class RedisStore:
         """Channel messages that arrived while a reload read Redis, applied after it in their order."""
         self._listener: asyncio.Task[None] | None = None
         self._background: set[asyncio.Task[None]] = set()
+        self._closing = False
+        """Set by :meth:`close`: the listener returns rather than reconnect, even if its cancellation was lost."""
         self._connected = asyncio.Event()
 
     # --- keys -----------------------------------------------------------------------------------
@@ -296,12 +300,24 @@ class RedisStore:
                            self._down)
 
     async def close(self) -> None:
+        """Stop the listener and background writes, then the connections.
+
+        redis-py's ``get_message(timeout=...)`` can turn a cancellation that
+        lands inside its own timeout into a ``TimeoutError`` (a ``RedisError``),
+        which the listener takes for a lost connection: awaiting the task after
+        one ``cancel()`` then waited for ever (a tracker's shutdown hung, and
+        so did a test under load). So the listener also watches
+        ``_closing``, and every task is cancelled again until it ends.
+        """
+        self._closing = True
         tasks = [t for t in (self._listener, *self._background) if t is not None]
-        for task in tasks:
-            task.cancel()
+        while pending := [task for task in tasks if not task.done()]:
+            for task in pending:
+                task.cancel()
+            await asyncio.wait(pending, timeout=CLOSE_RETRY_S)
         for task in tasks:
             with contextlib.suppress(asyncio.CancelledError, Exception):
-                await task
+                task.result()
         await self._redis.aclose()
         await self._sub.aclose()
 
@@ -624,6 +640,8 @@ class RedisStore:
             except asyncio.CancelledError:
                 raise
             except (RedisError, OSError, StoreUnavailable) as exc:
+                if self._closing:  # a cancellation redis-py turned into a timeout (see close)
+                    return
                 reason = f"store {_redact(self.url)} unreachable: {exc}"
                 if self._down is None:
                     logger.warning("%s; answering 503 until it is back", reason)
