@@ -25,7 +25,7 @@ import time
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import Literal, Self
 
 import httpx
 
@@ -131,7 +131,7 @@ class Service:
             except subprocess.TimeoutExpired:
                 self.kill()
 
-    def __enter__(self) -> Service:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -179,7 +179,7 @@ def start_service(
     full_env = service_env(env)
     full_env.setdefault("MESHNET_HOST", host)
     full_env["MESHNET_PORT"] = str(port)
-    log_file = tempfile.NamedTemporaryFile(prefix=f"meshnet-{kind}-{port}-", suffix=".log", delete=False)
+    log_file = tempfile.NamedTemporaryFile(prefix=f"meshnet-{kind}-{port}-", suffix=".log", delete=False)  # noqa: SIM115 - the service's log outlives this call
     if launcher == "meshnet":
         cmd = [*wrapper, sys.executable, "-m", "meshnet.cli", "--log-level", "warning", kind]
     else:

@@ -170,7 +170,7 @@ def run_up(settings: UpSettings, log_level: str = "info") -> int:
               f"(--port, --relay-port, --bootstrap-port, --node-port)", file=sys.stderr)
         return 2
 
-    model_path, num_layers = _prepare_model(settings)
+    _, num_layers = _prepare_model(settings)
     if max(settings.nodes, settings.prefill_nodes) > num_layers:
         print(f"meshnet up: {max(settings.nodes, settings.prefill_nodes)} nodes cannot split {num_layers} layers",
               file=sys.stderr)
