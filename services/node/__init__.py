@@ -12,6 +12,8 @@ Model and compute (torch lives here)
     ``quant_load``        ``--weights``: loading a shard's layers quantized, from GGUF blocks or floats
     ``kv_cache``          a session's KV cache on a shard, grown in place
     ``lean_decode``       fused products: decode rows, and a quantized shard's prompt chunks beside them
+    ``quant_kernel``      building and loading the native kernels (``kernels/``: packed products, row
+                          attention, a quantized shard's whole decode step in one call)
     ``chunk_precision``   float32 attention and prompt chunks over half-precision weights on a CPU
     ``sampling``          the tail's seeded, replayable sampler
     ``cpu_gate``          co-located nodes take turns on the machine's cores
