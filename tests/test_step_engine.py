@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Final
 
@@ -15,7 +14,7 @@ from meshwire.sampling_params import SamplingParams
 from services.node.compute import ComputeWorker, ShardRunner
 from services.node.sampling import Pick, Sampler, SamplingFailed
 from services.node.shard import ShardCache, ShardError, load_shard
-from services.node.step_engine import StepEngine, StepResult
+from services.node.step_engine import StepResult
 
 CPU: Final = torch.device("cpu")
 SESSIONS: Final = 5
@@ -169,48 +168,3 @@ def test_prompts_arriving_together_on_a_quantized_shard_share_one_forward_and_a_
             assert (batched.hidden - single.hidden).abs().max() <= 1e-2 * single.hidden.abs().max()
     finally:
         worker.shutdown()
-
-
-def test_steps_that_arrive_while_the_node_waits_for_cores_join_that_turn(tiny_model_dir: Path) -> None:
-    """The turn is taken once the compute thread holds the cores (services/node/cpu_gate.py): a row that
-    arrives while another node on the machine is computing rides with the one that was waiting."""
-    shard = load_shard(tiny_model_dir, 0, 3, torch.float32, CPU)
-    cores_free = threading.Event()
-    worker = ComputeWorker(threads=1)
-    single = ShardRunner(shard, worker)._job_sync
-
-    async def compute(fn: Callable[..., object], *args: object) -> object:
-        def gated() -> object:
-            cores_free.wait(timeout=30)  # the CPU gate: another node holds the cores until released
-            return fn(*args)
-        return await worker.run(gated)
-
-    engine = StepEngine(shard, compute, single)
-
-    async def scenario() -> list[StepResult]:
-        cores_free.set()
-        caches = []
-        for session in range(2):
-            cache = shard.new_cache()
-            await engine.submit(cache, position_offset=0, from_layer=0, ids=prompt(session, shard.vocab_size),
-                                sampler=Sampler(GREEDY))
-            caches.append(cache)
-        cores_free.clear()
-        first = asyncio.ensure_future(engine.submit(caches[0], position_offset=caches[0].seq_len, from_layer=0,
-                                                    ids=[3], sampler=Sampler(GREEDY)))
-        for _ in range(20):  # the engine's turn is now waiting for the cores
-            await asyncio.sleep(0)
-        second = asyncio.ensure_future(engine.submit(caches[1], position_offset=caches[1].seq_len, from_layer=0,
-                                                     ids=[4], sampler=Sampler(GREEDY)))
-        for _ in range(20):
-            await asyncio.sleep(0)
-        cores_free.set()
-        results = list(await asyncio.gather(first, second))
-        await engine.stop()
-        return results
-
-    try:
-        results = asyncio.run(scenario())
-    finally:
-        worker.shutdown()
-    assert [result.rows for result in results] == [2, 2]

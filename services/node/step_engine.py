@@ -27,12 +27,7 @@ lone stream is as fast as before). Steps that arrive while a turn is on the
 compute thread form the next turn. Before taking a turn the engine lets the
 event loop run a few rounds (:data:`GATHER_ROUNDS`), so frames that reached
 the node together (a head's batch fans out into one frame per session) are
-read and join the same turn. The turn itself is taken on the compute thread
-once it holds its share of the cores (:mod:`services.node.cpu_gate`): steps
-that arrive while the node waits for cores another node on the machine is
-using join the turn instead of waiting for the next one, so co-located nodes
-that take turns on the cores run their sessions as one batch each turn
-rather than splitting them into groups that alternate.
+read and join the same turn.
 
 Each step's outcome is its own: a row whose sampling fails, or whose caller
 went away (a cancelled future), does not touch the others in its turn. A
@@ -45,7 +40,6 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-import threading
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable, Sequence
@@ -140,8 +134,6 @@ class StepEngine:
         self.max_step_tokens = max_step_tokens
         self._on_turn = on_turn
         self._queue: deque[StepJob] = deque()
-        self._queue_lock = threading.Lock()
-        """The queue is appended to on the event loop and taken from on the compute thread."""
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
 
@@ -155,8 +147,7 @@ class StepEngine:
         job = StepJob(cache=cache, position_offset=position_offset, from_layer=from_layer, ids=ids, hidden=hidden,
                       sampler=sampler, future=asyncio.get_running_loop().create_future(), score=score,
                       draft=draft)
-        with self._queue_lock:
-            self._queue.append(job)
+        self._queue.append(job)
         if self._task is None or self._task.done() or self._task.get_loop() is not job.future.get_loop():
             self._wake = asyncio.Event()  # an event belongs to the loop that first waits on it
             self._task = asyncio.create_task(self._run(), name="step-engine")
@@ -183,10 +174,8 @@ class StepEngine:
             raise
 
     def _fail_queued(self, exc: BaseException) -> None:
-        with self._queue_lock:
-            queued = list(self._queue)
-            self._queue.clear()
-        _fail(queued, exc)
+        _fail(list(self._queue), exc)
+        self._queue.clear()
 
     async def _turns(self) -> None:
         while True:
@@ -195,24 +184,20 @@ class StepEngine:
                 await self._wake.wait()
             for _ in range(GATHER_ROUNDS):
                 await asyncio.sleep(0)
-            taken: list[StepJob] = []
+            turn = self.take()
+            if not turn:
+                continue
             try:
-                outcomes = await self._compute(self._take_and_run, taken)
+                outcomes = await self._compute(self._turn_sync, turn)
             except asyncio.CancelledError:
-                _fail(taken, RuntimeError("the node is stopping"))
+                _fail(turn, RuntimeError("the node is stopping"))
                 raise
             except Exception as exc:  # noqa: BLE001 - the worker itself failed (shut down): these steps cannot run
-                _fail(taken, exc)
+                _fail(turn, exc)
                 continue
             assert isinstance(outcomes, list)
-            for job, outcome in zip(taken, outcomes, strict=True):
+            for job, outcome in zip(turn, outcomes, strict=True):
                 settle(job.future, outcome)
-
-    def _take_and_run(self, taken: list[StepJob]) -> list[StepResult | BaseException]:
-        """On the compute thread, holding the cores: take the turn (into ``taken``, for the loop to settle) and
-        run it."""
-        taken.extend(self.take())
-        return self._turn_sync(taken) if taken else []
 
     def take(self) -> list[StepJob]:
         """The next turn: the rows of the oldest row's group (at most ``max_batch``), then prompt chunks.
@@ -220,10 +205,6 @@ class StepEngine:
         Chunks: the oldest always (a prompt is never starved by rows), more while
         the turn stays within ``max_step_tokens``. Everything else stays queued in order.
         """
-        with self._queue_lock:
-            return self._take_locked()
-
-    def _take_locked(self) -> list[StepJob]:
         live = [job for job in self._queue if not job.future.done()]
         rows = [job for job in live if job.is_row]
         batch = [job for job in rows if job.group == rows[0].group][:self.max_batch] if rows else []
