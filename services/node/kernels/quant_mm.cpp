@@ -260,9 +260,11 @@ bool amx_ready() {
   return ready;
 }
 
+// One group's weights of a block as AMX's weight tile: the integers (q - 8, or q) as exact bfloat16, pairs of
+// inputs side by side; and the group's scales s and zeros z of the block's 16 outputs.
 template <int BITS>
-__attribute__((target("avx512f,avx512bw,amx-tile,amx-bf16"))) void block_amx(const Args& a, int64_t blk,
-                                                                               int64_t row0, int64_t R) {
+__attribute__((target("avx512f,avx512bw"))) inline void group_tile(const Args& a, int64_t blk, int64_t g,
+                                                                   int32_t (*tile_w)[kBlock], __m512* s, __m512* z) {
   constexpr int PER = 32 / BITS;
   const int64_t groups = a.K / kGroup;
   const int64_t dwords = a.K / PER;
@@ -273,134 +275,68 @@ __attribute__((target("avx512f,avx512bw,amx-tile,amx-bf16"))) void block_amx(con
       0x40E0, 0x40C0, 0x40A0, 0x4080, 0x4040, 0x4000, 0x3F80, 0x0000, int16_t(0xBF80), int16_t(0xC000),
       int16_t(0xC040), int16_t(0xC080), int16_t(0xC0A0), int16_t(0xC0C0), int16_t(0xC0E0), int16_t(0xC100));
   const __m512i high_half = _mm512_set1_epi32(int32_t(0xFFFF0000u));
-  alignas(64) int32_t tile_w[16][kBlock];
-  alignas(64) float sums[kMaxChunk][kBlock];
-  alignas(64) float total[kMaxChunk][kBlock];
-  for (int64_t r = 0; r < R; ++r) _mm512_store_ps(total[r], _mm512_setzero_ps());
-  const int64_t piece_stride = a.B * a.K;
-  const uint16_t* xp = a.xp + row0 * a.K;
-  for (int64_t g = 0; g < groups; ++g) {
-    const uint16_t* sg = a.sz + (blk * groups + g) * 2 * kBlock;
-    const __m512 s = _mm512_castsi512_ps(_mm512_slli_epi32(
-        _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sg))), 16));
-    const __m512 z = _mm512_castsi512_ps(_mm512_slli_epi32(
-        _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sg + kBlock))), 16));
+  const uint16_t* sg = a.sz + (blk * groups + g) * 2 * kBlock;
+  *s = _mm512_castsi512_ps(_mm512_slli_epi32(
+      _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sg))), 16));
+  *z = _mm512_castsi512_ps(_mm512_slli_epi32(
+      _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sg + kBlock))), 16));
 #pragma GCC unroll 8
-    for (int d = 0; d < kGroup / PER; ++d) {
-      const __m512i v = _mm512_loadu_si512(a.w + (blk * dwords + g * (kGroup / PER) + d) * kBlock);
-      if constexpr (BITS == 4) {
-        // byte b of each lane holds inputs 2p (low nibble) and 2p+1 (high), p = 4d + b: spread them into
-        // the lane's two 16-bit words and look both up as the bfloat16 of q - 8
+  for (int d = 0; d < kGroup / PER; ++d) {
+    const __m512i v = _mm512_loadu_si512(a.w + (blk * dwords + g * (kGroup / PER) + d) * kBlock);
+    if constexpr (BITS == 4) {
+      // byte b of each lane holds inputs 2p (low nibble) and 2p+1 (high), p = 4d + b: spread them into
+      // the lane's two 16-bit words and look both up as the bfloat16 of q - 8
 #pragma GCC unroll 4
-        for (int b = 0; b < 4; ++b) {
-          const __m512i t = b == 0 ? v : _mm512_srli_epi32(v, 8 * b);
-          // low word: t (the permute reads its low 5 bits: the low nibble and a bit choosing the table's
-          // repeat); high word: t << 12 (its low 5 bits: the high nibble and again a repeat bit)
-          const __m512i words = _mm512_ternarylogic_epi32(_mm512_slli_epi32(t, 12), t, high_half, 0xE4);
-          _mm512_store_si512(tile_w[d * 4 + b], _mm512_permutexvar_epi16(words, lut16));
-        }
-      } else {
-#pragma GCC unroll 2
-        for (int i = 0; i < PER; i += 2) {
-          __m512 q[2];
-#pragma GCC unroll 2
-          for (int h = 0; h < 2; ++h) {
-            const int e = i + h;
-            const __m512i t = e == 3 ? v : _mm512_slli_epi32(v, 24 - 8 * e);
-            q[h] = _mm512_cvtepi32_ps(_mm512_srai_epi32(t, 24));
-          }
-          // small integers: their bfloat16 is the float32's high half, exactly; input 2p low, 2p+1 high
-          const __m512i pair = _mm512_ternarylogic_epi32(_mm512_castps_si512(q[1]),
-                                                         _mm512_srli_epi32(_mm512_castps_si512(q[0]), 16),
-                                                         high_half, 0xE4);
-          _mm512_store_si512(tile_w[(d * PER + i) / 2], pair);
-        }
+      for (int b = 0; b < 4; ++b) {
+        const __m512i t = b == 0 ? v : _mm512_srli_epi32(v, 8 * b);
+        // low word: t (the permute reads its low 5 bits: the low nibble and a bit choosing the table's
+        // repeat); high word: t << 12 (its low 5 bits: the high nibble and again a repeat bit)
+        const __m512i words = _mm512_ternarylogic_epi32(_mm512_slli_epi32(t, 12), t, high_half, 0xE4);
+        _mm512_store_si512(tile_w[d * 4 + b], _mm512_permutexvar_epi16(words, lut16));
       }
-    }
-    asm volatile("" : : : "memory");  // GCC 12's tile intrinsics are asm without a memory clobber
-    _tile_loadd(1, tile_w, 64);
-    _tile_zero(0);
-    _tile_loadd(2, xp + g * kGroup, a.K * 2);
-    _tile_dpbf16ps(0, 2, 1);
-    _tile_loadd(3, xp + piece_stride + g * kGroup, a.K * 2);
-    _tile_dpbf16ps(0, 3, 1);
-    _tile_loadd(4, xp + 2 * piece_stride + g * kGroup, a.K * 2);
-    _tile_dpbf16ps(0, 4, 1);
-    _tile_stored(0, sums, 64);
-    asm volatile("" : : : "memory");
-    for (int64_t r = 0; r < R; ++r) {
-      const __m512 with_zero =
-          _mm512_fmadd_ps(z, _mm512_set1_ps(a.xsum[(row0 + r) * groups + g]), _mm512_load_ps(total[r]));
-      _mm512_store_ps(total[r], _mm512_fmadd_ps(s, _mm512_load_ps(sums[r]), with_zero));
+    } else {
+#pragma GCC unroll 2
+      for (int i = 0; i < PER; i += 2) {
+        __m512 q[2];
+#pragma GCC unroll 2
+        for (int h = 0; h < 2; ++h) {
+          const int e = i + h;
+          const __m512i t = e == 3 ? v : _mm512_slli_epi32(v, 24 - 8 * e);
+          q[h] = _mm512_cvtepi32_ps(_mm512_srai_epi32(t, 24));
+        }
+        // small integers: their bfloat16 is the float32's high half, exactly; input 2p low, 2p+1 high
+        const __m512i pair = _mm512_ternarylogic_epi32(_mm512_castps_si512(q[1]),
+                                                       _mm512_srli_epi32(_mm512_castps_si512(q[0]), 16),
+                                                       high_half, 0xE4);
+        _mm512_store_si512(tile_w[(d * PER + i) / 2], pair);
+      }
     }
   }
-  for (int64_t r = 0; r < R; ++r)
-    _mm512_storeu_ps(a.out + (row0 + r) * a.ldo + blk * kBlock, _mm512_load_ps(total[r]));
 }
 
+// Chunks of rows from `first` (`chunks` of `per` rows; only those below `rows` are written out): each group's
+// weight tile is unpacked once and applied to every chunk in turn. With one chunk this is block_amx; with many
+// (a prompt chunk, block_amx_many) the rows are padded with zero rows to whole chunks of 16 and `first` walks
+// sets of chunks whose pieces stay in L2. A row's arithmetic is the same either way.
 template <int BITS>
-void rows_amx(const Args& a, int64_t blk, int64_t nb, int64_t row0, int64_t n) {
-  for (int64_t b = 0; b < nb; ++b) block_amx<BITS>(a, blk + b, row0, n);
-}
-
-// Many rows (a prompt chunk): the same arithmetic as block_amx for every row, but each group's weight tile
-// is unpacked once and applied to every 16-row chunk of a set of rows (`first`, `chunks` of 16), where
-// block_amx called per chunk unpacks it again for each. The pieces and sums are padded to whole chunks
-// (zero rows); `total` is scratch of chunks * 16 * 16 floats; only real rows (below `rows`) are written.
-template <int BITS>
-__attribute__((target("avx512f,avx512bw,amx-tile,amx-bf16"))) void block_amx_many(const Args& a, int64_t blk,
+__attribute__((target("avx512f,avx512bw,amx-tile,amx-bf16"))) void block_amx_rows(const Args& a, int64_t blk,
                                                                                     int64_t first, int64_t chunks,
-                                                                                    int64_t rows, float* total) {
-  constexpr int PER = 32 / BITS;
+                                                                                    int64_t per, int64_t rows,
+                                                                                    float* total = nullptr) {
   const int64_t groups = a.K / kGroup;
-  const int64_t dwords = a.K / PER;
-  const __m512i lut16 = _mm512_set_epi16(
-      0x40E0, 0x40C0, 0x40A0, 0x4080, 0x4040, 0x4000, 0x3F80, 0x0000, int16_t(0xBF80), int16_t(0xC000),
-      int16_t(0xC040), int16_t(0xC080), int16_t(0xC0A0), int16_t(0xC0C0), int16_t(0xC0E0), int16_t(0xC100),
-      0x40E0, 0x40C0, 0x40A0, 0x4080, 0x4040, 0x4000, 0x3F80, 0x0000, int16_t(0xBF80), int16_t(0xC000),
-      int16_t(0xC040), int16_t(0xC080), int16_t(0xC0A0), int16_t(0xC0C0), int16_t(0xC0E0), int16_t(0xC100));
-  const __m512i high_half = _mm512_set1_epi32(int32_t(0xFFFF0000u));
   alignas(64) int32_t tile_w[16][kBlock];
   alignas(64) float sums[kMaxChunk][kBlock];
-  for (int64_t r = 0; r < chunks * kMaxChunk; ++r) _mm512_store_ps(total + r * kBlock, _mm512_setzero_ps());
+  alignas(64) float local[kMaxChunk][kBlock];
+  float* totals = total != nullptr ? total : &local[0][0];
+  for (int64_t r = 0; r < chunks * per; ++r) _mm512_store_ps(totals + r * kBlock, _mm512_setzero_ps());
   const int64_t piece_stride = a.B * a.K;
   for (int64_t g = 0; g < groups; ++g) {
-    const uint16_t* sg = a.sz + (blk * groups + g) * 2 * kBlock;
-    const __m512 s = _mm512_castsi512_ps(_mm512_slli_epi32(
-        _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sg))), 16));
-    const __m512 z = _mm512_castsi512_ps(_mm512_slli_epi32(
-        _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sg + kBlock))), 16));
-#pragma GCC unroll 8
-    for (int d = 0; d < kGroup / PER; ++d) {
-      const __m512i v = _mm512_loadu_si512(a.w + (blk * dwords + g * (kGroup / PER) + d) * kBlock);
-      if constexpr (BITS == 4) {
-#pragma GCC unroll 4
-        for (int b = 0; b < 4; ++b) {
-          const __m512i t = b == 0 ? v : _mm512_srli_epi32(v, 8 * b);
-          const __m512i words = _mm512_ternarylogic_epi32(_mm512_slli_epi32(t, 12), t, high_half, 0xE4);
-          _mm512_store_si512(tile_w[d * 4 + b], _mm512_permutexvar_epi16(words, lut16));
-        }
-      } else {
-#pragma GCC unroll 2
-        for (int i = 0; i < PER; i += 2) {
-          __m512 q[2];
-#pragma GCC unroll 2
-          for (int h = 0; h < 2; ++h) {
-            const int e = i + h;
-            const __m512i t = e == 3 ? v : _mm512_slli_epi32(v, 24 - 8 * e);
-            q[h] = _mm512_cvtepi32_ps(_mm512_srai_epi32(t, 24));
-          }
-          const __m512i pair = _mm512_ternarylogic_epi32(_mm512_castps_si512(q[1]),
-                                                         _mm512_srli_epi32(_mm512_castps_si512(q[0]), 16),
-                                                         high_half, 0xE4);
-          _mm512_store_si512(tile_w[(d * PER + i) / 2], pair);
-        }
-      }
-    }
-    asm volatile("" : : : "memory");
+    __m512 s, z;
+    group_tile<BITS>(a, blk, g, tile_w, &s, &z);
+    asm volatile("" : : : "memory");  // GCC 12's tile intrinsics are asm without a memory clobber
     _tile_loadd(1, tile_w, 64);
     for (int64_t c = 0; c < chunks; ++c) {
-      const uint16_t* xp = a.xp + (first + c * kMaxChunk) * a.K;
+      const uint16_t* xp = a.xp + (first + c * per) * a.K;
       _tile_zero(0);
       _tile_loadd(2, xp + g * kGroup, a.K * 2);
       _tile_dpbf16ps(0, 2, 1);
@@ -410,17 +346,36 @@ __attribute__((target("avx512f,avx512bw,amx-tile,amx-bf16"))) void block_amx_man
       _tile_dpbf16ps(0, 4, 1);
       _tile_stored(0, sums, 64);
       asm volatile("" : : : "memory");
-      float* chunk_total = total + c * kMaxChunk * kBlock;
-      const float* chunk_sums = a.xsum + (first + c * kMaxChunk) * groups + g;
-      for (int64_t r = 0; r < kMaxChunk; ++r) {
+      float* chunk_total = totals + c * per * kBlock;
+      const float* chunk_sums = a.xsum + (first + c * per) * groups + g;
+      for (int64_t r = 0; r < per; ++r) {
         const __m512 with_zero = _mm512_fmadd_ps(z, _mm512_set1_ps(chunk_sums[r * groups]),
                                                  _mm512_load_ps(chunk_total + r * kBlock));
         _mm512_store_ps(chunk_total + r * kBlock, _mm512_fmadd_ps(s, _mm512_load_ps(sums[r]), with_zero));
       }
     }
   }
-  for (int64_t r = 0; r < chunks * kMaxChunk && first + r < rows; ++r)
-    _mm512_storeu_ps(a.out + (first + r) * a.ldo + blk * kBlock, _mm512_load_ps(total + r * kBlock));
+  for (int64_t r = 0; r < chunks * per && first + r < rows; ++r)
+    _mm512_storeu_ps(a.out + (first + r) * a.ldo + blk * kBlock, _mm512_load_ps(totals + r * kBlock));
+}
+
+// R rows (at most 16) from row0: each group's tile times the rows' three pieces, then the group's scaling.
+template <int BITS>
+__attribute__((target("avx512f,avx512bw,amx-tile,amx-bf16"))) void block_amx(const Args& a, int64_t blk,
+                                                                               int64_t row0, int64_t R) {
+  block_amx_rows<BITS>(a, blk, row0, 1, R, row0 + R);
+}
+
+template <int BITS>
+void rows_amx(const Args& a, int64_t blk, int64_t nb, int64_t row0, int64_t n) {
+  for (int64_t b = 0; b < nb; ++b) block_amx<BITS>(a, blk + b, row0, n);
+}
+
+// Many rows (a prompt chunk), padded to chunks of 16 (block_amx_rows); `total` is scratch of chunks * 16 * 16
+// floats.
+template <int BITS>
+void block_amx_many(const Args& a, int64_t blk, int64_t first, int64_t chunks, int64_t rows, float* total) {
+  block_amx_rows<BITS>(a, blk, first, chunks, kMaxChunk, rows, total);
 }
 
 // Each row as kPieces bfloat16 pieces that add up to it exactly (hi = RNE(x), mid = RNE(x - hi), lo = the
