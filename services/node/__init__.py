@@ -10,6 +10,7 @@ Model and compute (torch lives here)
     ``shard``             a contiguous range of layers: embed, run layers, LM head; ``run_ragged`` batches sessions
     ``quant``             weights kept packed (int4/int8) and multiplied by torch's packed CPU kernel
     ``quant_load``        ``--weights``: loading a shard's layers quantized, from GGUF blocks or floats
+    ``huge_pages``        a quantized shard's packed weights moved into memory backed by 2 MiB pages
     ``kv_cache``          a session's KV cache on a shard, grown in place
     ``lean_decode``       fused products: decode rows, and a quantized shard's prompt chunks beside them
     ``quant_kernel``      building and loading the native kernels (``kernels/``: packed products, row

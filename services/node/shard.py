@@ -50,6 +50,7 @@ from transformers.masking_utils import (
 
 from services.node.chunk_precision import FLOAT32_ATTENTION, attention_kernel, compute_chunks_in_float32
 from services.node.device import chunk_compute_dtype
+from services.node.huge_pages import HugeRegion, gather
 from services.node.kv_cache import ShardCache
 from services.node.lean_decode import LeanDecoder, lean_decoder_for, quantized_lean_decoder, unsupported
 from services.node.quant import KERNEL_MAX_ROWS, QuantLinear
@@ -130,6 +131,9 @@ class Shard:
         self._rotary_emb = rotary_emb
         self._mask_kinds: dict[int, MaskKind] = _mask_kinds(config, start, end)
         self.lean = lean
+        self.huge_region: HugeRegion | None = None
+        """The huge-page mapping a quantized CPU shard's packed matrices live in (:mod:`services.node.huge_pages`);
+        held here so it lives as long as they do."""
         self.weights_format: WeightsFormat = weights_format
         """``float``, or the packed format (:mod:`services.node.quant`) every step of this shard runs through
         the lean decoder with."""
@@ -488,6 +492,7 @@ def load_shard(path: Path, start: int, end: int, dtype: torch.dtype, device: tor
     else:
         chunk_dtype = dtype
         _load_packed(path, gguf, modules, layers, config, served, dtype, device, is_head=is_head, is_tail=is_tail)
+    huge = gather(modules) if served != "float" and device.type == "cpu" else None
 
     with torch.device(device):
         rotary_emb = type(decoder.rotary_emb)(config=config)
@@ -514,6 +519,7 @@ def load_shard(path: Path, start: int, end: int, dtype: torch.dtype, device: tor
         lean=lean,
         weights_format=served,
     )
+    shard.huge_region = huge
     if kv_dtype != "auto":
         if served == "float":
             logger.warning("--kv-dtype %s applies to quantized weights only: layers %d-%d keep their KV cache as %s",
