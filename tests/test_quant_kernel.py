@@ -15,7 +15,9 @@ rows ride with it and whatever the thread count.
 
 from __future__ import annotations
 
+import fnmatch
 import logging
+import tomllib
 from pathlib import Path
 from unittest import mock
 
@@ -166,3 +168,13 @@ def test_a_build_that_failed_is_not_retried_at_every_start_and_says_why(
     monkeypatch.setenv("CXX", "/nonexistent/c++")  # not even tried again
     with pytest.raises(RuntimeError, match="did not compile .*delete .* to try again"):
         quant_kernel.build()
+
+
+def test_every_kernel_source_and_header_ships_with_the_package() -> None:
+    """A non-editable install (the container image's ``pip install .``) must carry what the kernel build reads."""
+    root = Path(__file__).resolve().parents[1]
+    globs = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]["services.node"]
+    package = root / "services" / "node"
+    for path in (*quant_kernel.SOURCES, *quant_kernel.HEADERS):
+        relative = path.relative_to(package).as_posix()
+        assert any(fnmatch.fnmatch(relative, pattern) for pattern in globs), relative
