@@ -111,7 +111,7 @@ def test_on_one_path_a_rows_result_is_the_same_bits_alone_in_any_batch_and_on_an
 
 @pytest.mark.parametrize("fmt", ["int4", "int8"])
 def test_a_prompts_many_rows_keep_the_bound_and_each_rows_bits(fmt: str) -> None:
-    """Many rows (a prompt chunk) pass over each weight tile in sets that stay in L2 (AMX: ``block_amx_many``):
+    """Many rows (a prompt chunk) pass over each weight tile in sets that stay in L2 (AMX: ``block_amx_rows``):
     each row still computes what it computes in a pass of 16, within the float32 bound of the exact product."""
     matrix = _matrix((576, 1536), fmt, seed=8)  # K = 1536: 300 rows span several sets of rows
     x = torch.randn(300, 1536, generator=torch.Generator().manual_seed(9))

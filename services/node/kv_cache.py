@@ -33,6 +33,27 @@ MIN_CAPACITY_TOKENS: Final = 256
 """Smallest buffer a layer allocates when the session did not say how long it may grow."""
 
 
+class _FilledPart:
+    """A layer's ``keys`` (or ``values``): the view of its buffer's filled part, made when read, so a step that
+    writes the buffers directly (the fused decode rows, :meth:`GrowingLayer.advance`) only moves ``_length``.
+    Before the buffer exists it is whatever transformers assigned (its lazy initialisation sets empty tensors)."""
+
+    def __init__(self, buffer: str) -> None:
+        self._buffer = buffer
+        self._unbuffered = f"_unbuffered{buffer}"
+
+    def __get__(self, layer: GrowingLayer | None, owner: type) -> torch.Tensor | None:
+        if layer is None:
+            return self  # type: ignore[return-value]
+        buffer = getattr(layer, self._buffer)
+        if buffer is None:
+            return getattr(layer, self._unbuffered, None)
+        return buffer[:, :, : layer._length]
+
+    def __set__(self, layer: GrowingLayer, value: torch.Tensor | None) -> None:
+        setattr(layer, self._unbuffered, value)
+
+
 class GrowingLayer(DynamicLayer):
     """A full-attention cache layer whose keys/values live in a buffer grown geometrically.
 
@@ -49,27 +70,8 @@ class GrowingLayer(DynamicLayer):
         self._store_dtype = store_dtype
         """Format the keys and values are kept in (``None``: the format they arrive in)."""
 
-    # ``keys``/``values`` are views of the filled part made when read, so a step that writes the buffers
-    # directly (the fused decode rows, :meth:`advance`) only moves ``_length``.
-    @property  # type: ignore[override]
-    def keys(self) -> torch.Tensor | None:
-        if self._key_buffer is None:
-            return self._unbuffered_keys
-        return self._key_buffer[:, :, : self._length]
-
-    @keys.setter
-    def keys(self, value: torch.Tensor | None) -> None:
-        self._unbuffered_keys = value
-
-    @property  # type: ignore[override]
-    def values(self) -> torch.Tensor | None:
-        if self._value_buffer is None:
-            return self._unbuffered_values
-        return self._value_buffer[:, :, : self._length]
-
-    @values.setter
-    def values(self, value: torch.Tensor | None) -> None:
-        self._unbuffered_values = value
+    keys = _FilledPart("_key_buffer")
+    values = _FilledPart("_value_buffer")
 
     @property
     def buffers(self) -> tuple[torch.Tensor, torch.Tensor] | None:

@@ -262,14 +262,14 @@ def _fused_layers(layers: dict[int, _LeanLayer]) -> dict[int, tuple[list[torch.T
     """Each layer's norms, packed matrices and scales, bits and eps for the native decode-rows call, or ``None``
     when a layer cannot take it (a float or torch-layout matrix, a bias, norms not float32) or the scaling
     differs between layers."""
+    if len({layer.scaling for layer in layers.values()}) != 1:
+        return None
     fused = {}
-    scalings = {layer.scaling for layer in layers.values()}
     for index, layer in layers.items():
         matrices = (layer.qkv, layer.out, layer.gate_up, layer.down)
         if any(not isinstance(m, QuantMatrix) or m.layout != "native" for m in matrices) \
                 or any(b is not None for b in (layer.qkv_bias, layer.out_bias, layer.gate_up_bias, layer.down_bias)) \
-                or any(n.dtype != torch.float32 or not n.is_contiguous() for n in (layer.input_norm, layer.post_norm)) \
-                or len(scalings) != 1:
+                or any(n.dtype != torch.float32 or not n.is_contiguous() for n in (layer.input_norm, layer.post_norm)):
             return None
         weights = [layer.input_norm, layer.post_norm]
         for matrix in matrices:

@@ -106,7 +106,7 @@ NATIVE_BLOCK: Final = 16
 NATIVE_MAX_ROWS: Final = 2048
 """Products of up to this many rows run on the native kernel; larger ones dequantize the matrix for the call.
 Both compute float32 rows and sums, so the line is speed alone. With AMX, many rows pass over each unpacked
-weight tile in sets that stay in L2 (``kernels/quant_mm.cpp``, ``block_amx_many``), so the kernel's cost
+weight tile in sets that stay in L2 (``kernels/quant_mm.cpp``, ``block_amx_rows``), so the kernel's cost
 grows linearly with the rows and stays below the dequantized product's (1 thread, random int4 matrices:
 gate/up 3072x576 at 256 / 512 rows 3.9 / 8.6 ms against 11.7 / 17.2 dequantized, down 576x1536 2.5 / 5.0
 against 5.2 / 8.0); the line only bounds the kernel's scratch (the rows' pieces: 3 x rows x in x 2 bytes)."""

@@ -46,7 +46,7 @@ constexpr int kPieces = 3;  // bfloat16 pieces a float32 row is split into for A
 // Fewest rows a call takes on AMX when the caller lets the kernel choose: below, unpacking the weights
 // into AMX's tiles costs more than the AVX-512 products it saves (measured: benchmarks/kernels.py).
 constexpr int64_t kAmxMinRows = 8;
-// Bytes of rows' pieces a set of many rows may take (block_amx_many): well inside a core's L2.
+// Bytes of rows' pieces a set of many rows may take (block_amx_rows): well inside a core's L2.
 constexpr int64_t kPiecesBudget = 512 * 1024;
 
 struct Args {
@@ -315,8 +315,9 @@ __attribute__((target("avx512f,avx512bw"))) inline void group_tile(const Args& a
 
 // Chunks of rows from `first` (`chunks` of `per` rows; only those below `rows` are written out): each group's
 // weight tile is unpacked once and applied to every chunk in turn. With one chunk this is block_amx; with many
-// (a prompt chunk, block_amx_many) the rows are padded with zero rows to whole chunks of 16 and `first` walks
-// sets of chunks whose pieces stay in L2. A row's arithmetic is the same either way.
+// (a prompt chunk, from mm, `total` then scratch of chunks * 16 * 16 floats) the rows are padded with zero
+// rows to whole chunks of 16 and `first` walks sets of chunks whose pieces stay in L2. A row's arithmetic is
+// the same either way.
 template <int BITS>
 __attribute__((target("avx512f,avx512bw,amx-tile,amx-bf16"))) void block_amx_rows(const Args& a, int64_t blk,
                                                                                     int64_t first, int64_t chunks,
@@ -368,13 +369,6 @@ __attribute__((target("avx512f,avx512bw,amx-tile,amx-bf16"))) void block_amx(con
 template <int BITS>
 void rows_amx(const Args& a, int64_t blk, int64_t nb, int64_t row0, int64_t n) {
   for (int64_t b = 0; b < nb; ++b) block_amx<BITS>(a, blk + b, row0, n);
-}
-
-// Many rows (a prompt chunk), padded to chunks of 16 (block_amx_rows); `total` is scratch of chunks * 16 * 16
-// floats.
-template <int BITS>
-void block_amx_many(const Args& a, int64_t blk, int64_t first, int64_t chunks, int64_t rows, float* total) {
-  block_amx_rows<BITS>(a, blk, first, chunks, kMaxChunk, rows, total);
 }
 
 // Each row as kPieces bfloat16 pieces that add up to it exactly (hi = RNE(x), mid = RNE(x - hi), lo = the
@@ -459,7 +453,7 @@ at::Tensor mm(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& s
          reinterpret_cast<const uint16_t*>(scales.data_ptr<at::BFloat16>()), K, out.data_ptr<float>(), N};
   at::Tensor pieces, sums;
   // More rows than one pass keeps: on AMX, every group's weight tile serves every 16-row chunk
-  // (block_amx_many), the rows padded with zeros to whole chunks.
+  // (block_amx_rows), the rows padded with zeros to whole chunks.
   const bool many = isa == kAmx && B > kMaxChunk;
   const int64_t padded = many ? (B + kMaxChunk - 1) / kMaxChunk * kMaxChunk : B;
   if (isa == kAmx || isa == kAvx512) {
@@ -489,8 +483,8 @@ at::Tensor mm(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& s
       for (int64_t first = 0; first < padded; first += set_chunks * kMaxChunk) {
         const int64_t chunks = std::min(set_chunks, (padded - first) / kMaxChunk);
         for (int64_t blk = begin; blk < end; ++blk) {
-          if (bits == 4) block_amx_many<4>(a, blk, first, chunks, B, total);
-          else block_amx_many<8>(a, blk, first, chunks, B, total);
+          if (bits == 4) block_amx_rows<4>(a, blk, first, chunks, kMaxChunk, B, total);
+          else block_amx_rows<8>(a, blk, first, chunks, kMaxChunk, B, total);
         }
       }
       release_tiles();
