@@ -170,6 +170,21 @@ def test_a_build_that_failed_is_not_retried_at_every_start_and_says_why(
         quant_kernel.build()
 
 
+def test_a_failed_build_reports_the_compilers_error_lines_not_the_headers_warnings() -> None:
+    warning = ("torch/include/c10/core/AutogradState.h:89:33: warning: default member initializers for "
+               "bit-fields only available with -std=c++20 [-Wc++20-extensions]\n")
+    stderr = ("In file included from kernels/quant_mm.cpp:20:\n" + warning * 3
+              + "kernels/quant_mm.cpp:382: Error: bad register name `%tmmX'\n"
+              + "kernels/decode_rows.cpp:10:5: error: 'x' was not declared in this scope\n" + warning * 200)
+    said = quant_kernel.complaint(stderr)
+    assert "quant_mm.cpp:382: Error: bad register name" in said
+    assert "decode_rows.cpp:10:5: error: 'x' was not declared" in said
+    assert "warning" not in said
+    many = quant_kernel.complaint("a.cpp:1: error: one\n" * (quant_kernel.COMPLAINT_LINES + 5))
+    assert many.count("error: one") == quant_kernel.COMPLAINT_LINES and "and 5 more error lines" in many
+    assert quant_kernel.complaint("ld: cannot open output\n") == "ld: cannot open output"  # no error line: the end
+
+
 def test_every_kernel_source_and_header_ships_with_the_package() -> None:
     """A non-editable install (the container image's ``pip install .``) must carry what the kernel build reads."""
     root = Path(__file__).resolve().parents[1]

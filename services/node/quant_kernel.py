@@ -34,6 +34,7 @@ import functools
 import hashlib
 import logging
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -63,6 +64,10 @@ LOCK_NAME: Final = "build.lock"
 BUILD_TIMEOUT_S: Final = 600
 FLAGS: Final = ("-O3", "-std=c++17", "-shared", "-fPIC", "-fopenmp", "-fno-math-errno", "-DNDEBUG",
                 "-Wno-unused-function")
+COMPLAINT_LINES: Final = 12
+"""The compiler's error lines a failed build reports (torch's headers alone print pages of warnings)."""
+COMPLAINT_TAIL_CHARS: Final = 2000
+"""Of a failed build's output with no error line, the end it reports."""
 ISA_NAMES: Final = {1: "generic", 2: "avx2", 3: "avx512", 4: "amx"}
 """The kernel's instruction-set paths by the number its ``isa`` argument takes (0 picks the best)."""
 
@@ -120,7 +125,7 @@ def _compile(compiler: str, target: Path) -> Path:
         done = subprocess.run(_command(compiler, partial), capture_output=True, text=True,
                               timeout=BUILD_TIMEOUT_S, check=False)
         if done.returncode != 0:
-            problem = f"the kernel did not compile ({compiler}): {done.stderr.strip()[-2000:]}"
+            problem = f"the kernel did not compile ({compiler}): {complaint(done.stderr)}"
             target.with_suffix(".failed").write_text(problem)
             raise RuntimeError(problem)
         os.replace(partial, target)
@@ -129,6 +134,16 @@ def _compile(compiler: str, target: Path) -> Path:
             old.unlink(missing_ok=True)
     logger.info("built the quantized-product kernel in %.0f s", time.monotonic() - started)
     return target
+
+
+def complaint(stderr: str) -> str:
+    """What a failed build's output says went wrong: its error lines (the compiler's and the assembler's),
+    not the end of the output, which is torch's headers' warnings when one of meshnet's own lines failed."""
+    errors = [line.strip() for line in stderr.splitlines() if re.search(r"\berror\b", line, re.IGNORECASE)]
+    if not errors:
+        return stderr.strip()[-COMPLAINT_TAIL_CHARS:]
+    more = f" (and {len(errors) - COMPLAINT_LINES} more error lines)" if len(errors) > COMPLAINT_LINES else ""
+    return "\n".join(errors[:COMPLAINT_LINES]) + more
 
 
 @functools.cache
