@@ -21,8 +21,13 @@ the KV bytes pulled and the pull time per 1,000 prompt tokens.
 
 ``--kv-dtype`` keeps both nodes' KV caches in 16 bits (``results/pd-kv-<dtype>.json``).
 
-The machine this runs on may be shared (the load average at the start is
-printed): read the figures as a comparison of the phases, not as absolutes.
+Where the rest runs (``--front``): by default the bootstrap, the tracker and
+this script's clients are not pinned (the scheduler puts them on either
+core). ``--front decode-core`` puts them on core 0 with the decode node, so
+the prefill node has core 1 to itself as a machine of its own would
+(``results/pd-...-front-decode-core.json``); on the 2-core EPYC of 2026-12-02
+that made every phase slower (quiet p50 13.4 -> 15.0 ms, PD p99 25.9 -> 29.9)
+and the ratio to the quiet p50 about the same (1.92x, 1.99x).
 """
 
 from __future__ import annotations
@@ -42,6 +47,7 @@ import httpx
 import orjson
 from prometheus_client.parser import text_string_to_metric_families
 
+from benchmarks.machine import describe_machine
 from benchmarks.mesh import pin_process
 from tests.procs import TEST_SECRET, Service, start_service, wait_healthy
 
@@ -149,7 +155,12 @@ def main() -> int:
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--kv-dtype", default="auto", choices=["auto", "float16", "bfloat16"],
                         help="KV cache format of both nodes (MESHNET_KV_DTYPE); the results file is named after it")
+    parser.add_argument("--front", default="any", choices=["any", "decode-core"],
+                        help="where the bootstrap, the tracker and the clients run: on any core (default), or on "
+                             "the decode node's core")
     args = parser.parse_args()
+    if args.front == "decode-core":  # this process's clients, and the services it starts (they inherit it)
+        os.sched_setaffinity(0, {0})
     load = os.getloadavg()[0]
     print(f"load average at start: {load:.2f} on {os.cpu_count()} cores", file=sys.stderr)
     services: list[Service] = []
@@ -189,7 +200,8 @@ def main() -> int:
         pulled = {k: after.get(k, 0) - before.get(k, 0) for k in after}
         prompt_tokens = results[2]["long_prompt_tokens"]
         summary = {
-            "machine_load_at_start": load, "model": model, "long_tokens": args.long_tokens, "kv_dtype": args.kv_dtype,
+            "machine_load_at_start": load, "machine": describe_machine().one_line(), "front": args.front,
+            "model": model, "long_tokens": args.long_tokens, "kv_dtype": args.kv_dtype,
             "phases": results, "decode_node_metrics_delta": pulled,
             "kv_bytes_per_1000_prompt_tokens": (pulled.get("meshnet_node_kv_pulled_bytes_total", 0) / prompt_tokens
                                                 * 1000) if prompt_tokens else None,
@@ -197,7 +209,9 @@ def main() -> int:
                                                     * 1000) if prompt_tokens else None,
             "command": " ".join(sys.argv),
         }
-        results_file = RESULTS if args.kv_dtype == "auto" else RESULTS.with_name(f"pd-kv-{args.kv_dtype}.json")
+        name = RESULTS.stem + ("" if args.kv_dtype == "auto" else f"-kv-{args.kv_dtype}") + (
+            "" if args.front == "any" else f"-front-{args.front}")
+        results_file = RESULTS.with_name(f"{name}.json")
         results_file.parent.mkdir(parents=True, exist_ok=True)
         results_file.write_text(json.dumps(summary, indent=2))
         print(json.dumps(summary, indent=2))
