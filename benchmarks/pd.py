@@ -28,6 +28,9 @@ the prefill node has core 1 to itself as a machine of its own would
 (``results/pd-...-front-decode-core.json``); on the 2-core EPYC of 2026-12-02
 that made every phase slower (quiet p50 13.4 -> 15.0 ms, PD p99 25.9 -> 29.9)
 and the ratio to the quiet p50 about the same (1.92x, 1.99x).
+
+The machine this runs on may be shared (the load average at the start is
+printed): read the figures as a comparison of the phases, not as absolutes.
 """
 
 from __future__ import annotations
