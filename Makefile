@@ -27,7 +27,7 @@ $(STAMP): pyproject.toml Makefile
 	@touch $(STAMP)
 	@echo ">>> setup done: $$(du -sh $(VENV) | cut -f1) in $(VENV)"
 
-# meshnet's native kernel for quantized products (services/node/quant_kernel.py), built once into
+# meshnet's native kernel for quantized products (services/node/model/quant/quant_kernel.py), built once into
 # ~/.cache/meshnet/kernels with torch's headers; needs a C++ compiler (apt build-essential, best effort as
 # root). Without it nodes use torch's slower int4 kernel and say so.
 kernels:
@@ -38,7 +38,7 @@ kernels:
 	    || echo ">>> build-essential could not be installed"; \
 	  else echo ">>> no C++ compiler and no apt/root: quantized products will use torch's kernel"; fi; fi
 	@echo ">>> building the quantized-product kernel"
-	$(BIN)/python -m services.node.quant_kernel || echo ">>> the kernel did not build: quantized products will use torch's kernel"
+	$(BIN)/python -m services.node.model.quant.quant_kernel || echo ">>> the kernel did not build: quantized products will use torch's kernel"
 
 # Headless Chromium for the live-page test; best effort (needs apt and root).
 browser:
@@ -92,7 +92,7 @@ compose-smoke: $(STAMP)
 	bash scripts/compose_smoke.sh
 
 lint: $(STAMP)
-	$(BIN)/ruff check libs services tests benchmarks
+	$(BIN)/ruff check libs meshnet services tests benchmarks
 
 clean:
 	rm -rf $(VENV) .pytest_cache build *.egg-info

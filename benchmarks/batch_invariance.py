@@ -6,7 +6,7 @@
 writes ``benchmarks/results/batch_invariance.json`` and prints one line per
 format. The node runs a session's lone decode step on its exact single-session
 path and the steps of sessions that are ready together as one batch
-(:meth:`services.node.shard.Shard.run_rows`, at most ``--max-batch`` rows).
+(:meth:`services.node.model.shard.Shard.run_rows`, at most ``--max-batch`` rows).
 A B-row matrix product need not round like a 1-row one, so a row's logits may
 depend on the batch it rode in. This measures by how much, with the node's own
 code on the whole default model (30 layers, one shard):
@@ -91,7 +91,7 @@ def measure(folder: Path, dtype: torch.dtype, steps: int, max_batch: int) -> For
     from transformers import AutoConfig, AutoTokenizer
 
     from benchmarks.prompts import prompt_token_ids
-    from services.node.shard import load_shard
+    from services.node.model.shard import load_shard
 
     config = AutoConfig.from_pretrained(folder)
     shard = load_shard(folder, 0, config.num_hidden_layers - 1, dtype, torch.device("cpu"))
@@ -149,7 +149,7 @@ def _name(dtype: torch.dtype) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from services.node.model_source import resolve_model
+    from services.node.model.model_source import resolve_model
     from services.node.settings import DEFAULT_MAX_BATCH
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])

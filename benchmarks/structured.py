@@ -6,7 +6,7 @@
 writes ``benchmarks/results/structured.json`` and prints a summary. One
 process, the default model (SmolLM2-135M-Instruct) in float32 with a KV cache,
 two threads: each round decodes ``--tokens`` tokens greedily with the tail's
-own :class:`~services.node.sampling.Sampler`, once free and once constrained
+own :class:`~services.node.sampling.sampler.Sampler`, once free and once constrained
 by the grammar the head compiles from :data:`SCHEMA` (llguidance's mask
 computed and applied before the argmax, the grammar advanced after it). The
 two ways alternate round by round, so a busy machine slows both alike. It
@@ -37,10 +37,10 @@ from benchmarks.harness import DEFAULT_MODEL
 from benchmarks.machine import describe_machine
 from benchmarks.results import RESULTS_DIR
 from meshwire.sampling_params import SamplingParams
-from services.node.grammar import Constraint, GrammarEngine, grammar_for_schema
-from services.node.model_source import resolve_model
-from services.node.sampling import Sampler
-from services.node.tokens import eos_ids_of
+from services.node.head.tokens import eos_ids_of
+from services.node.model.model_source import resolve_model
+from services.node.sampling.grammar import Constraint, GrammarEngine, grammar_for_schema
+from services.node.sampling.sampler import Sampler
 
 logger = logging.getLogger("benchmarks.structured")
 

@@ -87,7 +87,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="[%(relativeCreated)8.0f ms] %(message)s")
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from services.node.model_source import resolve_model
+    from services.node.model.model_source import resolve_model
 
     folder = resolve_model(DEFAULT_MODEL).path
     tokenizer = AutoTokenizer.from_pretrained(folder)

@@ -16,7 +16,7 @@ def pytest_sessionstart(session: pytest.Session) -> None:
     started by tests would otherwise each wait on the build inside their start-up time."""
     import logging
 
-    from services.node import quant_kernel
+    from services.node.model.quant import quant_kernel
 
     try:
         quant_kernel.build()

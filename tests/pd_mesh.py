@@ -8,7 +8,7 @@ tracker hands prefill routes to heads from then on. With ``join_by_token``
 every node joins by a join token of its own and holds a wrong mesh secret, so
 nothing in that mesh, the KV handoff included, works by the shared secret.
 
-Handoff calls are signed with a hop key (:mod:`services.node.kv_auth`):
+Handoff calls are signed with a hop key (:mod:`services.node.pd.kv_auth`):
 :func:`decode_route` signs a decode route with the test's route key (which the
 prefill nodes pin) naming test-known hop keys, and :func:`signed` signs a call
 as one of its nodes, so a test can play a decode node.

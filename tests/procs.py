@@ -30,7 +30,7 @@ from typing import Literal, Self
 import httpx
 
 from meshwire.route_keys import SigningKey, b64encode, jwks_of
-from services.node.openmp import OPENMP_DEFAULTS
+from services.node.engine.openmp import OPENMP_DEFAULTS
 
 ServiceKind = Literal["tracker", "node", "relay", "bootstrap"]
 Launcher = Literal["uvicorn", "meshnet"]

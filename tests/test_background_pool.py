@@ -10,10 +10,10 @@ from typing import Final
 import pytest
 import torch
 
-from services.node.background import MAX_NICE, BackgroundPool
-from services.node.kv_pull import _PullJob, _Stopped
-from services.node.kv_transfer import held_positions
-from services.node.shard import load_shard
+from services.node.engine.background import MAX_NICE, BackgroundPool
+from services.node.model.shard import load_shard
+from services.node.pd.kv_pull import _PullJob, _Stopped
+from services.node.pd.kv_transfer import held_positions
 
 CPU: Final = torch.device("cpu")
 

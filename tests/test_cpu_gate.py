@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from services.node.cpu_gate import CONTENTION_MEMORY_S, CpuGate, cpu_gate_for
+from services.node.engine.cpu_gate import CONTENTION_MEMORY_S, CpuGate, cpu_gate_for
 
 HOLDER_READY = "holding"
 
@@ -20,7 +20,7 @@ def _holder(path: Path, slots: int, take: int) -> subprocess.Popen[str]:
     """Another process (another node) that holds ``take`` of ``slots`` slots until its stdin closes."""
     code = textwrap.dedent(f"""
         import sys
-        from services.node.cpu_gate import CpuGate
+        from services.node.engine.cpu_gate import CpuGate
         gate = CpuGate({str(path)!r}, slots={slots})
         with gate.hold({take}) as share:
             print({HOLDER_READY!r}, share.threads, flush=True)

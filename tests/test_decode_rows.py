@@ -1,6 +1,6 @@
 """Decode rows of a quantized shard in one native call (kernels/decode_rows.cpp) against the layer-by-layer path.
 
-The call must compute what :class:`~services.node.lean_decode.LeanDecoder` computes through torch one layer
+The call must compute what :class:`~services.node.model.lean_decode.LeanDecoder` computes through torch one layer
 at a time (to float32 rounding: its norms sum in another order), leave every cache as that path leaves it
 (the same positions held, the same keys and values), and give a row the same bits whichever rows ride with
 it on one product path.
@@ -14,9 +14,9 @@ from typing import Final
 import pytest
 import torch
 
-from services.node import quant_kernel
-from services.node.kv_cache import GrowingLayer
-from services.node.shard import Shard, ShardCache, load_shard
+from services.node.model.kv_cache import GrowingLayer
+from services.node.model.quant import quant_kernel
+from services.node.model.shard import Shard, ShardCache, load_shard
 
 CPU: Final = torch.device("cpu")
 PROMPT_LENGTHS: Final = (3, 9, 1, 17, 5)

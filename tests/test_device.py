@@ -18,8 +18,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from services.node import device as device_module
-from services.node.device import (
+from services.node.model import device as device_module
+from services.node.model.device import (
     CPU_DTYPE_TABLE,
     DTYPES,
     CpuClass,

@@ -31,8 +31,8 @@ from transformers import AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from meshwire import headers as h
 from meshwire.routes import Route, RouteNode, plan_start_layers, sign_route
-from services.node.compute import ComputeWorker
-from services.node.draft_model import DraftModelError, load_draft_model
+from services.node.engine.compute import ComputeWorker
+from services.node.head.draft_model import DraftModelError, load_draft_model
 from tests.procs import (
     TEST_ROUTE_KEY,
     TEST_SECRET,

@@ -18,9 +18,9 @@ import httpx
 import pytest
 import torch
 
-from services.node.failover import Failover, FailoverGaveUp, FailoverPolicy
-from services.node.routing import TrackerRoutes
-from services.node.shard import Shard, load_shard
+from services.node.head.failover import Failover, FailoverGaveUp, FailoverPolicy
+from services.node.hop.routing import TrackerRoutes
+from services.node.model.shard import Shard, load_shard
 from services.tracker.app import create_app
 from services.tracker.settings import TrackerSettings
 from tests.procs import TEST_SECRET

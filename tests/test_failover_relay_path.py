@@ -34,7 +34,7 @@ from starlette.routing import Route
 from meshwire.relay_client import RelayPeer
 from meshwire.route_keys import SigningKey
 from meshwire.routes import RouteNode
-from services.node.hop_client import ChainFailure, HopClient, send_along
+from services.node.hop.hop_client import ChainFailure, HopClient, send_along
 from tests.procs import TEST_SECRET, Service, free_port, start_service
 
 CONNECT_TIMEOUT_S: Final = 0.5

@@ -9,7 +9,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 
 import pytest
 
-from services.node.hop_http import HopBroken, HopConnectFailed, HopHttp, HopTimedOut
+from services.node.hop.hop_http import HopBroken, HopConnectFailed, HopHttp, HopTimedOut
 from tests.procs import free_port
 
 Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]

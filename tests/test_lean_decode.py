@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from services.node.lean_decode import lean_decoder_for
-from services.node.shard import Shard, load_shard
+from services.node.model.lean_decode import lean_decoder_for
+from services.node.model.shard import Shard, load_shard
 
 CPU = torch.device("cpu")
 STEPS = 24

@@ -13,7 +13,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from services.node.model_source import (
+from services.node.head.sampling_defaults import SamplingDefaults
+from services.node.model.model_source import (
     DEFAULT_MODEL,
     SOURCE_MARKER,
     ModelSourceError,
@@ -22,8 +23,7 @@ from services.node.model_source import (
     has_chat_template,
     resolve_model,
 )
-from services.node.sampling_defaults import SamplingDefaults
-from services.node.shard import load_shard
+from services.node.model.shard import load_shard
 
 CPU = torch.device("cpu")
 

@@ -6,7 +6,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from transformers import PreTrainedTokenizerBase
 
-from services.node.detok import REPLACEMENT_CHAR, IncrementalDetokenizer
+from services.node.head.detok import REPLACEMENT_CHAR, IncrementalDetokenizer
 
 MULTI_BYTE_TEXT = "Café, naïve, 日本語, emoji 🎉🚀 and ✓ marks: Ωμέγα"
 

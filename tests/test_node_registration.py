@@ -1,7 +1,7 @@
 """A node joins the mesh by itself: it registers with the tracker, heartbeats, serves through it, and leaves.
 
 One tracker and one node holding every layer of the tiny model, as real
-processes; then the node's :class:`~services.node.registration.Registrar`
+processes; then the node's :class:`~services.node.hop.registration.Registrar`
 against the real tracker app served in process, where its lease is the point:
 kept from the first answer, carried on every heartbeat and on the way out,
 and replaced when a restarted tracker registers the node afresh.
@@ -23,7 +23,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from meshwire.registry import NodeRegistration
-from services.node.registration import Registrar
+from services.node.hop.registration import Registrar
 from services.tracker.app import create_app
 from services.tracker.settings import TrackerSettings
 from tests.procs import TEST_SECRET, Service, start_service

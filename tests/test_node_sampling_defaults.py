@@ -5,8 +5,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from services.node.model_source import DEFAULT_MODEL_SAMPLING
-from services.node.sampling_defaults import SamplingDefaults
+from services.node.head.sampling_defaults import SamplingDefaults
+from services.node.model.model_source import DEFAULT_MODEL_SAMPLING
 
 
 def write_generation_config(folder: Path, config: dict) -> Path:

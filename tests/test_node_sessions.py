@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from services.node.sessions import SessionExists, SessionRefused, SessionTable
+from services.node.engine.sessions import SessionExists, SessionRefused, SessionTable
 
 BUDGET = 100
 

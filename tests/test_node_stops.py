@@ -7,7 +7,7 @@ import itertools
 from hypothesis import given
 from hypothesis import strategies as st
 
-from services.node.stops import StopMatcher
+from services.node.head.stops import StopMatcher
 
 
 def run(stops: list[str], pieces: list[str]) -> tuple[str, bool]:

@@ -7,7 +7,7 @@ import asyncio
 import httpx
 import pytest
 
-from services.node.routing import NoRoute, TrackerRoutes
+from services.node.hop.routing import NoRoute, TrackerRoutes
 from tests.procs import free_port, start_service
 
 

@@ -17,8 +17,8 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from meshwire.sampling_params import SamplingParams
-from services.node.sampling import Sampler
-from services.node.tokens import HeadTokenizer
+from services.node.head.tokens import HeadTokenizer
+from services.node.sampling.sampler import Sampler
 from tests.procs import Service
 from tests.tiny_mesh import tiny_mesh
 

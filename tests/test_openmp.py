@@ -6,7 +6,7 @@ import os
 import subprocess
 import sys
 
-from services.node.openmp import OPENMP_DEFAULTS, configure, missing
+from services.node.engine.openmp import OPENMP_DEFAULTS, configure, missing
 
 
 def test_configure_fills_in_only_what_the_operator_left_unset() -> None:

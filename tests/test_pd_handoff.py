@@ -31,7 +31,7 @@ from meshwire import headers as h
 from meshwire.kv_handoff import DECODE_ROUTE, KV_CHUNK_POSITIONS, KV_LAYERS, PREFILL_PATH, PULL_PATH
 from meshwire.route_keys import SigningKey
 from meshwire.routes import Route, RouteNode, issue_signed_route
-from services.node.kv_pull import LAYOUT_CACHE_S
+from services.node.pd.kv_pull import LAYOUT_CACHE_S
 from tests.pd_mesh import AUTH, PD_MIN_PROMPT_TOKENS, PdMesh, decode_route, signed, start_pd_mesh, wait_for
 from tests.procs import TEST_ROUTE_KEY, free_port, node_hop_key, start_service, wait_healthy
 

@@ -4,7 +4,7 @@ Real processes: a ``cache-layouts`` bootstrap registry, a tracker with an
 admin key, one prefill node ``p`` (layers 0-3) and two decode nodes ``d0``
 (0-1) and ``d1`` (2-3), each joined by a join token of its own and given a
 mesh secret that is not the tracker's. The KV handoff is authorized by the
-tracker's signed routes and the nodes' hop keys (:mod:`services.node.kv_auth`):
+tracker's signed routes and the nodes' hop keys (:mod:`services.node.pd.kv_auth`):
 a long prompt is prefilled on ``p``, each decode node pulls its own layers'
 KV, and the answer equals transformers ``generate`` and the plain path token
 for token (greedy and seeded), with no prompt position run on a decode node.

@@ -29,10 +29,10 @@ from meshwire.pd_group import PrefillMember, plan_prefill_group
 from meshwire.registry import RegistrationAnswer
 from meshwire.route_keys import SigningKey
 from services.bootstrap.layout import check_placement_covers, parse_layout_wire
-from services.node.handoff_limits import HandoffLimits
-from services.node.kv_pull import HandoffFailed, KvPuller
-from services.node.pd_member import PrefillMembership, rank_address
-from services.node.sessions import SessionRefused, SessionTable
+from services.node.engine.sessions import SessionRefused, SessionTable
+from services.node.pd.handoff_limits import HandoffLimits
+from services.node.pd.kv_pull import HandoffFailed, KvPuller
+from services.node.pd.pd_member import PrefillMembership, rank_address
 from services.tracker.pd_routes import plan_prefill_route
 from services.tracker.planner import Candidate
 from services.tracker.state import _plan_decode_route

@@ -26,8 +26,8 @@ from gguf.quants import dequantize as gguf_dequantize
 from gguf.quants import quantize as gguf_quantize
 from torch import nn
 
-from services.node import quant_kernel
-from services.node.quant import (
+from services.node.model.quant import quant_kernel
+from services.node.model.quant.packed import (
     GROUP_SIZE,
     KERNEL_DTYPE,
     KERNEL_MAX_ROWS,
@@ -38,9 +38,9 @@ from services.node.quant import (
     groups_of,
     unpack,
 )
-from services.node.quant_load import resolve_format
+from services.node.model.quant.quant_load import resolve_format
+from services.node.model.shard import Shard, ShardError, load_shard
 from services.node.settings import DEFAULT_MAX_BATCH
-from services.node.shard import Shard, ShardError, load_shard
 
 CPU = torch.device("cpu")
 PRODUCT_RTOL = 2.0 ** -6
@@ -295,7 +295,7 @@ def test_a_layer_type_the_quantized_path_cannot_take_loads_as_float_and_says_why
     config = json.loads((folder / "config.json").read_text())
     config["hidden_act"] = "gelu"
     (folder / "config.json").write_text(json.dumps(config))
-    with caplog.at_level(logging.WARNING, logger="services.node.shard"):
+    with caplog.at_level(logging.WARNING, logger="services.node.model.shard"):
         shard = load_shard(folder, 0, 3, torch.float32, CPU, weights="int4")
     assert shard.weights_format == "float"
     assert any("load as float" in r.message and "activation 'gelu'" in r.message for r in caplog.records)

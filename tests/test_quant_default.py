@@ -18,10 +18,10 @@ import pytest
 import torch
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
-from services.node.model_source import ResolvedModel, resolve_model
-from services.node.quant import QUANTIZED_DTYPE
-from services.node.quant_load import resolve_format
-from services.node.shard import Shard, load_shard
+from services.node.model.model_source import ResolvedModel, resolve_model
+from services.node.model.quant.packed import QUANTIZED_DTYPE
+from services.node.model.quant.quant_load import resolve_format
+from services.node.model.shard import Shard, load_shard
 from tests.test_quant import _float_reference
 
 pytestmark = pytest.mark.slow
@@ -135,7 +135,7 @@ def test_a_16_bit_kv_cache_takes_half_the_bytes_and_keeps_the_greedy_answers(
 
 def test_a_float_shard_keeps_its_own_kv_format_and_says_so(model: ResolvedModel,
                                                             caplog: pytest.LogCaptureFixture) -> None:
-    with caplog.at_level("WARNING", logger="services.node.shard"):
+    with caplog.at_level("WARNING", logger="services.node.model.shard"):
         shard = load_shard(model.path, 0, 1, torch.float32, CPU, "float", None, "float16")
     assert shard.kv_dtype in (None, torch.float32)
     assert "--kv-dtype float16 applies to quantized weights only" in caplog.text

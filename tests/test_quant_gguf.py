@@ -2,8 +2,8 @@
 
 A small GGUF is written here with gguf-py (metadata of every kind, a token
 list like a real model's, Q4_1, Q8_0 and F32 tensors under llama.cpp's
-names), then read back by :mod:`services.node.gguf_file` and
-:class:`~services.node.quant_load.GgufSource`.
+names), then read back by :mod:`services.node.model.quant.gguf_file` and
+:class:`~services.node.model.quant.quant_load.GgufSource`.
 """
 
 from __future__ import annotations
@@ -17,9 +17,9 @@ from gguf import GGMLQuantizationType, GGUFReader, GGUFWriter
 from gguf.quants import dequantize, quantize
 from transformers import LlamaConfig
 
-from services.node.gguf_file import GgufError, GgufFile, read_index
-from services.node.quant import KERNEL_DTYPE
-from services.node.quant_load import GgufSource, gguf_format
+from services.node.model.quant.gguf_file import GgufError, GgufFile, read_index
+from services.node.model.quant.packed import KERNEL_DTYPE
+from services.node.model.quant.quant_load import GgufSource, gguf_format
 
 HEADS, KV_HEADS, HIDDEN = 4, 2, 64
 ROWS = {"q": HIDDEN, "k": HIDDEN // HEADS * KV_HEADS}

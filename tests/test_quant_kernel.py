@@ -1,4 +1,4 @@
-"""meshnet's native kernel for quantized products (services/node/kernels/quant_mm.cpp).
+"""meshnet's native kernel for quantized products (services/node/model/quant/kernels/quant_mm.cpp).
 
 Tolerance, stated once: against the exact product (float64 over the exactly
 dequantized values) each output is within :func:`bound`, ``(K + 100) * 2^-24``
@@ -24,8 +24,8 @@ from unittest import mock
 import pytest
 import torch
 
-from services.node import quant_kernel
-from services.node.quant import (
+from services.node.model.quant import quant_kernel
+from services.node.model.quant.packed import (
     GROUP_SIZE,
     NATIVE_MAX_ROWS,
     NIBBLE_MID,
@@ -149,7 +149,7 @@ def test_without_the_kernel_matrices_take_torchs_layout_and_the_log_says_why(
     quant_kernel.available.cache_clear()
     try:
         with (mock.patch.object(quant_kernel, "build", side_effect=RuntimeError("no C++ compiler")),
-              caplog.at_level(logging.WARNING, logger="services.node.quant_kernel")):
+              caplog.at_level(logging.WARNING, logger="services.node.model.quant.quant_kernel")):
             assert not quant_kernel.available()
             matrix = QuantMatrix(groups_of(torch.randn(64, 64), "int4"))
         assert matrix.layout == "aten"
@@ -188,8 +188,8 @@ def test_a_failed_build_reports_the_compilers_error_lines_not_the_headers_warnin
 def test_every_kernel_source_and_header_ships_with_the_package() -> None:
     """A non-editable install (the container image's ``pip install .``) must carry what the kernel build reads."""
     root = Path(__file__).resolve().parents[1]
-    globs = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]["services.node"]
-    package = root / "services" / "node"
+    globs = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]["services.node.model.quant"]
+    package = root / "services" / "node" / "model" / "quant"
     for path in (*quant_kernel.SOURCES, *quant_kernel.HEADERS):
         relative = path.relative_to(package).as_posix()
         assert any(fnmatch.fnmatch(relative, pattern) for pattern in globs), relative

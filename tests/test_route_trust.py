@@ -7,11 +7,11 @@ import asyncio
 import pytest
 
 from meshwire.route_keys import KeySet, SigningKey, jwks_of
-from services.node import trust
-from services.node.trust import RouteTrust
+from services.node.hop import trust
+from services.node.hop.trust import RouteTrust
 
 WINDOW_S = 0.2
-"""The refetch window in these tests (the node's is :data:`services.node.trust.MIN_REFRESH_S`)."""
+"""The refetch window in these tests (the node's is :data:`services.node.hop.trust.MIN_REFRESH_S`)."""
 
 
 def keys_of(*signing: SigningKey) -> KeySet:

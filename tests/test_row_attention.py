@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from services.node import quant_kernel
+from services.node.model.quant import quant_kernel
 
 pytestmark = pytest.mark.skipif(not quant_kernel.available(), reason="the native kernel did not build here")
 

@@ -11,7 +11,7 @@ from transformers import AutoTokenizer, DynamicCache, PreTrainedModel
 
 from meshwire.limits import MIN_TEMPERATURE
 from meshwire.sampling_params import SamplingParams
-from services.node.sampling import Sampler, SamplingFailed
+from services.node.sampling.sampler import Sampler, SamplingFailed
 from tests.transformers_reference import reference_generate
 
 NEW_TOKENS = 40

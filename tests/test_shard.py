@@ -15,16 +15,16 @@ from safetensors.torch import load_file, save_file
 from torch.overrides import TorchFunctionMode
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, PreTrainedModel
 
-from services.node.chunk_precision import (
+from services.node.model.chunk_precision import (
     FLOAT32_ATTENTION,
     SDPA_ATTENTION,
     Float32ChunkLinear,
     attention_kernel,
 )
-from services.node.device import chunk_compute_dtype
-from services.node.model_source import resolve_model
-from services.node.sampling import Sampler, SamplingParams
-from services.node.shard import Shard, ShardCache, ShardError, load_shard
+from services.node.model.device import chunk_compute_dtype
+from services.node.model.model_source import resolve_model
+from services.node.model.shard import Shard, ShardCache, ShardError, load_shard
+from services.node.sampling.sampler import Sampler, SamplingParams
 from tests.transformers_reference import reference_generate
 
 CPU = torch.device("cpu")

@@ -19,7 +19,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from meshwire import headers as h
 from meshwire.routes import Route, RouteNode, plan_start_layers, sign_route
-from services.node.model_source import resolve_model
+from services.node.model.model_source import resolve_model
 from tests.procs import (
     TEST_ROUTE_KEY,
     TEST_SECRET,

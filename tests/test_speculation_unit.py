@@ -16,9 +16,9 @@ import pytest
 import torch
 
 from meshwire.sampling_params import SamplingParams
-from services.node.drafter import propose
-from services.node.sampling import Sampler
-from services.node.speculation import MAX_BUSY_REQUESTS, MIN_NETWORK_MS, PROBE_EVERY, Speculation
+from services.node.head.drafter import propose
+from services.node.head.speculation import MAX_BUSY_REQUESTS, MIN_NETWORK_MS, PROBE_EVERY, Speculation
+from services.node.sampling.sampler import Sampler
 
 DRAWS = 6_000
 TOLERANCE = 0.03

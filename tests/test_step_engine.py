@@ -11,10 +11,10 @@ import pytest
 import torch
 
 from meshwire.sampling_params import SamplingParams
-from services.node.compute import ComputeWorker, ShardRunner
-from services.node.sampling import Pick, Sampler, SamplingFailed
-from services.node.shard import ShardCache, ShardError, load_shard
-from services.node.step_engine import StepResult
+from services.node.engine.compute import ComputeWorker, ShardRunner
+from services.node.engine.step_engine import StepResult
+from services.node.model.shard import ShardCache, ShardError, load_shard
+from services.node.sampling.sampler import Pick, Sampler, SamplingFailed
 
 CPU: Final = torch.device("cpu")
 SESSIONS: Final = 5
@@ -120,7 +120,7 @@ def test_a_prompt_chunk_rides_along_with_decode_rows_within_the_token_budget(run
         loop = asyncio.get_running_loop()
 
         def job(tokens: int, cache: ShardCache) -> object:
-            from services.node.step_engine import StepJob
+            from services.node.engine.step_engine import StepJob
             return StepJob(cache=cache, position_offset=cache.seq_len, from_layer=0, ids=list(range(1, tokens + 1)),
                            hidden=None, sampler=None, future=loop.create_future())
 

@@ -20,8 +20,8 @@ import pytest
 import torch
 
 from meshwire.sampling_params import SamplingParams
-from services.node.grammar import GrammarEngine, grammar_for_schema
-from services.node.sampling import Sampler
+from services.node.sampling.grammar import GrammarEngine, grammar_for_schema
+from services.node.sampling.sampler import Sampler
 from tests.procs import TEST_SECRET, Service, start_service
 from tests.tiny_mesh import tiny_mesh
 from tests.tiny_model import VOCAB_SIZE

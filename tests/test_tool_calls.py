@@ -26,11 +26,11 @@ from transformers import AutoTokenizer
 from meshwire import openai as oa
 from meshwire.resume import PROGRESS_KEY
 from meshwire.tool_calls import ToolCallAssembler, ToolCallParser
-from services.node.generation import Finished, TextDelta
-from services.node.grammar import GrammarEngine, GrammarError
-from services.node.openai_api import ChatStream
-from services.node.tokens import HeadTokenizer
-from services.node.tool_grammar import tool_grammar
+from services.node.api.openai_api import ChatStream
+from services.node.head.generation import Finished, TextDelta
+from services.node.head.tokens import HeadTokenizer
+from services.node.sampling.grammar import GrammarEngine, GrammarError
+from services.node.sampling.tool_grammar import tool_grammar
 from services.tracker.collect import collect
 from tests.procs import TEST_SECRET, Service, start_service
 from tests.tiny_mesh import tiny_mesh

@@ -1,10 +1,10 @@
 """A node that knows several trackers: the first that answers gets its heartbeats, a dead one is skipped.
 
-The node's :class:`~services.node.registration.Registrar` talks to real
+The node's :class:`~services.node.hop.registration.Registrar` talks to real
 tracker apps in process (memory stores, one each), reached through one
 transport that can take a tracker "down" (connection refused) or make it
 answer 503 as a tracker whose store is away does. The moves happen within one
-:meth:`~services.node.registration.Registrar.beat`: no time passes here.
+:meth:`~services.node.hop.registration.Registrar.beat`: no time passes here.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import httpx
 import pytest
 
 from meshwire.registry import NodeRegistration
-from services.node.registration import Registrar
+from services.node.hop.registration import Registrar
 from services.node.settings import NodeSettings
 from services.tracker.app import create_app
 from services.tracker.settings import TrackerSettings

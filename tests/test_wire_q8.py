@@ -25,8 +25,8 @@ from meshwire import q8
 from meshwire.forward_step import ForwardAnswer
 from meshwire.frames import FrameError, decode_frame, encode_frame, parse_frame_headers
 from meshwire.routes import RouteNode
-from services.node.hop_client import ChainFailure, hop_failed, judge_payload
-from services.node.route_step import Onward, RouteStepper
+from services.node.hop.hop_client import ChainFailure, hop_failed, judge_payload
+from services.node.hop.route_step import Onward, RouteStepper
 from services.node.settings import NodeSettings
 from tests.procs import (
     TEST_ROUTE_KEY,
@@ -121,7 +121,7 @@ class _OldHop:
 
 class _Runner:
     async def step(self, cache: Any, **_: Any) -> Any:
-        from services.node.step_engine import StepResult
+        from services.node.engine.step_engine import StepResult
 
         return StepResult(hidden=torch.randn(1, 1, 64), token=None, compute_ms=1.0)
 

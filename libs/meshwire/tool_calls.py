@@ -9,7 +9,7 @@ trained on::
     </tool_call>
 
 (several calls are separated by one newline; free text may come before the
-first in ``tool_choice: auto``). The head's grammar (``services.node.tool_grammar``)
+first in ``tool_choice: auto``). The head's grammar (``services.node.sampling.tool_grammar``)
 makes the model write exactly :data:`CALL_OPEN` ``name`` :data:`ARGUMENTS_OPEN`
 ``arguments`` :data:`CALL_CLOSE`, so the parser here reads that shape and
 nothing looser.

@@ -5,12 +5,12 @@ Routes:
 * ``GET /health`` — 200 with the node's figures once its layers are loaded and
   warm; 503 while starting or draining.
 * ``GET /metrics`` — Prometheus metrics.
-* ``POST /forward`` — node-to-node frames (:mod:`services.node.forward`).
+* ``POST /forward`` — node-to-node frames (:mod:`services.node.api.forward`).
 * ``POST /kv/prefill``, ``POST /kv/pull`` — on a prefill node (``--role prefill``), the
-  prefill/decode handoff (:mod:`services.node.kv_serve`), signed with the caller's hop key
-  (:mod:`services.node.kv_auth`); 409 ``not_prefill`` elsewhere.
+  prefill/decode handoff (:mod:`services.node.api.kv_serve`), signed with the caller's hop key
+  (:mod:`services.node.pd.kv_auth`); 409 ``not_prefill`` elsewhere.
 * ``POST /v1/chat/completions``, ``POST /v1/completions`` — on a head node
-  (one holding layer 0) the OpenAI-compatible API (:mod:`services.node.openai_api`);
+  (one holding layer 0) the OpenAI-compatible API (:mod:`services.node.api.openai_api`);
   any other node answers 409 ``not_head``.
 
 ``create_app(settings)`` builds the app; ``uvicorn services.node.app:app``
@@ -40,10 +40,10 @@ from meshwire.frames import DTYPE_NAMES
 from meshwire.kv_handoff import PREFILL_PATH, PULL_PATH
 from meshwire.logs import configure_logging
 from meshwire.row_batch import ROWS_PATH
-from services.node import openmp
-from services.node.kv_auth import KvRefusal, caller_claim
+from services.node.api.openai_api import ApiError, OpenAIService
+from services.node.engine import openmp
 from services.node.metrics import CONTENT_TYPE
-from services.node.openai_api import ApiError, OpenAIService
+from services.node.pd.kv_auth import KvRefusal, caller_claim
 from services.node.runtime import NodeRuntime
 from services.node.settings import NodeSettings
 

@@ -10,12 +10,10 @@ hidden state per hop.
 
 from __future__ import annotations
 
-from typing import Final
+from typing import Final, Protocol
 
 from prometheus_client import CONTENT_TYPE_LATEST as CONTENT_TYPE
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-
-from services.node.sessions import SessionTable
 
 __all__ = ["CONTENT_TYPE", "NodeMetrics"]
 
@@ -24,10 +22,29 @@ TOKEN_BUCKETS: Final = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096,
 BATCH_BUCKETS: Final = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 64, 128, 256)
 
 
+class SessionFigures(Protocol):
+    """What the metrics read from the session table at scrape time (``engine.sessions.SessionTable``).
+
+    A protocol rather than the table itself, so that metrics stay a leaf every wing may import.
+    """
+
+    @property
+    def reserved_tokens(self) -> int: ...
+    @property
+    def free_tokens(self) -> int: ...
+    @property
+    def used_tokens(self) -> int: ...
+    @property
+    def handoffs(self) -> int: ...
+    def __len__(self) -> int: ...
+    def cache_bytes(self) -> int: ...
+    def handoff_bytes(self) -> int: ...
+
+
 class NodeMetrics:
     """The metrics of one node and the registry that serves them."""
 
-    def __init__(self, sessions: SessionTable) -> None:
+    def __init__(self, sessions: SessionFigures) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
         self.requests = Counter("meshnet_node_requests", "HTTP requests answered, by endpoint and status",

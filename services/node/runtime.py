@@ -15,7 +15,7 @@ import contextlib
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Final, Literal
+from typing import Any, Final
 
 import httpx
 from transformers import AutoConfig
@@ -28,42 +28,41 @@ except ImportError:  # pragma: no cover - depends on which pieces are installed
 from meshwire import tls
 from meshwire.frames import DTYPE_NAMES, FrameLimits
 from meshwire.registry import NodeRegistration
-from services.node.compute import ComputeWorker, ShardRunner, one_torch_thread
-from services.node.cpu_gate import cpu_gate_for
-from services.node.device import pick_device, pick_dtype
-from services.node.draft_model import load_draft_model
-from services.node.forward import ForwardService
-from services.node.generation import Generator
-from services.node.grammar import GrammarEngine
-from services.node.handoff_limits import HandoffLimits
-from services.node.hop_client import HopClient
-from services.node.kv_pull import KvPuller
-from services.node.kv_serve import KvServeService
-from services.node.kv_transfer import kv_shape
+from services.node.api.forward import ForwardService
+from services.node.api.kv_serve import KvServeService
+from services.node.engine.compute import ComputeWorker, ShardRunner, one_torch_thread
+from services.node.engine.cpu_gate import cpu_gate_for
+from services.node.engine.sessions import SessionTable, run_sweeper
+from services.node.head.draft_model import load_draft_model
+from services.node.head.generation import Generator
+from services.node.head.sampling_defaults import SamplingDefaults
+from services.node.head.tokens import HeadTokenizer, eos_ids_of
+from services.node.hop.hop_client import HopClient
+from services.node.hop.registration import Registrar
+from services.node.hop.relay_link import ASGIApp, asgi_handler
+from services.node.hop.route_step import RouteStepper
+from services.node.hop.routing import TrackerRoutes
+from services.node.hop.row_sender import RowSender
+from services.node.hop.trust import RouteTrust
 from services.node.metrics import NodeMetrics
-from services.node.model_source import resolve_model
-from services.node.pd_head import PdHead
-from services.node.pd_member import PrefillMembership
-from services.node.quant import QUANTIZED_DTYPE
-from services.node.quant_load import resolve_format
-from services.node.registration import Registrar
-from services.node.relay_link import ASGIApp, asgi_handler
-from services.node.route_step import RouteStepper
-from services.node.routing import TrackerRoutes
-from services.node.row_sender import RowSender
-from services.node.sampling_defaults import SamplingDefaults
-from services.node.sessions import SessionTable, run_sweeper
-from services.node.settings import NodeSettings
-from services.node.shard import Shard, load_shard
-from services.node.tokens import HeadTokenizer, eos_ids_of
-from services.node.trust import RouteTrust
+from services.node.model.device import pick_device, pick_dtype
+from services.node.model.model_source import resolve_model
+from services.node.model.quant.packed import QUANTIZED_DTYPE
+from services.node.model.quant.quant_load import resolve_format
+from services.node.model.shard import Shard, load_shard
+from services.node.pd.handoff_limits import HandoffLimits
+from services.node.pd.kv_pull import KvPuller
+from services.node.pd.kv_transfer import kv_shape
+from services.node.pd.pd_head import PdHead
+from services.node.pd.pd_member import PrefillMembership
+from services.node.sampling.grammar import GrammarEngine
+from services.node.settings import NodeSettings, NodeState
 
 logger = logging.getLogger(__name__)
 
 DTYPE_ROWS: Final = 1
-"""Rows per decode step ``--dtype auto`` chooses the number format for (see services/node/device.py)."""
+"""Rows per decode step ``--dtype auto`` chooses the number format for (see services/node/model/device.py)."""
 
-NodeState = Literal["starting", "ready", "draining", "stopped"]
 HTTP_POOL_CONNECTIONS: Final = 64
 """Keep-alive connections to other hops and the tracker."""
 CONNECT_TIMEOUT_S: Final = 5.0

@@ -9,7 +9,7 @@ import uvicorn
 from meshwire import exposure, serving
 from meshwire.auth import DEFAULT_SECRET
 from meshwire.logs import configure_logging
-from services.node import openmp
+from services.node.engine import openmp
 from services.node.settings import NodeSettings
 
 logger = logging.getLogger(__name__)

@@ -20,8 +20,6 @@ from meshwire import limits, slow_clients, tls
 from meshwire.auth import DEFAULT_SECRET
 from meshwire.fields import ApiKeyList
 from meshwire.route_keys import KeyProblem, KeySet, SigningKey
-from services.node.background import DEFAULT_NICE, MAX_NICE
-from services.node.cpu_gate import DEFAULT_CPU_LOCK
 
 DEFAULT_MODEL: Final = "HuggingFaceTB/SmolLM2-135M-Instruct"
 DEFAULT_PORT: Final = 8100
@@ -45,14 +43,23 @@ DEFAULT_HANDOFF_TTL_S: Final = 30.0
 DEFAULT_HANDOFF_MAX_HELD: Final = 32
 DEFAULT_HANDOFF_MAX_BYTES: Final = 1 << 30
 DEFAULT_HANDOFF_PULL_TIMEOUT_S: Final = 30.0
+MAX_NICE: Final = 19
+"""The lowest priority a Unix thread can take."""
+DEFAULT_NICE: Final = 10
+"""How far below the node's priority its background work runs by default (``--kv-pull-nice``): about a tenth
+of a core its decode steps also want."""
+DEFAULT_CPU_LOCK: Final = "/tmp/meshnet-cpu.lock"
+"""The lock file co-located nodes share unless told otherwise: one fixed path per machine, whoever runs them."""
 NodeDType = Literal["auto", "float32", "bfloat16", "float16"]
 NodeRole = Literal["prefill", "decode", "both"]
+NodeState = Literal["starting", "ready", "draining", "stopped"]
+"""Where a node is in its life: loading, serving, finishing its sessions, gone."""
 WeightsMode = Literal["auto", "float", "int8", "int4"]
 KvDType = Literal["auto", "float16", "bfloat16"]
-"""``--kv-dtype``: what a quantized shard's KV cache keeps (see :func:`services.node.shard.load_shard`)."""
+"""``--kv-dtype``: what a quantized shard's KV cache keeps (see :func:`services.node.model.shard.load_shard`)."""
 WireDType = Literal["native", "int8"]
 """``--wire-dtype``: how hidden states travel to the next hop (see :mod:`meshwire.q8`)."""
-"""``--weights``: see :mod:`services.node.quant_load`."""
+"""``--weights``: see :mod:`services.node.model.quant.quant_load`."""
 
 _LAYERS = re.compile(r"^\s*(\d{1,5})\s*-\s*(\d{1,5})\s*$")
 _DEVICE = re.compile(r"^(auto|cpu|cuda(:\d{1,3})?|mps)$")
@@ -67,7 +74,7 @@ class TrackerUrls(tuple[str, ...]):
 
     Formatted as a string it is its first URL, so code that talks to one
     tracker (``f"{settings.tracker}/v1/route"``) keeps working; the registrar
-    (:mod:`services.node.registration`) uses every one.
+    (:mod:`services.node.hop.registration`) uses every one.
     """
 
     __slots__ = ()

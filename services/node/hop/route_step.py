@@ -1,0 +1,202 @@
+"""One step of one session at this node, then on to the next hop: the head is hop 0.
+
+The head (``generation``: token ids in) and every other hop (``forward``:
+hidden states in) take a step the same way, and this is that way, written
+once: make room in the session's KV budget, run this node's layers through the
+step engine (batched with whatever else is ready), and either answer with the
+tail's token or encode the output as a frame for the next hop and send it
+(``row_sender`` coalesces decode frames bound for the same hop). Hidden states
+go in the layers' own format, or 8-bit quantised (``--wire-dtype int8``,
+:mod:`meshwire.q8`); a next hop that does not know ``q8`` refuses the frame
+(400 ``bad_encoding``, nothing changed there), and is sent exact frames from
+then on. Likewise a next hop that refuses a speculative frame (400
+``wire_version``: a node older than speculation) is sent the step's first
+position alone, as a plain decode frame, from then on: this node drops the
+drafts' KV rows and the step's run is the one token the tail picks, so the
+head's request goes on instead of failing. Each caller
+keeps only what is its own: the head opens sessions from a request and turns
+failures into API errors; a hop checks a received frame against its session
+and turns failures into ``/forward`` refusals.
+
+Callers hold ``session.lock`` around :meth:`RouteStepper.run` (steps of one
+session are serialised) and map its exceptions: :class:`SessionRefused` (KV
+budget), :class:`~services.node.sampling.sampler.SamplingFailed` (the request's
+sampling parameters), :class:`~services.node.hop.hop_client.ChainFailure` (the
+rest of the route), anything else (this node's layers failed).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Final
+
+import torch
+
+from meshwire.forward_step import ForwardAnswer, Scoring, StepInfo
+from meshwire.frames import Encoding, encode_frame
+from meshwire.routes import RouteNode
+from meshwire.sampling_params import TokenLogprobs
+from services.node.engine.compute import ShardRunner
+from services.node.engine.sessions import Session, SessionTable
+from services.node.hop.hop_client import ChainFailure, hop_failed
+from services.node.hop.row_sender import RowSender
+from services.node.metrics import NodeMetrics
+from services.node.sampling.sampler import Pick, Sampler
+from services.node.settings import WireDType
+
+logger = logging.getLogger(__name__)
+
+WIRE_ENCODINGS: Final[dict[WireDType, Encoding]] = {"native": "identity", "int8": "q8"}
+"""The frame encoding of each ``--wire-dtype``."""
+MAX_PLAIN_HOPS: Final = 4096
+"""Most next hops remembered as not knowing a lossy encoding (the set is cleared when full)."""
+
+
+@dataclass(frozen=True)
+class Onward:
+    """Where a step's output goes: the next hop, the step headers addressed to it, and the frame's chunk."""
+
+    node: RouteNode
+    info: StepInfo
+    chunk_index: int = 0
+    chunk_total: int = 1
+
+
+@dataclass(frozen=True)
+class StepDone:
+    """A step's outcome along the rest of the route."""
+
+    token: int | None
+    """The tail's sampled token (on a frame that samples), else ``None``."""
+    node_timings_ms: dict[str, float]
+    """Compute time of this node and of every hop after it."""
+    logprobs: TokenLogprobs | None = None
+    """With the token, when the session asks for log-probabilities."""
+    scored: tuple[TokenLogprobs, ...] = ()
+    """On a scored prompt step: the log-probabilities of the prompt tokens it named (from the tail)."""
+    run: tuple[Pick, ...] | None = None
+    """On a speculative step: the verified run (``token`` is its first)."""
+    unverified: bool = False
+    """On a speculative step: a hop of the route does not take speculative frames, so nothing was verified."""
+
+
+class RouteStepper:
+    """Runs a session's step on this node's layers and passes the result down the route."""
+
+    def __init__(self, *, node_id: str, runner: ShardRunner, sessions: SessionTable, sender: RowSender,
+                 metrics: NodeMetrics, wire_dtype: WireDType = "native") -> None:
+        self.node_id = node_id
+        self._runner = runner
+        self._sessions = sessions
+        self._sender = sender
+        self._metrics = metrics
+        self._encoding = WIRE_ENCODINGS[wire_dtype]
+        self._plain_hops: set[str] = set()
+        """Next hops (node ids) that refused ``self._encoding``: they are sent exact frames."""
+        self._unspeculative_hops: set[str] = set()
+        """Next hops (node id and endpoint) that refused a speculative frame (400 ``wire_version``: an older node): a
+        speculative step sends them its first position only, as a plain decode frame."""
+
+    async def run(self, session: Session, *, position_offset: int, from_layer: int, tokens: int,
+                  ids: Sequence[int] | None = None, hidden: torch.Tensor | None = None,
+                  sampler: Sampler | None = None, onward: Onward | None = None,
+                  score: Scoring | None = None, draft: tuple[int, ...] | None = None) -> StepDone:
+        """Step ``session`` by ``tokens`` positions (``ids`` at the head, ``hidden`` elsewhere).
+
+        ``onward`` is ``None`` where this node ends the route (the tail, or a head
+        holding every layer): the answer is then this node's own token. With
+        ``draft`` (a speculative step: ``tokens`` is ``len(draft) + 1``) the answer
+        is the verified run, and this node's KV cache keeps the run's positions
+        only: the rows of rejected drafts are dropped as the answer passes back.
+        """
+        self._sessions.ensure_room(session, position_offset + tokens)
+        result = await self._runner.step(session.cache, position_offset=position_offset, from_layer=from_layer,
+                                         ids=ids, hidden=hidden, sampler=sampler,
+                                         score=score if onward is None else None,
+                                         draft=draft if onward is None else None)
+        self._sessions.touch(session)
+        self._metrics.compute_latency.observe(result.compute_ms / 1000)
+        self._metrics.positions_computed.inc(tokens)
+        timings = {self.node_id: round(result.compute_ms, 3)}
+        if onward is None:
+            if draft is not None and result.run is not None:
+                self._keep(session, position_offset, len(result.run))
+            return StepDone(result.token, timings, result.logprobs, result.scored, result.run)
+        assert result.hidden is not None, "a shard that is not the tail always passes hidden states on"
+        hidden = result.hidden
+        if onward.info.draft is not None and _address(onward.node) in self._unspeculative_hops:
+            hidden, onward = self._unspeculative(session, position_offset, hidden, onward)
+        encoding = "identity" if onward.node.node_id in self._plain_hops else self._encoding
+        try:
+            answer = await self._send(session, hidden, onward, encoding)
+        except ChainFailure as exc:
+            if exc.failed_node != onward.node.node_id:
+                raise
+            if onward.info.draft is not None and exc.refused_code == "wire_version":
+                logger.warning("next hop %s does not take speculative frames (%s); sending it one position a step",
+                               onward.node.node_id, exc)
+                _remember(self._unspeculative_hops, _address(onward.node))
+                hidden, onward = self._unspeculative(session, position_offset, hidden, onward)
+            elif encoding != "identity" and exc.refused_code == "bad_encoding":
+                logger.warning("next hop %s does not take %s frames (%s); sending it exact ones",
+                               onward.node.node_id, encoding, exc)
+                _remember(self._plain_hops, onward.node.node_id)
+                encoding = "identity"
+            else:
+                raise
+            answer = await self._send(session, hidden, onward, encoding)
+        if onward.info.draft is None and draft is not None:  # the route past here verified nothing: a run of one
+            if answer.token is None:
+                raise hop_failed(onward.node.node_id, "it answered a decode step without a token")
+            answer = answer.model_copy(update={"tokens": [answer.token], "unverified": True,
+                                               "run_logprobs": None if answer.logprobs is None else [answer.logprobs]})
+        run = _run_of(onward.node, answer) if draft is not None else None
+        if run is not None:
+            self._keep(session, position_offset, len(run))
+        return StepDone(answer.token, {**timings, **answer.node_timings_ms}, answer.logprobs, answer.scored,
+                        run, unverified=bool(answer.unverified))
+
+    def _unspeculative(self, session: Session, position_offset: int, hidden: torch.Tensor,
+                       onward: Onward) -> tuple[torch.Tensor, Onward]:
+        """A speculative step turned plain for a next hop that does not know speculative frames (an older
+        node): only the step's first position (the last real token) goes on, and this node keeps only its
+        KV row; the drafts are never judged, so the step's run is the one token the tail picks."""
+        session.cache.truncate(position_offset + 1)
+        info = dataclasses.replace(onward.info, draft=None)
+        return hidden[:, :1].contiguous(), Onward(onward.node, info, onward.chunk_index, onward.chunk_total)
+
+    def _keep(self, session: Session, position_offset: int, positions: int) -> None:
+        """Drop the KV rows of a speculative step's rejected positions: keep ``positions`` from ``position_offset``."""
+        session.cache.truncate(position_offset + positions)
+
+    async def _send(self, session: Session, hidden: torch.Tensor, onward: Onward, encoding: Encoding) -> ForwardAnswer:
+        headers, body = encode_frame(hidden, session=session.session_id, chunk_index=onward.chunk_index,
+                                     chunk_total=onward.chunk_total, encoding=encoding,
+                                     wire_version=onward.info.wire_version, extra=onward.info.headers())
+        self._metrics.frame_bytes_sent.labels(encoding=encoding).inc(len(body))
+        self._metrics.frame_tokens_sent.labels(encoding=encoding).inc(int(hidden.shape[1]))
+        return await self._sender.send(onward.node, headers, body)
+
+
+def _address(node: RouteNode) -> str:
+    """A next hop as the node id at its endpoint (an upgraded node at a new address is asked afresh)."""
+    return f"{node.node_id} {node.endpoint}"
+
+
+def _remember(hops: set[str], node_id: str) -> None:
+    """Add ``node_id`` to a bounded set of next hops (cleared when it reaches :data:`MAX_PLAIN_HOPS`)."""
+    if len(hops) >= MAX_PLAIN_HOPS:
+        hops.clear()
+    hops.add(node_id)
+
+
+def _run_of(node: RouteNode, answer: ForwardAnswer) -> tuple[Pick, ...]:
+    """The verified run a speculative step's answer carries; a route that answered without one failed."""
+    if answer.tokens is None:
+        raise hop_failed(node.node_id, "it answered a speculative frame without the verified run")
+    logprobs = answer.run_logprobs or []
+    return tuple(Pick(token, logprobs[index] if index < len(logprobs) else None)
+                 for index, token in enumerate(answer.tokens))

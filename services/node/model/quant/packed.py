@@ -1,0 +1,483 @@
+"""Weights kept quantized in memory and multiplied by a quantized CPU kernel.
+
+``--weights int4`` and ``--weights int8`` keep a shard's decoder-layer
+products (and, for the default model, its token embedding / LM head) as
+integers with one scale and one zero per group of :data:`GROUP_SIZE` inputs,
+and multiply them with meshnet's native kernel
+(:mod:`services.node.model.quant.quant_kernel`, the ``native`` layout below) or, where
+it is not built, ``torch.ops.aten._weight_int4pack_mm_for_cpu`` (the
+``aten`` layout); a layer is never dequantized whole for a decode step.
+
+The native layout and kernel: a matrix is blocks of :data:`NATIVE_BLOCK`
+output rows; ``packed`` int32 ``[out/16, in*bits/32, 16]`` holds in dword
+``[b, c, j]`` the inputs ``c*32/bits ..`` of row ``16 b + j`` (int4: nibble
+``i`` is input ``8 c + i``, 0..15; int8: byte ``i`` is input ``4 c + i``, a
+signed byte: int8 is one byte a weight, not two nibble matrices), and
+``scale_zeros`` bfloat16 ``[out/16, in/32, 2, 16]`` the scale and zero of
+each row's groups. The kernel computes, per group, ``s * sum((q - 8) x) +
+z * sum(x)`` (int4; ``q`` for int8) with float32 rows and float32 sums,
+unpacking each weight tile once for up to 16 rows (AVX-512; from 8 rows AMX
+where the CPU has it, the rows as three bfloat16 pieces that add up to them
+exactly): up to :data:`NATIVE_MAX_ROWS` rows take it, a larger product
+dequantizes the matrix for the call (float32 too). On one path a row's
+output is the same bits whatever rows ride with it (tests/test_quant_kernel.py
+states the error bound). The rest of these notes describe torch's kernel and
+its layout, the fallback.
+
+What torch 2.13 offers on a CPU, measured on the development machine (an
+AVX512-BF16/FP16 Xeon, 1 thread, one ``3072 x 576`` product, the fastest of
+repeated runs on a shared, loaded machine, so ratios rather than times):
+
+* ``_weight_int4pack_mm_for_cpu`` (group-wise scale and zero) and
+  ``_weight_int8pack_mm`` (one scale per output channel only) are fast only
+  with **bfloat16** activations: 0.17 ms (int4) and 0.21 ms (int8) for one
+  row against 0.6-0.9 ms for a dense bfloat16/float16 product, but 7-12 ms
+  with float32 or float16 activations (a generic path). The kernel also
+  refuses float32 scales next to bfloat16 activations. So every quantized
+  product here converts its rows to bfloat16 and its result back.
+* Their cost grows with the rows (about 0.1 ms a row for that product) where
+  a dense product's barely does: at 8 rows int4 and dense bfloat16 cost the
+  same, at 16 rows int4 costs 2-3x more; dequantizing the matrix first costs
+  more still up to a few hundred rows, but the kernel's results on prompt
+  chunks drift: with prompts through the kernel the default model's greedy
+  answers agreed with the float mesh on 17 of 20 test prompts and lost
+  "Paris" (``tests/test_quant_default.py``), against 19 of 20 through the
+  dequantized product. So only up to :data:`KERNEL_MAX_ROWS` rows (every
+  decode batch at the default ``--max-batch``) take the kernel; a larger
+  product dequantizes this one matrix to float32 for the call and frees it, as :mod:`services.node.model.chunk_precision` does for
+  float32 chunks, and computes what the kernel computes (bfloat16 rows,
+  float32 weights and sums, a bfloat16 result). A dequantized bfloat16
+  matrix would be faster for long prompts but rounds every weight again.
+
+One format serves both modes. The kernel computes ``w = (q - 8) * s + z``
+for a 4-bit ``q`` per group of inputs, so:
+
+* **int4** (Q4_0, Q4_1, or a float weight's group min/max): Q4_0's
+  ``(q - 8) * d`` is ``s = d, z = 0``; Q4_1's ``q * d + m`` is
+  ``s = d, z = m + 8 d``; a float group gets ``s = (max - min) / 15`` and
+  ``z = min + 8 s``.
+* **int8** (Q8_0, or a float weight's symmetric group absmax): an 8-bit
+  ``q = 16 hi + lo`` is split into two nibbles and the input is fed twice,
+  ``x W^T = [x, x] [W_hi | W_lo]^T`` with ``W_hi = (hi+8 - 8) * 16 d`` and
+  ``W_lo = (lo - 8) * d + 8 d``: exact, 8 bits a weight, one kernel call.
+
+Scales and zeros are stored in bfloat16 (the kernel's format with bfloat16
+activations), so a GGUF's float16 ``d`` and ``m`` are rounded to bfloat16
+(relative error at most 2^-9 each); the integers are the file's own. The
+tests compare every product with a float product over :func:`dequantize` of
+the same stored values.
+
+The packed layout (``_convert_weight_to_int4pack_for_cpu``, ``innerKTiles``
+has no effect on the CPU) is blocks of 64 output rows: byte ``[b, k, j]`` of
+the ``[N/64, K, 32]`` view holds row ``64 b + j`` in its low nibble and row
+``64 b + 32 + j`` in its high one. :func:`unpack` inverts it, which is how
+one matrix is dequantized for a prompt and how embedding rows are read.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Final, Literal
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from services.node.model.quant import quant_kernel
+
+logger = logging.getLogger(__name__)
+
+QuantFormat = Literal["int4", "int8"]
+Layout = Literal["native", "aten"]
+GROUP_SIZE: Final = 32
+"""Inputs sharing one scale and zero (GGUF's Q4_0/Q4_1/Q8_0 block size)."""
+ROW_BLOCK: Final = 64
+"""Output rows of one block of the kernel's packed layout; a quantized matrix has a multiple of them."""
+KERNEL_MAX_ROWS: Final = 16
+"""Products of up to this many rows run on the packed kernel; larger ones (prompt chunks) dequantize the matrix
+for the call. Speed alone would put the line near 300 rows (one ``3072 x 576`` int4 matrix, 1 thread: kernel
+1.8 / 2.6 / 5.2 / 8.7 ms at 16 / 32 / 64 / 128 rows, dequantizing and a float32 product 17-23 ms), but prompts
+through the kernel cost the default model greedy answers (see the module notes)."""
+NATIVE_BLOCK: Final = 16
+"""Output rows of one block of the native layout (one 16-lane float32 vector of the kernel)."""
+NATIVE_MAX_ROWS: Final = 2048
+"""Products of up to this many rows run on the native kernel; larger ones dequantize the matrix for the call.
+Both compute float32 rows and sums, so the line is speed alone. With AMX, many rows pass over each unpacked
+weight tile in sets that stay in L2 (``kernels/quant_mm.cpp``, ``block_amx_rows``), so the kernel's cost
+grows linearly with the rows and stays below the dequantized product's (1 thread, random int4 matrices:
+gate/up 3072x576 at 256 / 512 rows 3.9 / 8.6 ms against 11.7 / 17.2 dequantized, down 576x1536 2.5 / 5.0
+against 5.2 / 8.0); the line only bounds the kernel's scratch (the rows' pieces: 3 x rows x in x 2 bytes)."""
+KERNEL_DTYPE: Final = torch.bfloat16
+"""Activation, scale and zero format of the CPU kernel's fast path."""
+QUANTIZED_DTYPE: Final = torch.float32
+"""What a quantized CPU shard computes in besides its products (``--dtype auto``): a bfloat16 residual stream
+made greedy answers of the default model drift (see services/node/runtime.py)."""
+NIBBLE_MID: Final = 8
+INT4_LEVELS: Final = 15
+INT8_MAX: Final = 127
+PACK_ROWS: Final = 1024
+"""Rows packed at a time: the packing call takes int32, so a whole 49,152-row embedding would need 226 MB."""
+
+
+class QuantError(ValueError):
+    """A matrix cannot be held in the quantized format (its shape, or its source blocks)."""
+
+
+@dataclass(frozen=True)
+class Groups:
+    """A matrix as the kernel's unpacked inputs: ``q`` (uint8 0..15, ``[N, K']``), ``scale`` and ``zero``
+    (float32 ``[N, K'/GROUP_SIZE]``), and how many times the input is repeated (1 for int4, 2 for int8)."""
+
+    q: torch.Tensor
+    scale: torch.Tensor
+    zero: torch.Tensor
+    repeat: int
+
+    @property
+    def out_features(self) -> int:
+        return int(self.q.shape[0])
+
+
+def shape_problem(out_features: int, in_features: int) -> str | None:
+    """Why an ``[out, in]`` matrix cannot take the packed format, or ``None`` when it can."""
+    if out_features % ROW_BLOCK:
+        return f"{out_features} output rows are not a multiple of {ROW_BLOCK}"
+    if in_features % GROUP_SIZE:
+        return f"{in_features} inputs are not a multiple of the group size {GROUP_SIZE}"
+    return None
+
+
+# --- from float weights ----------------------------------------------------------------------------
+
+
+def _grouped(weight: torch.Tensor) -> torch.Tensor:
+    rows, cols = weight.shape
+    if cols % GROUP_SIZE:
+        raise QuantError(f"{cols} inputs are not a multiple of the group size {GROUP_SIZE}")
+    return weight.detach().to(torch.float32).reshape(rows, cols // GROUP_SIZE, GROUP_SIZE)
+
+
+def _bf16(values: torch.Tensor) -> torch.Tensor:
+    """``values`` rounded to what the kernel holds (bfloat16), kept as float32."""
+    return values.to(KERNEL_DTYPE).to(torch.float32)
+
+
+def int4_groups(weight: torch.Tensor) -> Groups:
+    """Asymmetric 4-bit groups of a float ``[N, K]`` weight: each group's min..max in 16 levels."""
+    w = _grouped(weight)
+    low, high = w.amin(-1), w.amax(-1)
+    scale = _bf16(((high - low) / INT4_LEVELS).clamp_min(torch.finfo(KERNEL_DTYPE).tiny))
+    zero = _bf16(low + NIBBLE_MID * scale)
+    q = torch.round((w - zero.unsqueeze(-1)) / scale.unsqueeze(-1) + NIBBLE_MID).clamp(0, INT4_LEVELS)
+    return Groups(q=q.to(torch.uint8).reshape(weight.shape), scale=scale, zero=zero, repeat=1)
+
+
+def int8_signed_groups(q: torch.Tensor, scale: torch.Tensor) -> Groups:
+    """Signed 8-bit groups (``q`` int8 ``[N, K]``, ``scale`` ``[N, K/G]``) as two nibble halves (module doc)."""
+    rows, cols = q.shape
+    nibbles = torch.empty(rows, 2 * cols, dtype=torch.uint8)
+    for row in range(0, rows, PACK_ROWS):  # in slices: int16 copies of a whole embedding would be large
+        wide = q[row:row + PACK_ROWS].to(torch.int16)
+        nibbles[row:row + PACK_ROWS, :cols] = torch.bitwise_right_shift(wide, 4) + NIBBLE_MID  # -8..7 -> 0..15
+        nibbles[row:row + PACK_ROWS, cols:] = torch.bitwise_and(wide, 15)  # 0..15
+    scale = _bf16(scale.to(torch.float32))
+    return Groups(
+        q=nibbles,
+        scale=torch.cat([scale * 16, scale], 1),
+        zero=torch.cat([torch.zeros_like(scale), scale * NIBBLE_MID], 1),
+        repeat=2,
+    )
+
+
+def int8_groups(weight: torch.Tensor) -> Groups:
+    """Symmetric 8-bit groups of a float ``[N, K]`` weight: each group's absmax as 127."""
+    w = _grouped(weight)
+    scale = _bf16((w.abs().amax(-1) / INT8_MAX).clamp_min(torch.finfo(KERNEL_DTYPE).tiny))
+    q = torch.round(w / scale.unsqueeze(-1)).clamp(-INT8_MAX - 1, INT8_MAX).to(torch.int8)
+    return int8_signed_groups(q.reshape(weight.shape), scale)
+
+
+def groups_of(weight: torch.Tensor, fmt: QuantFormat) -> Groups:
+    """``weight`` quantized to ``fmt`` (rounded to the nearest level of its group)."""
+    return int4_groups(weight) if fmt == "int4" else int8_groups(weight)
+
+
+# --- from GGUF blocks ------------------------------------------------------------------------------
+
+GGUF_BLOCK_BYTES: Final = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}
+"""Bytes of one block of :data:`GROUP_SIZE` weights in each GGUF type this module reads."""
+GGUF_FORMAT: Final[dict[str, QuantFormat]] = {"Q4_0": "int4", "Q4_1": "int4", "Q8_0": "int8"}
+"""The format a GGUF type maps onto exactly (up to the bfloat16 rounding of its scales)."""
+
+
+def gguf_groups(kind: str, blocks: np.ndarray, rows: int, cols: int) -> Groups:
+    """The groups of a GGUF ``kind`` tensor of ``rows x cols`` weights from its raw bytes (``uint8``).
+
+    Q4_0 and Q4_1 blocks are ``d`` (float16), for Q4_1 ``m`` (float16), then
+    16 bytes whose low nibbles are weights 0..15 and high nibbles 16..31; Q8_0
+    blocks are ``d`` then 32 int8 weights (ggml's ``block_q4_0/q4_1/q8_0``).
+    """
+    size = GGUF_BLOCK_BYTES.get(kind)
+    if size is None:
+        raise QuantError(f"GGUF type {kind} is not one of {sorted(GGUF_BLOCK_BYTES)}")
+    if cols % GROUP_SIZE:
+        raise QuantError(f"{cols} inputs are not a multiple of the group size {GROUP_SIZE}")
+    raw = np.ascontiguousarray(blocks, dtype=np.uint8).reshape(-1)
+    per_row = cols // GROUP_SIZE
+    if raw.size != rows * per_row * size:
+        raise QuantError(f"{kind} tensor of {rows}x{cols} needs {rows * per_row * size} bytes, got {raw.size}")
+    b = torch.from_numpy(raw.reshape(rows, per_row, size).copy())
+    d = b[..., 0:2].contiguous().view(torch.float16)[..., 0].to(torch.float32)
+    if kind == "Q8_0":
+        q = b[..., 2:].contiguous().view(torch.int8).reshape(rows, cols)
+        return int8_signed_groups(q, d)
+    nibbles = b[..., 4:] if kind == "Q4_1" else b[..., 2:]
+    q = torch.cat([torch.bitwise_and(nibbles, 15), torch.bitwise_right_shift(nibbles, 4)], -1).reshape(rows, cols)
+    scale = _bf16(d)
+    if kind == "Q4_1":
+        m = b[..., 2:4].contiguous().view(torch.float16)[..., 0].to(torch.float32)
+        zero = _bf16(m + NIBBLE_MID * d)
+    else:
+        zero = torch.zeros_like(scale)
+    return Groups(q=q.to(torch.uint8), scale=scale, zero=zero, repeat=1)
+
+
+def dequantize_groups(groups: Groups) -> torch.Tensor:
+    """The float32 ``[N, K]`` matrix ``groups`` stands for (a GGUF matrix on its way to the other width)."""
+    rows, cols = groups.q.shape
+    w = (groups.q.to(torch.float32).view(rows, -1, GROUP_SIZE) - NIBBLE_MID) * groups.scale.unsqueeze(-1)
+    w = (w + groups.zero.unsqueeze(-1)).reshape(rows, cols)
+    return w.view(rows, groups.repeat, cols // groups.repeat).sum(1) if groups.repeat > 1 else w
+
+
+def permute_rows(groups: Groups, order: torch.Tensor) -> Groups:
+    """``groups`` with its output rows reordered (GGUF stores Llama's q/k rows in llama.cpp's rotary order)."""
+    return Groups(q=groups.q[order], scale=groups.scale[order], zero=groups.zero[order], repeat=groups.repeat)
+
+
+def stack(parts: list[Groups]) -> Groups:
+    """Several matrices of one input size and format as one, their outputs one after the other (fused q/k/v)."""
+    repeats = {part.repeat for part in parts}
+    if len(repeats) != 1:
+        raise QuantError("cannot fuse int4 and int8 matrices into one product")
+    return Groups(q=torch.cat([p.q for p in parts]), scale=torch.cat([p.scale for p in parts]),
+                  zero=torch.cat([p.zero for p in parts]), repeat=parts[0].repeat)
+
+
+# --- the packed matrix -----------------------------------------------------------------------------
+
+
+class QuantMatrix(nn.Module):
+    """One ``[out, in]`` matrix held quantized; ``x @ W^T`` by :meth:`matmul`.
+
+    ``packed`` and ``scale_zeros`` are buffers, so a shard counts their bytes
+    as its weights. In the ``aten`` layout (torch's kernel) ``packed`` is
+    uint8 ``[out, in * repeat / 2]`` and ``scale_zeros`` bfloat16
+    ``[in * repeat / GROUP_SIZE, out, 2]``; in the ``native`` layout
+    (:mod:`services.node.model.quant.quant_kernel`) ``packed`` is int32
+    ``[out / 16, in * bits / 32, 16]`` and ``scale_zeros`` bfloat16
+    ``[out / 16, in / GROUP_SIZE, 2, 16]`` (module doc). ``layout=None`` takes
+    the native one when its kernel is available.
+    """
+
+    def __init__(self, groups: Groups, layout: Layout | None = None) -> None:
+        super().__init__()
+        self._take([groups], layout)
+
+    @classmethod
+    def from_parts(cls, parts: Iterable[Groups], layout: Layout | None = None) -> QuantMatrix:
+        """One matrix from consecutive slices of its rows (each a multiple of :data:`ROW_BLOCK`), packed as they
+        come, so a large matrix (an embedding) never exists unpacked whole."""
+        matrix = cls.__new__(cls)
+        nn.Module.__init__(matrix)
+        matrix._take(parts, layout)
+        return matrix
+
+    def _take(self, parts: Iterable[Groups], layout: Layout | None) -> None:
+        self.layout: Layout = layout or ("native" if quant_kernel.available() else "aten")
+        if self.layout == "native" and not quant_kernel.available():
+            raise QuantError("the native layout needs meshnet's kernel, which is not available here")
+        packed, scale_zeros, repeat, cols = [], [], 0, 0
+        for groups in parts:
+            rows, cols = groups.q.shape
+            if (problem := shape_problem(rows, cols)) is not None:
+                raise QuantError(problem)
+            repeat = groups.repeat
+            for row in range(0, rows, PACK_ROWS):  # row blocks pack independently (module doc)
+                if self.layout == "native":
+                    part, scales = _native_pack(_slice(groups, row, row + PACK_ROWS))
+                    packed.append(part)
+                    scale_zeros.append(scales)
+                else:
+                    packed.append(torch.ops.aten._convert_weight_to_int4pack_for_cpu(
+                        groups.q[row:row + PACK_ROWS].to(torch.int32), 1))
+            if self.layout == "aten":
+                scale_zeros.append(torch.stack([groups.scale, groups.zero], -1).transpose(0, 1).to(KERNEL_DTYPE))
+        native = self.layout == "native"
+        self.register_buffer("packed", torch.cat(packed))
+        self.register_buffer("scale_zeros", torch.cat(scale_zeros, 0 if native else 1).contiguous())
+        self.in_features = cols // repeat
+        self.out_features = int(self.packed.shape[0]) * (NATIVE_BLOCK if native else 1)
+        self.repeat = repeat
+        self.format: QuantFormat = "int8" if repeat == 2 else "int4"
+        self.bits = 8 if repeat == 2 else 4
+
+    @property
+    def max_kernel_rows(self) -> int:
+        """The most rows a product takes on the kernel; more dequantize the matrix for the call."""
+        return NATIVE_MAX_ROWS if self.layout == "native" else KERNEL_MAX_ROWS
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """``x @ W^T`` for ``x`` of shape ``[..., in]``, in ``x``'s format (module doc: rows decide the kernel)."""
+        lead = x.shape[:-1]
+        if self.layout == "native":  # float32 rows, weights and sums either way
+            flat = x.reshape(-1, self.in_features).to(torch.float32)
+            if flat.shape[0] > NATIVE_MAX_ROWS:
+                out = F.linear(flat, self.dequantize(torch.float32))
+            else:
+                out = quant_kernel.mm(flat, self.packed, self.scale_zeros, self.bits)
+            return out.to(x.dtype).reshape(*lead, self.out_features)
+        flat = x.reshape(-1, self.in_features).to(KERNEL_DTYPE)
+        if flat.shape[0] > KERNEL_MAX_ROWS:  # the kernel's arithmetic: bfloat16 rows, float32 weights and sums
+            out = F.linear(flat.to(torch.float32), self.dequantize(torch.float32)).to(KERNEL_DTYPE)
+        else:
+            if self.repeat > 1:
+                flat = flat.repeat(1, self.repeat)
+            out = torch.ops.aten._weight_int4pack_mm_for_cpu(flat, self.packed, GROUP_SIZE, self.scale_zeros)
+        return out.to(x.dtype).reshape(*lead, self.out_features)
+
+    def unpacked(self) -> torch.Tensor:
+        """The 4-bit integers, ``[out, in * repeat]`` uint8 0..15 (int8 as its two nibble halves)."""
+        if self.layout == "aten":
+            return unpack(self.packed, self.out_features)
+        q = _native_integers(self.packed, self.bits)
+        if self.bits == 4:
+            return q.to(torch.uint8)
+        return torch.cat([torch.bitwise_right_shift(q, 4) + NIBBLE_MID, torch.bitwise_and(q, 15)], 1).to(torch.uint8)
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The float ``[out, in]`` matrix the kernel multiplies by (for a large product, or a reference); in
+        float64 the exact values, in float32 rounded once more than the native kernel rounds them."""
+        if self.layout == "native":
+            scales = self.scale_zeros.permute(0, 3, 1, 2).reshape(self.out_features, -1, 2)
+            return _native_dequantize(_native_integers(self.packed, self.bits), scales, self.bits, dtype)
+        return _dequantize(self.unpacked(), self.scale_zeros, self.repeat, self.in_features, dtype)
+
+    def rows(self, index: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Rows ``index`` (long ``[n]``) of the float matrix, without dequantizing the others (embeddings)."""
+        if self.layout == "native":
+            block, lane = index // NATIVE_BLOCK, index % NATIVE_BLOCK
+            q = _lane_integers(self.packed[block, :, lane], self.bits)
+            return _native_dequantize(q, self.scale_zeros[block, :, :, lane], self.bits, dtype)
+        view = self.packed.view(self.out_features // ROW_BLOCK, -1, ROW_BLOCK // 2)
+        block, within = index // ROW_BLOCK, index % ROW_BLOCK
+        picked = view[block, :, within % (ROW_BLOCK // 2)]  # [n, in * repeat]
+        high = (within >= ROW_BLOCK // 2).unsqueeze(-1)
+        q = torch.where(high, torch.bitwise_right_shift(picked, 4), torch.bitwise_and(picked, 15))
+        return _dequantize(q, self.scale_zeros[:, index], self.repeat, self.in_features, dtype)
+
+    def extra_repr(self) -> str:
+        return f"{self.format}, in={self.in_features}, out={self.out_features}, group={GROUP_SIZE}, {self.layout}"
+
+
+def unpack(packed: torch.Tensor, out_features: int) -> torch.Tensor:
+    """Invert ``_convert_weight_to_int4pack_for_cpu``: ``[out, cols]`` uint8 0..15 (layout in the module doc)."""
+    view = packed.view(out_features // ROW_BLOCK, -1, ROW_BLOCK // 2)
+    both = torch.cat([torch.bitwise_and(view, 15), torch.bitwise_right_shift(view, 4)], -1)
+    return both.transpose(1, 2).reshape(out_features, -1)
+
+
+def _dequantize(q: torch.Tensor, scale_zeros: torch.Tensor, repeat: int, in_features: int,
+                dtype: torch.dtype) -> torch.Tensor:
+    rows, cols = q.shape
+    sz = scale_zeros.to(torch.float32).transpose(0, 1)  # [rows, groups, 2]
+    w = (q.to(torch.float32).view(rows, cols // GROUP_SIZE, GROUP_SIZE) - NIBBLE_MID) * sz[..., :1] + sz[..., 1:]
+    w = w.reshape(rows, cols)
+    if repeat > 1:
+        w = w.view(rows, repeat, in_features).sum(1)
+    return w.to(dtype)
+
+
+def _slice(groups: Groups, start: int, end: int) -> Groups:
+    return Groups(q=groups.q[start:end], scale=groups.scale[start:end], zero=groups.zero[start:end],
+                  repeat=groups.repeat)
+
+
+def _native_pack(groups: Groups) -> tuple[torch.Tensor, torch.Tensor]:
+    """``groups`` in the native layout (module doc): int32 ``[rows/16, in*bits/32, 16]`` integers and bfloat16
+    ``[rows/16, in/GROUP_SIZE, 2, 16]`` scales and zeros. int8's two nibble halves become one signed byte."""
+    rows, cols = groups.q.shape
+    blocks = rows // NATIVE_BLOCK
+    if groups.repeat == 1:
+        q = groups.q.view(blocks, NATIVE_BLOCK, cols // 8, 4, 2)
+        data = torch.bitwise_or(q[..., 0], torch.bitwise_left_shift(q[..., 1], 4))  # [blocks, 16, dwords, 4]
+        scale, zero = groups.scale, groups.zero
+    else:
+        cols //= 2
+        n_groups = cols // GROUP_SIZE
+        high, low = groups.q[:, :cols].to(torch.int16), groups.q[:, cols:].to(torch.int16)
+        scale = groups.scale[:, n_groups:]
+        if not (torch.equal(groups.scale[:, :n_groups], scale * 16) and not groups.zero[:, :n_groups].any()
+                and torch.equal(groups.zero[:, n_groups:], scale * NIBBLE_MID)):
+            raise QuantError("int8 groups whose nibble halves do not share one scale")
+        signed = ((high - NIBBLE_MID) * 16 + low).to(torch.int8)
+        data = signed.view(torch.uint8).view(blocks, NATIVE_BLOCK, cols // 4, 4)
+        zero = torch.zeros_like(scale)
+    packed = data.transpose(1, 2).contiguous().view(torch.int32).squeeze(-1)  # [blocks, dwords, 16]
+    scales = torch.stack([scale, zero], -1).view(blocks, NATIVE_BLOCK, -1, 2).permute(0, 2, 3, 1)
+    return packed, scales.to(KERNEL_DTYPE).contiguous()
+
+
+def _lane_integers(dwords: torch.Tensor, bits: int) -> torch.Tensor:
+    """The integers of native dwords ``[..., n]`` (int32, each 32/bits consecutive inputs of one row) as int16
+    ``[..., n * 32 / bits]``: 0..15 for int4, -128..127 for int8."""
+    data = dwords.contiguous().view(torch.uint8)  # little-endian: the first inputs in the low byte
+    if bits == 8:
+        return data.view(torch.int8).to(torch.int16)
+    both = torch.stack([torch.bitwise_and(data, 15), torch.bitwise_right_shift(data, 4)], -1)
+    return both.flatten(-2).to(torch.int16)
+
+
+def _native_integers(packed: torch.Tensor, bits: int) -> torch.Tensor:
+    """A native matrix's integers, int16 ``[out, in]``."""
+    return _lane_integers(packed.transpose(1, 2).reshape(-1, packed.shape[1]), bits)
+
+
+def _native_dequantize(q: torch.Tensor, scale_zeros: torch.Tensor, bits: int, dtype: torch.dtype) -> torch.Tensor:
+    """``(q - 8) s + z`` (int4) or ``q s + z`` (int8) of native integers ``[n, in]`` and their scales and zeros
+    ``[n, in/GROUP_SIZE, 2]``; in float64 when asked for it (exact), else float32."""
+    rows, cols = q.shape
+    compute = torch.float64 if dtype == torch.float64 else torch.float32
+    sz = scale_zeros.to(compute)
+    centred = q.to(compute) - (NIBBLE_MID if bits == 4 else 0)
+    w = centred.view(rows, cols // GROUP_SIZE, GROUP_SIZE) * sz[..., :1] + sz[..., 1:]
+    return w.reshape(rows, cols).to(dtype)
+
+
+class QuantLinear(nn.Module):
+    """``nn.Linear`` over a :class:`QuantMatrix` (the LM head of a quantized tail)."""
+
+    def __init__(self, matrix: QuantMatrix, bias: torch.Tensor | None = None) -> None:
+        super().__init__()
+        self.matrix = matrix
+        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.matrix.matmul(x)
+        return out if self.bias is None else out + self.bias.to(out.dtype)
+
+
+class QuantEmbedding(nn.Module):
+    """``nn.Embedding`` over a :class:`QuantMatrix`: only the looked-up rows are dequantized."""
+
+    def __init__(self, matrix: QuantMatrix, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.matrix = matrix
+        self.dtype = dtype
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        flat = ids.reshape(-1).to(torch.long)
+        return self.matrix.rows(flat, self.dtype).reshape(*ids.shape, self.matrix.in_features)

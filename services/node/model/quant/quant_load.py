@@ -1,0 +1,345 @@
+"""Loading a shard's layers quantized (``--weights int8|int4|auto``), from a GGUF's blocks or a float checkpoint.
+
+:func:`resolve_format` turns ``--weights`` into the format served: ``auto``
+serves a quantized file (the default model's Q4_1 GGUF) in its own format
+and a float checkpoint as ``float``. :func:`quantized_problem` says why a
+shard cannot be served quantized (then the node loads it as ``float`` and
+logs the reason): the quantized path is the lean decoder's
+(:mod:`services.node.model.lean_decode`), so it takes exactly the layers that path
+knows, on a CPU, with matrices the packed format holds.
+
+:func:`load_quantized` reads each matrix on its own and packs it at once, so
+the node never holds a float copy of its layers: from a GGUF, Q4_0/Q4_1/Q8_0
+blocks become the packed format directly (the integers as they are, the
+scales rounded to bfloat16; a block type of the other width is dequantized
+and requantized one matrix at a time); from safetensors, each float matrix
+is quantized as it is read. The token embedding and the LM head (one matrix
+when tied, as in SmolLM2) are held in int8 in both modes: in bfloat16 they
+alone would be 56 MB of the default model's 98 MB file.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import logging
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Final, Literal, Protocol
+
+import numpy as np
+import torch
+from safetensors import safe_open
+from torch import nn
+from transformers import PretrainedConfig
+
+from services.node.model.quant.gguf_file import GgufFile, read_index
+from services.node.model.quant.packed import (
+    GGUF_BLOCK_BYTES,
+    GGUF_FORMAT,
+    GROUP_SIZE,
+    PACK_ROWS,
+    Groups,
+    QuantEmbedding,
+    QuantFormat,
+    QuantLinear,
+    QuantMatrix,
+    dequantize_groups,
+    gguf_groups,
+    groups_of,
+    permute_rows,
+    shape_problem,
+    stack,
+)
+
+logger = logging.getLogger(__name__)
+
+WeightsMode = Literal["auto", "float", "int8", "int4"]
+WeightsFormat = Literal["float", "int8", "int4"]
+EMBEDDING_FORMAT: Final[QuantFormat] = "int8"
+"""Format of a quantized shard's token embedding and LM head (module doc)."""
+
+ATTENTION: Final = ("q_proj", "k_proj", "v_proj", "o_proj")
+MLP: Final = ("gate_proj", "up_proj", "down_proj")
+EMBED_KEY: Final = "model.embed_tokens.weight"
+LM_HEAD_KEY: Final = "lm_head.weight"
+
+_GGUF_LAYER_NAMES: Final = {
+    "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
+}
+_FLOAT_VIEWS: Final = {"F32": np.float32, "F16": np.float16}
+_GGUF_NAMES: Final = {EMBED_KEY: "token_embd.weight", "model.norm.weight": "output_norm.weight",
+                      LM_HEAD_KEY: "output.weight"}
+
+
+def gguf_format(gguf: Path) -> QuantFormat | None:
+    """The format the decoder-layer matrices of ``gguf`` map onto, or ``None`` (float, or another type)."""
+    tensors, _ = read_index(gguf)
+    kinds = {t.kind for t in tensors.values() if t.name.startswith("blk.") and t.name.endswith(".weight")
+             and len(t.shape) == 2}
+    formats = {GGUF_FORMAT.get(kind) for kind in kinds}
+    if len(formats) == 1 and None not in formats:
+        return formats.pop()
+    return None
+
+
+def resolve_format(mode: WeightsMode, gguf: Path | None) -> tuple[WeightsFormat, str]:
+    """The format to serve for ``--weights mode`` and why (a quantized file's own under ``auto``)."""
+    if mode != "auto":
+        return mode, f"--weights {mode}"
+    if gguf is None:
+        return "float", "--weights auto: the checkpoint is float"
+    native = gguf_format(gguf)
+    if native is None:
+        return "float", f"--weights auto: {gguf.name}'s layers are not all Q4_0/Q4_1/Q8_0"
+    return native, f"--weights auto: {gguf.name} holds its layers in {native}"
+
+
+def quantized_problem(config: PretrainedConfig, device: torch.device,
+                      lean_problem: str | None) -> str | None:
+    """Why a shard of ``config`` on ``device`` cannot be served quantized, or ``None`` when it can."""
+    if device.type != "cpu":
+        return f"the packed int4 kernel wired here is the CPU one, and this node runs on {device}"
+    if lean_problem is not None:
+        return f"the quantized path is the lean decoder's, which cannot take these layers: {lean_problem}"
+    heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+    dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    hidden, inner = config.hidden_size, config.intermediate_size
+    for name, rows, cols in (("q/k/v", (heads + 2 * kv_heads) * dim, hidden), ("o", hidden, heads * dim),
+                             ("gate/up", 2 * inner, hidden), ("down", hidden, inner),
+                             ("embedding", config.vocab_size, hidden)):
+        if (problem := shape_problem(rows, cols)) is not None:
+            return f"the {name} matrix: {problem}"
+    return None
+
+
+class TensorSource(Protocol):
+    """Where a quantized shard's tensors come from, one at a time."""
+
+    def float_tensor(self, key: str) -> torch.Tensor | None:
+        """The float tensor named ``key`` (checkpoint names), or ``None`` when the source lacks it."""
+
+    def groups(self, key: str, fmt: QuantFormat) -> Groups | None:
+        """The matrix named ``key`` quantized to ``fmt``, or ``None`` when the source lacks it."""
+
+    def matrix(self, key: str, fmt: QuantFormat) -> QuantMatrix | None:
+        """The matrix named ``key`` packed in ``fmt``, built a slice of rows at a time where the source can."""
+
+
+class SafetensorsSource:
+    """A float checkpoint: each matrix is quantized as it is read."""
+
+    def __init__(self, folder: Path) -> None:
+        self._where: dict[str, Path] = {}
+        for file in sorted(folder.glob("*.safetensors")):
+            with safe_open(str(file), framework="pt", device="cpu") as reader:
+                for key in reader.keys():  # noqa: SIM118 - safe_open is not a mapping
+                    self._where[key] = file
+
+    def float_tensor(self, key: str) -> torch.Tensor | None:
+        file = self._where.get(key)
+        if file is None:
+            return None
+        with safe_open(str(file), framework="pt", device="cpu") as reader:
+            return reader.get_tensor(key)
+
+    def groups(self, key: str, fmt: QuantFormat) -> Groups | None:
+        weight = self.float_tensor(key)
+        return None if weight is None else groups_of(weight, fmt)
+
+    def matrix(self, key: str, fmt: QuantFormat) -> QuantMatrix | None:
+        groups = self.groups(key, fmt)
+        return None if groups is None else QuantMatrix(groups)
+
+
+class GgufSource:
+    """A GGUF file: Q4_0/Q4_1/Q8_0 blocks become the packed format without a float copy (module doc)."""
+
+    def __init__(self, gguf: Path, config: PretrainedConfig) -> None:
+        self.path = gguf
+        self._file = GgufFile(gguf)
+        self._heads: int = config.num_attention_heads
+        self._kv_heads: int = config.num_key_value_heads
+
+    def _name(self, key: str) -> str:
+        if key in _GGUF_NAMES:
+            return _GGUF_NAMES[key]
+        parts = key.split(".")  # model.layers.I.<module path>.weight|bias
+        module, leaf = ".".join(parts[3:-1]), parts[-1]
+        return f"blk.{parts[2]}.{_GGUF_LAYER_NAMES.get(module, module)}.{leaf}"
+
+    def float_tensor(self, key: str) -> torch.Tensor | None:
+        from gguf import GGMLQuantizationType
+        from gguf.quants import dequantize
+
+        name = self._name(key)
+        tensor = self._file.tensors.get(name)
+        if tensor is None:
+            return None
+        raw = self._file.raw(name)
+        if tensor.kind in GGUF_BLOCK_BYTES and len(tensor.shape) == 2:  # our own reader: gguf-py's is slow
+            return self._unpermute(key, dequantize_groups(gguf_groups(tensor.kind, raw, *tensor.shape)))
+        if tensor.kind in _FLOAT_VIEWS:
+            values = raw.view(_FLOAT_VIEWS[tensor.kind])
+        else:
+            values = dequantize(raw, GGMLQuantizationType[tensor.kind])
+        flat = torch.from_numpy(np.array(values, dtype=np.float32))
+        return self._unpermute(key, flat.reshape(tensor.shape))
+
+    def groups(self, key: str, fmt: QuantFormat) -> Groups | None:
+        name = self._name(key)
+        tensor = self._file.tensors.get(name)
+        if tensor is None or len(tensor.shape) != 2:
+            return None
+        kind = tensor.kind
+        if GGUF_FORMAT.get(kind) != fmt:  # another width or a float type: this one matrix goes through float
+            weight = self.float_tensor(key)
+            return None if weight is None else groups_of(weight, fmt)
+        rows, cols = tensor.shape
+        groups = gguf_groups(kind, self._file.raw(name), rows, cols)
+        order = self._row_order(key, rows)
+        return groups if order is None else permute_rows(groups, order)
+
+    def matrix(self, key: str, fmt: QuantFormat) -> QuantMatrix | None:
+        name = self._name(key)
+        tensor = self._file.tensors.get(name)
+        if (tensor is None or len(tensor.shape) != 2 or GGUF_FORMAT.get(tensor.kind) != fmt
+                or self._row_order(key, tensor.shape[0]) is not None):
+            groups = self.groups(key, fmt)
+            return None if groups is None else QuantMatrix(groups)
+        rows, cols = tensor.shape
+        raw = self._file.raw(name)
+        return QuantMatrix.from_parts(gguf_groups(tensor.kind, raw[row:row + PACK_ROWS], len(raw[row:row + PACK_ROWS]),
+                                                  cols) for row in range(0, rows, PACK_ROWS))
+
+    def _row_order(self, key: str, rows: int) -> torch.Tensor | None:
+        """llama.cpp's rotary row order of q/k undone (as transformers' GGUF loader does)."""
+        if ".q_proj." in key:
+            heads = self._heads
+        elif ".k_proj." in key:
+            heads = self._kv_heads
+        else:
+            return None
+        return torch.arange(rows).reshape(heads, rows // heads // 2, 2).transpose(1, 2).reshape(rows)
+
+    def _unpermute(self, key: str, weight: torch.Tensor) -> torch.Tensor:
+        order = self._row_order(key, weight.shape[0]) if weight.ndim >= 1 else None
+        return weight if order is None else weight[order]
+
+
+class QuantHeld(nn.Module):
+    """Stands in for a projection whose weight the lean decoder holds packed; keeps its bias, if any."""
+
+    def __init__(self, linear: nn.Linear) -> None:
+        super().__init__()
+        self.bias = linear.bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError("this projection is held quantized: its layer runs through the lean decoder only")
+
+
+def strip_linears(layers: dict[int, nn.Module]) -> None:
+    """Replace each layer's projections with :class:`QuantHeld` (their weights will be packed, not loaded)."""
+    for layer in layers.values():
+        for parent, names in ((layer.self_attn, ATTENTION), (layer.mlp, MLP)):
+            for name in names:
+                setattr(parent, name, QuantHeld(getattr(parent, name)))
+
+
+def load_quantized(source: TensorSource, modules: nn.Module, layers: dict[int, nn.Module],
+                   fmt: QuantFormat, dtype: torch.dtype, *, has_embedding: bool, has_head: bool,
+                   tied: bool, progress: Callable[[str], None] = logger.info) -> None:
+    """Pack every projection of ``layers`` (and the embedding / LM head held here) into ``layer.quant``.
+
+    The layers' projections must already be :class:`QuantHeld` (:func:`strip_linears`).
+    """
+    for count, (index, layer) in enumerate(layers.items(), 1):
+        prefix = f"model.layers.{index}."
+
+        def read(name: str, prefix: str = prefix) -> Groups:
+            groups = source.groups(f"{prefix}{name}.weight", fmt)
+            if groups is None:
+                raise ValueError(f"the weights lack {prefix}{name}.weight")
+            return groups
+
+        layer.quant = nn.ModuleDict({
+            "qkv": QuantMatrix(stack([read(f"self_attn.{p}") for p in ATTENTION[:3]])),
+            "out": QuantMatrix(read("self_attn.o_proj")),
+            "gate_up": QuantMatrix(stack([read("mlp.gate_proj"), read("mlp.up_proj")])),
+            "down": QuantMatrix(read("mlp.down_proj")),
+        })
+        if count % 5 == 0 or count == len(layers):
+            progress(f"packed {count}/{len(layers)} layers as {fmt}")
+    if not (has_embedding or has_head):
+        return
+    key = EMBED_KEY if (has_embedding or tied) else LM_HEAD_KEY
+    matrix = source.matrix(key, EMBEDDING_FORMAT)
+    if matrix is None:
+        raise ValueError(f"the weights lack {key}")
+    if has_embedding:
+        modules.model.embed_tokens = QuantEmbedding(matrix, dtype)
+    if has_head:
+        if not tied and has_embedding:
+            head = source.matrix(LM_HEAD_KEY, EMBEDDING_FORMAT)
+            if head is None:
+                raise ValueError(f"the weights lack {LM_HEAD_KEY}")
+            matrix = head
+        modules.lm_head = QuantLinear(matrix)
+
+
+M_MMAP_THRESHOLD: Final = -3
+"""glibc ``mallopt`` parameter: allocations from this size on get their own pages, returned when freed."""
+LOAD_MMAP_THRESHOLD: Final = 128 << 10
+"""While packing: every transient of a matrix is returned to the system as soon as it is freed."""
+SERVE_MMAP_THRESHOLD: Final = 32 << 20
+"""After loading: glibc's own ceiling for its dynamic threshold, so steps reuse heap memory as before."""
+
+
+@contextmanager
+def returned_transients() -> Iterator[None]:
+    """Keep the packing's large transients from staying in the process after the load.
+
+    glibc raises its mmap threshold each time a large block is freed, so the
+    int32 copy a packing call takes (tens of MB for an embedding) comes from
+    the heap the next time and its pages are kept: measured on the default
+    model's tail, 390 MiB of peak growth for 65 MiB of weights, against 200
+    MiB with the threshold fixed. A no-op where the C library is not glibc.
+    """
+    libc = _glibc()
+    if libc is not None:
+        libc.mallopt(M_MMAP_THRESHOLD, LOAD_MMAP_THRESHOLD)
+    try:
+        yield
+    finally:
+        if libc is not None:
+            libc.mallopt(M_MMAP_THRESHOLD, SERVE_MMAP_THRESHOLD)
+            libc.malloc_trim(0)
+
+
+def _glibc() -> ctypes.CDLL | None:
+    name = ctypes.util.find_library("c")
+    try:
+        libc = ctypes.CDLL(name) if name else None
+    except OSError:
+        return None
+    return libc if libc is not None and hasattr(libc, "mallopt") and hasattr(libc, "malloc_trim") else None
+
+
+def float_state(source: TensorSource, wanted: set[str], dtype: torch.dtype,
+                device: torch.device) -> dict[str, torch.Tensor]:
+    """The float tensors named ``wanted`` (norms, biases) from ``source``, cast to ``dtype``."""
+    state: dict[str, torch.Tensor] = {}
+    for key in sorted(wanted):
+        tensor = source.float_tensor(key)
+        if tensor is None:
+            raise ValueError(f"the weights lack {key}")
+        state[key] = tensor.to(device=device, dtype=dtype) if tensor.is_floating_point() else tensor.to(device)
+    return state
+
+
+__all__ = ["GGUF_BLOCK_BYTES", "GROUP_SIZE", "GgufSource", "QuantHeld", "SafetensorsSource", "WeightsFormat",
+           "WeightsMode", "float_state", "load_quantized", "quantized_problem", "resolve_format",
+           "strip_linears"]
