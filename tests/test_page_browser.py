@@ -35,13 +35,14 @@ import pytest
 
 from tests.browser_cdp import Page, find_chromium, launch
 from tests.procs import Service, start_service
+from tests.requirements import needs
 
 CHROMIUM: Final = find_chromium()
 
 pytestmark = [
     pytest.mark.browser,
-    pytest.mark.skipif(CHROMIUM is None, reason="no Chromium on this machine: install Debian's `chromium` "
-                                                "package (`make setup` does where apt is available)"),
+    needs(CHROMIUM is not None, "no Chromium on this machine: install Debian's `chromium` package "
+                                "(`make setup` does where apt is available)"),
 ]
 
 ARTIFACTS: Final = Path(__file__).resolve().parent / "artifacts"
