@@ -396,7 +396,7 @@ class Registry:
                 entry.inflight = max(entry.inflight - 1, 0)
 
     # --- mirroring a shared store -----------------------------------------------------------------
-    # A tracker on a shared store (see :mod:`.store_redis`) keeps this registry as its view of the
+    # A tracker on a shared store (see :mod:`.store.redis`) keeps this registry as its view of the
     # store: the store decides leases and expiry, and these methods copy its verdicts in, so the
     # planner and every view read one consistent, synchronous registry whichever store is used.
 

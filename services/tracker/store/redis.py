@@ -11,15 +11,15 @@ Keys (all under :data:`PREFIX`; one Redis database per mesh):
 - ``nodes``: the set of listed ids (bounded by ``max_nodes`` live leases).
 - ``failures:{id}`` and ``backoff:{id}``: a failure run (expires after
   ``failure_reset_s``) and its backoff (expires when the backoff ends).
-- ``doc:{name}`` (the route-signing key ring, see :mod:`.trust`) and
+- ``doc:{name}`` (the route-signing key ring, see :mod:`..trust`) and
   ``join_tokens`` (a hash: token id to its record, the secret only hashed):
   what every tracker of the mesh must agree on to sign routes and admit nodes.
 - ``version`` and ``epoch``: a counter bumped by every change of membership
   or state, and a random id a Redis that restarted empty lacks.
 
-Every change is one Lua script (atomic across trackers: two trackers cannot
+Every change is one Lua script (:mod:`.redis_scripts`; atomic across trackers: two trackers cannot
 hand one id to two nodes) that also ``PUBLISH``es the change on ``events``.
-Each tracker keeps a :class:`~.registry.Registry` as its *view* of Redis,
+Each tracker keeps a :class:`~..registry.Registry` as its *view* of Redis,
 loaded whole on connect and kept current from that channel and from Redis's
 ``expired`` keyspace events, so a joined, suspect or departed node is seen by
 every tracker at once, and routes are planned from memory at memory speed.
@@ -62,9 +62,9 @@ from redis.exceptions import RedisError
 from meshwire.headers import LEASE as LEASE_HEADER
 from meshwire.registry import NodeRegistration
 
-from .join_tokens import MAX_TOKENS, JoinTokenRecord
-from .key_limits import KeyLimiter, RedisKeyLimiter
-from .registry import (
+from ..join_tokens import MAX_TOKENS, JoinTokenRecord
+from ..key_limits import KeyLimiter, RedisKeyLimiter
+from ..registry import (
     LEASE_BYTES,
     MAX_REASON_CHARS,
     LeaseConflict,
@@ -75,7 +75,8 @@ from .registry import (
     RegistryPolicy,
     UnknownNode,
 )
-from .store import StoreHealth, StoreUnavailable
+from . import redis_scripts as scripts
+from .base import StoreHealth, StoreUnavailable
 
 logger = logging.getLogger(__name__)
 
@@ -99,100 +100,6 @@ MAX_EVENT_BYTES: Final = 256 * 1024
 """Largest channel message read (a registration is at most 64 KiB)."""
 MAX_PENDING_EVENTS: Final = 100_000
 """Most channel messages held while a reload reads Redis."""
-
-_REGISTER = """
-local cur = redis.call('GET', KEYS[1])
-local revived = cur and redis.call('PTTL', KEYS[1]) <= tonumber(ARGV[11])
-if cur and cur ~= ARGV[1] then
-  return {'conflict', redis.call('PTTL', KEYS[1]), redis.call('HGET', KEYS[2], 'registration') or ''}
-end
-local lease = cur
-local fresh = 0
-local heartbeats = 0
-if cur then
-  heartbeats = tonumber(redis.call('HGET', KEYS[2], 'heartbeats') or '0') + 1
-else
-  local old = redis.call('HGET', KEYS[2], 'lease')
-  if old and ARGV[1] ~= '' and old == ARGV[1] then
-    lease = old
-    heartbeats = tonumber(redis.call('HGET', KEYS[2], 'heartbeats') or '0') + 1
-  else
-    if redis.call('SISMEMBER', KEYS[3], ARGV[8]) == 0 and redis.call('SCARD', KEYS[3]) >= tonumber(ARGV[6]) then
-      local live = 0
-      for _, id in ipairs(redis.call('SMEMBERS', KEYS[3])) do
-        if redis.call('EXISTS', ARGV[9] .. id) == 0 then
-          redis.call('SREM', KEYS[3], id)
-        elseif redis.call('EXISTS', ARGV[10] .. id) == 1 then
-          live = live + 1
-        end
-      end
-      if live >= tonumber(ARGV[6]) then return {'full'} end
-    end
-    lease = ARGV[2]
-    fresh = 1
-    redis.call('DEL', KEYS[2])
-  end
-end
-redis.call('SET', KEYS[1], lease, 'PX', ARGV[4])
-redis.call('HSET', KEYS[2], 'registration', ARGV[3], 'lease', lease, 'heartbeats', heartbeats, 'left', '0')
-redis.call('PEXPIRE', KEYS[2], ARGV[5])
-redis.call('SADD', KEYS[3], ARGV[8])
-local version
-if cur and not revived then version = tonumber(redis.call('GET', KEYS[4]) or '0')
-else version = redis.call('INCR', KEYS[4]) end
-redis.call('PUBLISH', ARGV[7], cjson.encode({kind='node', version=version, registration=ARGV[3], lease=lease,
-                                            heartbeats=heartbeats}))
-return {'ok', lease, fresh, version, heartbeats}
-"""
-"""KEYS: lease, node, nodes, version. ARGV: lease sent ('' if none), new lease, registration JSON, lease ms,
-record ms, max nodes, channel, node id, node key prefix, lease key prefix, grace ms. A heartbeat bumps the
-version only when it brings a node back (new, or heard after its views let it go: within the grace)."""
-
-_DEREGISTER = """
-local old = redis.call('HGET', KEYS[2], 'lease')
-if not old then return {'unknown'} end
-if ARGV[1] == '' then return {'missing'} end
-if old ~= ARGV[1] then return {'wrong'} end
-redis.call('DEL', KEYS[1])
-redis.call('HSET', KEYS[2], 'left', '1')
-redis.call('PEXPIRE', KEYS[2], ARGV[2])
-local version = redis.call('INCR', KEYS[3])
-redis.call('PUBLISH', ARGV[3], cjson.encode({kind='left', version=version, node_id=ARGV[4]}))
-return {'ok'}
-"""
-"""KEYS: lease, node, version. ARGV: lease sent ('' if none), record ms, channel, node id."""
-
-_FAILURE = """
-if redis.call('EXISTS', KEYS[1]) == 0 then return {'unknown'} end
-redis.call('HSET', KEYS[1], 'reason', ARGV[1])
-local running = redis.call('PTTL', KEYS[3])
-local failures
-local version
-if running > 0 then
-  failures = tonumber(redis.call('GET', KEYS[2]) or '1')
-  version = tonumber(redis.call('GET', KEYS[4]) or '0')
-else
-  failures = redis.call('INCR', KEYS[2])
-  redis.call('PEXPIRE', KEYS[2], ARGV[4])
-  running = math.floor(math.min(tonumber(ARGV[2]) * 2 ^ (failures - 1), tonumber(ARGV[3])))
-  redis.call('SET', KEYS[3], '1', 'PX', running)
-  version = redis.call('INCR', KEYS[4])
-end
-redis.call('PUBLISH', ARGV[5], cjson.encode({kind='failure', version=version, node_id=ARGV[6], reason=ARGV[1],
-                                            failures=failures, backoff_ms=running}))
-return {'ok', running}
-"""
-"""KEYS: node, failures, backoff, version. ARGV: reason, backoff ms, max backoff ms, reset ms, channel, node id."""
-
-
-_SWAP = """
-local cur = redis.call('GET', KEYS[1])
-if (cur or '') ~= ARGV[1] then return 0 end
-redis.call('SET', KEYS[1], ARGV[2])
-return 1
-"""
-"""KEYS: the document. ARGV: the value expected ('' for none), the new value. Compare and set."""
-
 
 def _ms(seconds: float) -> int:
     return max(int(seconds * 1000), 1)
@@ -242,10 +149,10 @@ class RedisStore:
         # The channel never retries by itself: a lost subscription must reload the view, not resume silently.
         self._sub: Redis = Redis.from_url(url, retry=Retry(NoBackoff(), 0), **common)
         self._db = int(self._redis.connection_pool.connection_kwargs.get("db", 0) or 0)
-        self._register = self._redis.register_script(_REGISTER)
-        self._deregister = self._redis.register_script(_DEREGISTER)
-        self._failure = self._redis.register_script(_FAILURE)
-        self._swap = self._redis.register_script(_SWAP)
+        self._register = self._redis.register_script(scripts.REGISTER)
+        self._deregister = self._redis.register_script(scripts.DEREGISTER)
+        self._failure = self._redis.register_script(scripts.FAILURE)
+        self._swap = self._redis.register_script(scripts.SWAP)
         self._down: str | None = "not connected yet"
         self._epoch: str | None = None
         self._applied = 0
