@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 from typing import Any, Final
 
 import httpx
@@ -19,6 +20,7 @@ import pytest
 
 from meshwire.resume import PROGRESS_KEY, RESUME_KEY
 from services.tracker.app import create_app
+from services.tracker.route_lease import RouteLease
 from services.tracker.settings import TrackerSettings
 from services.tracker.state import TrackerState
 from tests.procs import TEST_SECRET
@@ -237,3 +239,56 @@ async def test_a_stream_continued_on_another_head_moves_its_load_there_and_ends_
     assert heads.asked == [first, second]
     assert heads.load_seen[1] == {**idle(), second: 1}, "the load followed the stream to its new head"
     assert inflight(heads.state) == idle()
+
+
+# --- the lease itself ---------------------------------------------------------------------------------------
+
+
+class CountingRegistry:
+    """Counts begin/end per node, as the registry's in-flight figures do."""
+
+    def __init__(self) -> None:
+        self.load: dict[str, int] = {}
+
+    def begin_request(self, node_ids: tuple[str, ...]) -> None:
+        for node_id in node_ids:
+            self.load[node_id] = self.load.get(node_id, 0) + 1
+
+    def end_request(self, node_ids: tuple[str, ...]) -> None:
+        for node_id in node_ids:
+            self.load[node_id] -= 1
+
+
+def signed_route(*node_ids: str) -> Any:
+    """Enough of a signed route for a lease: its hops' ids."""
+    return SimpleNamespace(nodes=[SimpleNamespace(node_id=node_id) for node_id in node_ids])
+
+
+async def test_a_lease_ends_once_and_a_route_held_after_its_end_carries_nothing() -> None:
+    registry = CountingRegistry()
+    ended: list[str] = []
+    async with RouteLease(registry) as lease:  # type: ignore[arg-type]
+        lease.hold(signed_route("a", "b"))
+        lease.at_end(lambda: ended.append("counted"))
+        assert registry.load == {"a": 1, "b": 1}
+        lease.hold(signed_route("c"))
+        assert registry.load == {"a": 0, "b": 0, "c": 1}
+    await lease.end()
+    lease.hold(signed_route("d"))  # a continuation racing the end: nothing is begun
+    assert registry.load == {"a": 0, "b": 0, "c": 0} and ended == ["counted"]
+
+
+async def test_a_handed_over_lease_outlives_its_block_unless_the_block_failed() -> None:
+    registry = CountingRegistry()
+    async with RouteLease(registry) as lease:  # type: ignore[arg-type]
+        lease.hold(signed_route("a"))
+        handed = lease.hand_over()
+    assert registry.load == {"a": 1}, "the taker ends it"
+    await handed.end()
+    assert registry.load == {"a": 0}
+    with pytest.raises(RuntimeError):
+        async with RouteLease(registry) as failed:  # type: ignore[arg-type]
+            failed.hold(signed_route("a"))
+            failed.hand_over()
+            raise RuntimeError("the response could not be built")
+    assert registry.load == {"a": 0}

@@ -8,7 +8,9 @@ Routes:
   or server-sent events) is relayed as it arrives; a head's error is relayed
   only as a well-formed OpenAI error, anything else becomes a 502 (see
   :mod:`.head_answers`). When the head fails before answering, it is
-  reported and the request goes once more on a route that avoids it.
+  reported and the request goes once more on a route that avoids it. Each kind of
+  answer (streamed, assembled, ``n > 1``, relayed as it is) has its own path in
+  :mod:`.forwarding`.
 - ``GET /v1/models``: the models that have a complete route right now.
 - ``GET /v1/models/{model}``: one of them.
 
