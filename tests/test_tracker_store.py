@@ -24,7 +24,7 @@ from services.tracker.planner import plan_route
 from services.tracker.registry import LeaseConflict, LeaseRequired, RegistryFull, RegistryPolicy, UnknownNode
 from services.tracker.settings import TrackerSettings
 from services.tracker.store import MemoryStore, NodeStore, StoreUnavailable, open_store
-from services.tracker.store_redis import LEASE_GRACE_S, PREFIX, RedisStore
+from services.tracker.store.redis import LEASE_GRACE_S, PREFIX, RedisStore
 from services.tracker.trust import TrackerTrust
 from tests.redis_server import RedisServer, require_redis_server
 

@@ -22,7 +22,8 @@ Routes:
 The credential is checked before the body is read, so an unauthenticated
 registration changes nothing. Registration, departure and failure reports
 are applied by the tracker's store (see :mod:`.store`); while a shared store
-is away they answer 503 ``store_unavailable`` with ``Retry-After``. The three views hand out every endpoint, relay
+is away they answer 503 ``store_unavailable`` with ``Retry-After`` (the app's handler of
+:class:`~.store.StoreUnavailable`). The three views hand out every endpoint, relay
 address and failure reason: with ``MESHNET_API_KEYS`` set they need a client
 API key, a valid join token or the mesh secret (401 otherwise); without it the
 mesh's layout is public.
@@ -44,7 +45,7 @@ from meshwire.openai import validation_error_message, validation_error_param
 from meshwire.registry import NodeRegistration, RegistrationAnswer
 
 from .join_tokens import TokenRefused
-from .registry import MAX_REASON_CHARS, RegistryError
+from .registry import MAX_REASON_CHARS, Registered, RegistryError
 from .responses import HTTPError, read_body, require_api_key
 from .state import TrackerState, parse_exclude, store_unavailable, tracker_state
 from .store import StoreUnavailable
@@ -93,8 +94,6 @@ async def require_member(request: Request, state: TrackerState) -> str:
         member = await state.trust.member(request.headers.get("authorization"))
     except TokenRefused as exc:
         raise _token_refused(exc) from None
-    except StoreUnavailable as exc:
-        raise store_unavailable(str(exc), state.settings.heartbeat_s) from None
     if member is None:
         if request.headers.get("authorization"):
             raise HTTPError(403, "invalid credential", errors.PERMISSION, "invalid_credential")
@@ -131,33 +130,35 @@ async def register(request: Request) -> JSONResponse:
     """Register a node or take its heartbeat."""
     state = tracker_state(request)
     await require_member(request, state)
+    body = await read_body(request, MAX_REGISTRATION_BYTES)
     try:
-        registration = NodeRegistration.model_validate_json(await read_body(request, MAX_REGISTRATION_BYTES))
-    except ValidationError as exc:
+        registration, registered = await _registered(request, state, body)
+    except (HTTPError, StoreUnavailable):  # refused, whatever the reason (the store's 503 is answered by the app)
         state.metrics.registrations.labels("refused").inc()
-        raise _invalid(exc) from None
-    try:
-        await state.trust.admit(request.headers.get("authorization"), registration)
-    except TokenRefused as exc:
-        state.metrics.registrations.labels("refused").inc()
-        logger.warning("refused registration of %s from %s: %s", registration.node_id, registration.endpoint, exc)
-        raise _token_refused(exc) from None
-    except StoreUnavailable as exc:
-        state.metrics.registrations.labels("refused").inc()
-        raise store_unavailable(str(exc), state.settings.heartbeat_s) from None
-    try:
-        registered = await state.store.register(registration, _lease(request), state.now())
-    except StoreUnavailable as exc:
-        state.metrics.registrations.labels("refused").inc()
-        raise store_unavailable(str(exc), state.settings.heartbeat_s) from None
-    except RegistryError as exc:
-        state.metrics.registrations.labels("refused").inc()
-        logger.warning("refused registration of %s from %s: %s", registration.node_id, registration.endpoint, exc)
-        raise _refused(exc) from None
+        raise
     state.metrics.registrations.labels("new" if registered.new_lease else "heartbeat").inc()
     answer = RegistrationAnswer(lease=registered.lease, heartbeat_s=state.settings.heartbeat_s,
                                 ttl_s=state.settings.node_ttl_s, prefill_group=state.prefill_assignment(registration))
     return JSONResponse(answer.model_dump(mode="json"))
+
+
+async def _registered(request: Request, state: TrackerState, body: bytes) -> tuple[NodeRegistration, Registered]:
+    """The registration ``body`` holds, admitted by its credential and registered (or heartbeated) in the store."""
+    try:
+        registration = NodeRegistration.model_validate_json(body)
+    except ValidationError as exc:
+        raise _invalid(exc) from None
+    try:
+        await state.trust.admit(request.headers.get("authorization"), registration)
+    except TokenRefused as exc:
+        logger.warning("refused registration of %s from %s: %s", registration.node_id, registration.endpoint, exc)
+        raise _token_refused(exc) from None
+    try:
+        registered = await state.store.register(registration, _lease(request), state.now())
+    except RegistryError as exc:
+        logger.warning("refused registration of %s from %s: %s", registration.node_id, registration.endpoint, exc)
+        raise _refused(exc) from None
+    return registration, registered
 
 
 @router.delete("/v1/nodes/{node_id}")
@@ -170,8 +171,6 @@ async def deregister(node_id: str, request: Request) -> JSONResponse:
                         "token_node_mismatch")
     try:
         await state.store.deregister(node_id, _lease(request), state.now())
-    except StoreUnavailable as exc:
-        raise store_unavailable(str(exc), state.settings.heartbeat_s) from None
     except RegistryError as exc:
         logger.warning("refused the departure of %s: %s", node_id[:limits.MAX_ID_CHARS], exc)
         raise _refused(exc) from None
