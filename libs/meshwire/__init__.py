@@ -10,7 +10,8 @@ Modules, one concept each (none imports a web framework):
 - :mod:`meshwire.frames`   activation frames: encode, decode, refuse (imports torch)
 - :mod:`meshwire.routes`   routes and their HMAC-signed tokens
 - :mod:`meshwire.registry` tracker registration / heartbeat body
-- :mod:`meshwire.openai`   OpenAI request / response / chunk schemas
+- :mod:`meshwire.openai`   OpenAI request / response / chunk schemas (a package: one module a concept,
+  every name re-exported by its ``__init__``)
 - :mod:`meshwire.sse`      server-sent events framing
 - :mod:`meshwire.envelope` relay JSON envelope and binary mux codec
 - :mod:`meshwire.logs`     logging setup shared by the services
