@@ -91,6 +91,7 @@ from meshwire.openai.requests import (
     refused,
 )
 from meshwire.openai.responses import (
+    AnswerEnvelope,
     AssistantMessage,
     ChatChoice,
     ChatCompletion,
@@ -131,6 +132,7 @@ __all__ = [
     "SEED_MAX",
     "SEED_MIN",
     "TOP_LEVEL_REQUEST",
+    "AnswerEnvelope",
     "AssistantMessage",
     "ChatChoice",
     "ChatCompletion",

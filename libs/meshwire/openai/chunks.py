@@ -12,7 +12,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, Field, SerializerFunctionWrapHandler, model_serializer
 
 from meshwire.fields import STRICT_MODEL, AsTuple
-from meshwire.openai.responses import ChatLogprobs, CompletionChoice, FinishReason, Usage
+from meshwire.openai.responses import AnswerEnvelope, ChatLogprobs, CompletionChoice, FinishReason
 
 
 class SparseModel(BaseModel):
@@ -58,29 +58,15 @@ class ChunkChoice(BaseModel):
     logprobs: ChatLogprobs | None = None
 
 
-class ChatCompletionChunk(BaseModel):
+class ChatCompletionChunk(AnswerEnvelope):
     """One streamed ``chat.completion.chunk``; the usage chunk has no choices."""
 
-    model_config = STRICT_MODEL
-
-    id: str
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    created: int
-    model: str
     choices: Annotated[tuple[ChunkChoice, ...], AsTuple] = ()
-    usage: Usage | None = None
-    system_fingerprint: str | None = None
 
 
-class CompletionChunk(BaseModel):
+class CompletionChunk(AnswerEnvelope):
     """One streamed ``/v1/completions`` chunk (OpenAI names it ``text_completion`` too)."""
 
-    model_config = STRICT_MODEL
-
-    id: str
     object: Literal["text_completion"] = "text_completion"
-    created: int
-    model: str
     choices: Annotated[tuple[CompletionChoice, ...], AsTuple] = ()
-    usage: Usage | None = None
-    system_fingerprint: str | None = None

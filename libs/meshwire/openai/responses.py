@@ -104,6 +104,24 @@ class CompletionLogprobs(BaseModel):
     text_offset: Annotated[tuple[int, ...], AsTuple] = ()
 
 
+class AnswerEnvelope(BaseModel):
+    """What every answer and stream chunk carries, in OpenAI's order of keys.
+
+    Each kind fixes ``object`` and types ``choices`` by declaring them again (a field declared again keeps
+    its place in the JSON).
+    """
+
+    model_config = STRICT_MODEL
+
+    id: str
+    object: str
+    created: int
+    model: str
+    choices: tuple[Any, ...]
+    usage: Usage | None = None
+    system_fingerprint: str | None = None
+
+
 class ChatChoice(BaseModel):
     model_config = STRICT_MODEL
 
@@ -113,18 +131,11 @@ class ChatChoice(BaseModel):
     logprobs: ChatLogprobs | None = None
 
 
-class ChatCompletion(BaseModel):
+class ChatCompletion(AnswerEnvelope):
     """A non-streamed ``/v1/chat/completions`` answer."""
 
-    model_config = STRICT_MODEL
-
-    id: str
     object: Literal["chat.completion"] = "chat.completion"
-    created: int
-    model: str
     choices: Annotated[tuple[ChatChoice, ...], AsTuple]
-    usage: Usage | None = None
-    system_fingerprint: str | None = None
 
 
 class CompletionChoice(BaseModel):
@@ -136,18 +147,11 @@ class CompletionChoice(BaseModel):
     logprobs: CompletionLogprobs | None = None
 
 
-class Completion(BaseModel):
+class Completion(AnswerEnvelope):
     """A non-streamed ``/v1/completions`` answer."""
 
-    model_config = STRICT_MODEL
-
-    id: str
     object: Literal["text_completion"] = "text_completion"
-    created: int
-    model: str
     choices: Annotated[tuple[CompletionChoice, ...], AsTuple]
-    usage: Usage | None = None
-    system_fingerprint: str | None = None
 
 
 class ModelCard(BaseModel):
