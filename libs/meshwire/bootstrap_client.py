@@ -170,6 +170,24 @@ class _Answer:
         return self.body.decode("utf-8", errors="replace")
 
 
+class _Patience:
+    """How long a look-up waits for a registration: ``wait_s`` from now, pausing longer after each miss
+    (from the policy's first pause up to its longest)."""
+
+    def __init__(self, retry: RetryPolicy, wait_s: float) -> None:
+        self._deadline = time.monotonic() + wait_s
+        self._pause = retry.backoff_s
+        self._max_pause = retry.max_backoff_s
+
+    def spent(self) -> bool:
+        """Whether the wait is over: one more miss is the answer."""
+        return time.monotonic() >= self._deadline
+
+    async def pause(self) -> None:
+        await asyncio.sleep(self._pause)
+        self._pause = min(self._max_pause, self._pause * 2)
+
+
 def _lookup_params(engine_rank: int, dp_group: int) -> dict[str, int]:
     return {"engine_rank": engine_rank, "target_dp_group": dp_group}
 
@@ -225,15 +243,13 @@ class AsyncBootstrapClient:
 
     async def get_sizes(self, *, wait_s: float = 0.0) -> PrefillInfo:
         """The node's sizes; with ``wait_s``, wait that long for a first registration."""
-        deadline = time.monotonic() + wait_s
-        pause = self.retry.backoff_s
+        patience = _Patience(self.retry, wait_s)
         while True:
             answer = await self._call("GET", params=_lookup_params(SIZES_QUERY, SIZES_QUERY))
             info = _parse(PrefillInfo, answer)
-            if info.registered or time.monotonic() >= deadline:
+            if info.registered or patience.spent():
                 return info
-            await asyncio.sleep(pause)
-            pause = min(self.retry.max_backoff_s, pause * 2)
+            await patience.pause()
 
     async def lookup_rank(self, engine_rank: int, dp_group: int, *, wait_s: float = 0.0) -> RankAddress:
         """The address of TP rank ``engine_rank`` of DP group ``dp_group``.
@@ -241,17 +257,15 @@ class AsyncBootstrapClient:
         Raises :class:`RankNotRegistered` when none is registered there, after
         waiting up to ``wait_s`` for one.
         """
-        deadline = time.monotonic() + wait_s
-        pause = self.retry.backoff_s
+        patience = _Patience(self.retry, wait_s)
         while True:
             try:
                 answer = await self._call("GET", params=_lookup_params(engine_rank, dp_group))
                 return _parse(RankAddress, answer)
             except RankNotRegistered:
-                if time.monotonic() >= deadline:
+                if patience.spent():
                     raise
-            await asyncio.sleep(pause)
-            pause = min(self.retry.max_backoff_s, pause * 2)
+            await patience.pause()
 
     async def _call(self, method: str, **request: Any) -> _Answer:
         failure: Exception | None = None
