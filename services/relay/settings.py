@@ -38,8 +38,9 @@ from typing import Final, Self
 from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from meshwire import limits, slow_clients, tls
+from meshwire import limits, tls
 from meshwire.auth import DEFAULT_SECRET
+from meshwire.serving import SlowClientSettings
 
 DEFAULT_PORT: Final = 8001
 DEFAULT_MAX_INFLIGHT_PER_PEER: Final = 64
@@ -64,8 +65,9 @@ DEFAULT_TAKEOVER_PROBE_S: Final = 2.0
 """How long a peer holding an id has to answer a ping before a newcomer may take its place."""
 
 
-class RelaySettings(BaseSettings):
-    """Where a relay listens, its secret, and the bounds it holds peers and callers to."""
+class RelaySettings(BaseSettings, SlowClientSettings):
+    """Where a relay listens, its secret, and the bounds it holds peers and callers to (TLS and the slow-client
+    guards from :mod:`meshwire.serving`)."""
 
     model_config = SettingsConfigDict(env_prefix="MESHNET_", frozen=True, extra="ignore",
                                       use_attribute_docstrings=True)
@@ -108,24 +110,7 @@ class RelaySettings(BaseSettings):
     """An ``/rpc`` connection without the secret, with nothing in flight, that sends nothing this long is closed."""
     takeover_probe_s: float = Field(DEFAULT_TAKEOVER_PROBE_S, gt=0, le=60)
 
-    # --- TLS and slow clients ------------------------------------------------------
-    tls_cert: str | None = None
-    """PEM certificate (chain) this service presents; with ``tls_key`` set too it serves HTTPS only."""
-    tls_key: str | None = None
-    """PEM private key of ``tls_cert``."""
-    head_timeout_s: float = Field(slow_clients.HEAD_TIMEOUT_S, gt=0, le=600)
-    """Seconds a client connection has to send each request head (line and headers) before it is closed."""
-    body_timeout_s: float = Field(slow_clients.BODY_TIMEOUT_S, gt=0, le=3600)
-    """Seconds a request has to deliver its whole body once the service reads it; then it is answered 408."""
-    max_connections_per_address: int = Field(slow_clients.MAX_CONNECTIONS_PER_ADDRESS, ge=1, le=65536)
-    """Connections served at once from one client address; one more is answered 503 and closed."""
-
     log_level: str = "info"
-
-    @model_validator(mode="after")
-    def _check_tls(self) -> Self:
-        tls.check_pair(self.tls_cert, self.tls_key)
-        return self
 
     @model_validator(mode="after")
     def _one_message_fits_the_byte_budget(self) -> Self:

@@ -46,6 +46,7 @@ from starlette.responses import Response
 
 from meshwire import errors
 from meshwire import headers as h
+from meshwire.body_guard import BodyIncomplete, BodyTooLarge, read_bounded
 from meshwire.frames import FrameError, check_session_id, encode_frame, get_header, parse_int_header
 from meshwire.kv_handoff import (
     KV_CHUNK_POSITIONS,
@@ -60,7 +61,6 @@ from meshwire.kv_handoff import (
     parse_layers,
 )
 from meshwire.sampling_params import SamplingParams
-from services.node.api.bodies import BodyIncomplete, BodyTooLarge, read_bounded
 from services.node.engine.compute import ShardRunner
 from services.node.engine.sessions import SessionRefused, SessionTable, log_tag
 from services.node.head.generation import GenerationFailed, SessionChain
