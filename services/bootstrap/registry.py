@@ -15,6 +15,13 @@ in it (``reference/bootstrap-spec.md``, rule by rule):
 * A ``cache-layouts`` registry also checks the layout and stage placement
   (:mod:`services.bootstrap.layout`), identical on every rank.
 
+Meshnet's addition: a slot first registered with a credential is *held*
+(:mod:`meshwire.rank_proof`): by the public key that signed it, or by the mesh
+secret. Registering over a held slot needs that key's signature or the mesh
+secret; anything else is refused 403 (:data:`SLOT_HELD`) and changes nothing.
+A registration without a credential of a slot nobody holds behaves exactly as
+the reference's.
+
 Checks run in the reference's order, so a registration with several faults
 gets the reference's message. Improvement over the reference: a refused
 registration records nothing (the reference stored the sizes, and the layout,
@@ -59,6 +66,12 @@ MAX_RANK_IP_BYTES: Final = 1024
 """Longest ``rank_ip`` kept, measured as compact JSON."""
 DEFAULT_MAX_RANKS: Final = 65_536
 """Default number of (DP group, TP rank) slots the table holds."""
+
+FORBIDDEN: Final = 403
+SECRET_HOLDER: Final = "secret"
+"""The holder of a slot registered with the mesh secret (any other holder is a public key)."""
+SLOT_HELD: Final = ("this rank slot is held by a signed registration: registering over it needs the same key's "
+                    "signature or the mesh secret")
 
 # --- texts of the cache layout checks that need the registry's state ---------------------
 STAGE_COUNT_MISMATCH: Final = "CachePD placement does not match pipeline stage count"
@@ -111,6 +124,7 @@ class BootstrapRegistry:
         self._dp_size: Any = None
         self._pp_size: int | None = None
         self._ranks: dict[tuple[int, int], RankAddress] = {}
+        self._holders: dict[tuple[int, int], str] = {}
         self._cache_layout: tuple[str, CacheLayout] | None = None
         self._cache_stages: StagePlacement | None = None
 
@@ -122,10 +136,11 @@ class BootstrapRegistry:
 
     # --- PUT /route ---------------------------------------------------------------------
 
-    def register(self, body: bytes) -> None:
+    def register(self, body: bytes, *, key: str | None = None, secret: bool = False) -> None:
         """Check and record one ``PUT /route`` body; :class:`Refusal` when refused.
 
-        A refused registration leaves the table as it was.
+        ``key`` is the public key that signed the registration (``None``: unsigned), ``secret`` whether it
+        bears the mesh secret. A refused registration leaves the table as it was.
         """
         try:
             data = orjson.loads(body)
@@ -133,7 +148,17 @@ class BootstrapRegistry:
             raise Refusal.internal(refusals.NOT_JSON) from None
         with self._lock:
             registration = self._check(data if isinstance(data, dict) else {})
+            if registration.slot is not None:
+                held = self._holders.get(registration.slot)
+                if held is not None and not secret and key != held:
+                    raise Refusal(FORBIDDEN, SLOT_HELD)
             self._record(registration)
+            if registration.slot is not None:
+                holder = key if key is not None else SECRET_HOLDER if secret else None
+                if holder is None:
+                    self._holders.pop(registration.slot, None)
+                else:
+                    self._holders[registration.slot] = holder
         if registration.slot is not None:
             logger.debug("rank %s registered at slot %s", registration.address, registration.slot)
 

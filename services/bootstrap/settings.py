@@ -50,6 +50,8 @@ class BootstrapSettings(BaseSettings):
                                              description="connections served at once from one client address")
     tls_cert: str | None = Field(None, description="PEM certificate (chain) to serve HTTPS with (with tls_key)")
     tls_key: str | None = Field(None, description="PEM private key of tls_cert")
+    secret: str | None = Field(None, min_length=1, max_length=4096,
+                               description="the mesh secret: a registration bearing it may register over any slot")
 
     @model_validator(mode="after")
     def _check_tls(self) -> Self:

@@ -7,7 +7,9 @@ as the registry's spec says: role ``Prefill``, the group's ``world_size``,
 ``dp_size`` and ``pp_size``, its dense stage-major ``engine_rank``, the
 address it serves KV from (``rank_ip``/``rank_port``: its own), its cache
 layout and ``cache_fields_by_stage`` (which layers' K and V each stage holds).
-Once the registry accepts it the node reports ``pd_rank`` in its heartbeats,
+The registration is signed with the node's hop key (:mod:`meshwire.rank_proof`),
+so the registry holds the slot for this key: nobody else can point it at
+another address. Once the registry accepts it the node reports ``pd_rank`` in its heartbeats,
 and only then do prefill routes use it. A refusal (say, a layout that
 disagrees with the group's: another dtype) is logged with the registry's
 text and kept in :attr:`PrefillMembership.error`; it is retried only when the
@@ -30,7 +32,9 @@ from meshwire.bootstrap_client import (
 )
 from meshwire.kv_handoff import KVShape, cache_layout, layout_wire, stage_placement
 from meshwire.pd_group import PrefillAssignment
+from meshwire.rank_proof import sign_registration
 from meshwire.registry import RegistrationAnswer
+from meshwire.route_keys import SigningKey
 
 logger = logging.getLogger(__name__)
 
@@ -47,8 +51,11 @@ def rank_address(public_url: str) -> tuple[str, int]:
 class PrefillMembership:
     """Keeps this prefill node registered in the bootstrap registry under the place the tracker gives it."""
 
-    def __init__(self, *, bootstrap_url: str, public_url: str, shape: KVShape) -> None:
+    def __init__(self, *, bootstrap_url: str, public_url: str, shape: KVShape, node_id: str,
+                 hop_key: SigningKey) -> None:
         self._client = AsyncBootstrapClient(bootstrap_url, retry=REGISTER_RETRY)
+        self._node_id = node_id
+        self._hop_key = hop_key
         self._address = rank_address(public_url)
         self._wire = layout_wire(cache_layout(shape))
         self.assignment: PrefillAssignment | None = None
@@ -86,7 +93,8 @@ class PrefillMembership:
 
     async def _register(self, place: PrefillAssignment) -> None:
         try:
-            await self._client.register_rank(self.registration(place))
+            await self._client.register_rank(self.registration(place),
+                                             lambda body: sign_registration(self._hop_key, self._node_id, body))
         except BootstrapRefused as exc:
             if place == self.assignment:
                 self.error = exc.message
