@@ -52,6 +52,7 @@ from meshwire.fields import STRICT_MODEL, DType
 from meshwire.headers import LEASE as LEASE_HEADER
 from meshwire.registry import NodeRegistration, NodeRole, NodeState, WeightsFormat
 
+from .failure_kinds import failure_kind
 from .planner import Candidate, LayerRange, layer_holders, missing_layers
 
 logger = logging.getLogger(__name__)
@@ -157,6 +158,8 @@ class NodeInfo(BaseModel):
     """Failure reports in the current run."""
     backoff_remaining_s: float
     last_failure_reason: str | None
+    """What kind of failure the last report was: a word of :data:`.failure_kinds.FAILURE_KINDS` (``refused``,
+    ``timeout``, ``http_5xx``...), never what the node's endpoint answered."""
     role: NodeRole = "both"
     """What the node serves: ``prefill``, ``decode`` or ``both`` (``meshnet node --role``)."""
     pd_rank: int | None = None
@@ -369,7 +372,7 @@ class Registry:
         entry = self._entries.get(node_id)
         if entry is None:
             raise UnknownNode(f"no node {node_id!r} is registered")
-        entry.last_failure_reason = reason[:MAX_REASON_CHARS]
+        entry.last_failure_reason = failure_kind(reason)
         if entry.backoff_until > now:
             return entry.backoff_until - now
         recent = entry.last_failure_at is not None and now - entry.last_failure_at <= self.policy.failure_reset_s
@@ -377,8 +380,8 @@ class Registry:
         backoff = min(self.policy.backoff_s * 2 ** (entry.failures - 1), self.policy.backoff_max_s)
         entry.last_failure_at = now
         entry.backoff_until = now + backoff
-        logger.warning("node %s reported failing (%s): backing off %.1f s (failure %d in a row)",
-                       node_id, entry.last_failure_reason, backoff, entry.failures)
+        logger.warning("node %s reported failing (%s: %s): backing off %.1f s (failure %d in a row)",
+                       node_id, entry.last_failure_reason, reason[:MAX_REASON_CHARS], backoff, entry.failures)
         return backoff
 
     # --- in-flight requests ---------------------------------------------------------------------
@@ -432,7 +435,7 @@ class Registry:
         if entry is None:
             return
         if reason is not None:
-            entry.last_failure_reason = reason[:MAX_REASON_CHARS]
+            entry.last_failure_reason = failure_kind(reason)
         if backoff_remaining_s > 0:
             entry.failures = failures
             entry.last_failure_at = now
