@@ -13,7 +13,9 @@ suite are unaffected.
 
 from __future__ import annotations
 
+import asyncio
 import socket
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -21,9 +23,14 @@ import httpx
 import orjson
 import pytest
 
+from meshwire.kv_handoff import KVShape
+from meshwire.pd_group import PrefillMember, plan_prefill_group
 from meshwire.rank_proof import SIGNER_KEY, sign_registration
+from meshwire.registry import RegistrationAnswer
 from meshwire.route_keys import SigningKey
-from services.bootstrap.registry import SLOT_HELD
+from services.bootstrap.refusals import Refusal
+from services.bootstrap.registry import SLOT_HELD, BootstrapRegistry
+from services.node.pd.pd_member import REFRESH_S, RETRY_HELD_S, PrefillMembership
 from tests.bootstrap_samples import registration
 from tests.procs import TEST_SECRET, Service, start_service
 
@@ -99,3 +106,66 @@ def test_unsigned_registrations_of_an_unsigned_slot_replace_it_as_the_reference_
         assert put(bootstrap, registration(2, port=port)).status_code == 200
         assert httpx.get(f"{bootstrap.url}/route", params={"engine_rank": 0, "target_dp_group": 1}).json() == {
             "rank_ip": "10.0.0.1", "rank_port": port}
+
+
+def test_a_hold_lapses_unless_renewed_so_a_restarted_node_with_a_new_key_takes_its_slot_back() -> None:
+    now = [0.0]
+    table = BootstrapRegistry("addresses", hold_s=120.0, clock=lambda: now[0])
+    old, new = NODE_KEY.public_text, ATTACKER_KEY.public_text
+    table.register(orjson.dumps(registration(1, port=7001)), key=old)
+    now[0] = 100.0
+    table.register(orjson.dumps(registration(1, port=7001)), key=old)  # renewed: held until 220
+    now[0] = 200.0
+    with pytest.raises(Refusal) as refused:
+        table.register(orjson.dumps(registration(1, port=7002)), key=new)
+    assert (refused.value.status, refused.value.message) == (403, SLOT_HELD)
+    with pytest.raises(Refusal):
+        table.register(orjson.dumps(registration(1, port=7002)))
+    now[0] = 221.0
+    table.register(orjson.dumps(registration(1, port=7002)), key=new)
+    assert table.route({"engine_rank": "1", "target_dp_group": "0"}) == {"rank_ip": "10.0.0.1", "rank_port": 7002}
+
+
+def test_a_prefill_node_refused_for_a_held_slot_asks_again_and_renews_its_own_hold() -> None:
+    """A node restarted with a fresh hop key: refused while its old key's hold lasts, registered once it lapsed
+    (asked again every RETRY_HELD_S), then renewing its own hold every REFRESH_S."""
+    group = plan_prefill_group([PrefillMember("p0", 0, 3)], 4)
+    assert group is not None
+    answer = RegistrationAnswer(lease="l", heartbeat_s=1, ttl_s=2, prefill_group=group.assignment("p0"))
+    shape = KVShape(num_layers=4, kv_heads=2, head_dim=16, dtype="float32", itemsize=4, max_positions=4096)
+    now = [0.0]
+
+    async def scenario(url: str) -> list[int | None]:
+        old = PrefillMembership(bootstrap_url=url, public_url="http://127.0.0.1:7001", shape=shape, node_id="p0",
+                                hop_key=SigningKey.generate(), clock=lambda: now[0])
+        new = PrefillMembership(bootstrap_url=url, public_url="http://127.0.0.1:7001", shape=shape, node_id="p0",
+                                hop_key=SigningKey.generate(), clock=lambda: now[0])
+        seen: list[int | None] = []
+        for member in (old, new):
+            member.on_answer(answer)
+            assert member._task is not None
+            await member._task
+            seen.append(member.pd_rank)
+        assert new.error == SLOT_HELD
+        deadline = time.monotonic() + 60
+        while new.pd_rank is None and time.monotonic() < deadline:  # the old key's hold lapses (2 s)
+            now[0] += RETRY_HELD_S
+            new.on_answer(answer)
+            if new._task is not None:
+                await new._task
+            await asyncio.sleep(0.2)
+        seen.append(new.pd_rank)
+        first = new._task
+        new.on_answer(answer)
+        assert new._task is first, "no renewal before REFRESH_S"
+        now[0] += REFRESH_S
+        new.on_answer(answer)
+        assert new._task is not first
+        await new._task
+        seen.append(new.pd_rank)
+        await old.aclose()
+        await new.aclose()
+        return seen
+
+    with start_service("bootstrap", {"MESHNET_SLOT_HOLD_S": "2"}) as service:
+        assert asyncio.run(scenario(service.url)) == [0, None, 0, 0]

@@ -68,7 +68,7 @@ def create_app(settings: BootstrapSettings | None = None) -> FastAPI:
     """
     configure_logging()
     settings = settings if settings is not None else BootstrapSettings()
-    table = BootstrapRegistry(settings.registry, max_ranks=settings.max_ranks)
+    table = BootstrapRegistry(settings.registry, max_ranks=settings.max_ranks, hold_s=settings.slot_hold_s)
     metrics = BootstrapMetrics(table)
     app = FastAPI(
         title="meshnet bootstrap", docs_url=None, redoc_url=None, openapi_url=None,

@@ -17,7 +17,7 @@ from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from meshwire import slow_clients, tls
-from services.bootstrap.registry import DEFAULT_MAX_RANKS, RegistryKind
+from services.bootstrap.registry import DEFAULT_HOLD_S, DEFAULT_MAX_RANKS, RegistryKind
 
 DEFAULT_HOST: Final = "0.0.0.0"
 """Every IPv4 interface: decode ranks on other machines must reach the service."""
@@ -52,6 +52,8 @@ class BootstrapSettings(BaseSettings):
     tls_key: str | None = Field(None, description="PEM private key of tls_cert")
     secret: str | None = Field(None, min_length=1, max_length=4096,
                                description="the mesh secret: a registration bearing it may register over any slot")
+    slot_hold_s: float = Field(DEFAULT_HOLD_S, gt=0, le=86_400,
+                               description="how long a signed registration holds its slot against other registrants")
 
     @model_validator(mode="after")
     def _check_tls(self) -> Self:
