@@ -10,9 +10,10 @@ listener for the same rank. What must hold:
 - the decode node never dials the registry's address (the trap hears nothing);
   it pulls from the endpoint the signed route names, naming ``fakep`` in the
   pull;
-- an answer that is unsigned, signed with another key, or signed by ``fakep``
-  for another pull (an old answer replayed) is refused: the step is answered
-  409 ``handoff_failed`` and the KV is not used;
+- an answer that is unsigned, signed with another key, signed by ``fakep``
+  for another pull (an old answer replayed), or not sealed to the pull's own
+  key (``meshwire.kv_box``) is refused: the step is answered 409
+  ``handoff_failed`` and the KV is not used;
 - only ``fakep``'s own signature over this very pull is taken (the control that
   shows the refusals are the signature's doing).
 """
@@ -35,6 +36,7 @@ import torch
 
 from meshwire import headers as h
 from meshwire.frames import encode_frame
+from meshwire.kv_box import BOX, seal
 from meshwire.kv_handoff import (
     HANDOFF_FROM,
     HANDOFF_ROUTE,
@@ -97,13 +99,15 @@ class FakePrefill:
         out, body = encode_frame(kv, session=headers[h.SESSION], chunk_index=0, chunk_total=1,
                                  extra={KV_POSITIONS: str(POSITIONS), KV_LAYERS: headers[KV_LAYERS]})
         requester, proof = headers["X-Meshnet-Signer"], headers["X-Meshnet-Proof"]
+        if self.mode != "not_sealed":  # sealed to the pull's own key, as a prefill node does
+            out[BOX], body = seal(headers[BOX], body, proof)
         if self.mode == "other_key":
             out.update(sign_pull_answer(SigningKey.generate(), "fakep", out, body, requester=requester,
                                         request_proof=proof))
         elif self.mode == "replayed":  # fakep's genuine answer to an earlier pull
             out.update(sign_pull_answer(FAKE_KEY, "fakep", out, body, requester=requester,
                                         request_proof=f"{int(time.time() * 1000) - 5000}.{'A' * 86}"))
-        elif self.mode == "good":
+        elif self.mode in ("good", "not_sealed"):
             out.update(sign_pull_answer(FAKE_KEY, "fakep", out, body, requester=requester, request_proof=proof))
         return 200, out, body
 
@@ -116,7 +120,8 @@ class FakePrefill:
 def model_shape(tiny_model_dir: Path) -> KVShape:
     config = json.loads((tiny_model_dir / "config.json").read_text())
     heads = int(config["num_attention_heads"])
-    return KVShape(num_layers=int(config["num_hidden_layers"]), kv_heads=int(config.get("num_key_value_heads") or heads),
+    kv_heads = int(config.get("num_key_value_heads") or heads)
+    return KVShape(num_layers=int(config["num_hidden_layers"]), kv_heads=kv_heads,
                    head_dim=int(config.get("head_dim") or config["hidden_size"] // heads),
                    dtype="float32", itemsize=4, max_positions=int(config["max_position_embeddings"]))
 
@@ -182,7 +187,7 @@ def step_with_handoff(decode: Service, fakep: FakePrefill, session: str) -> http
     return httpx.post(f"{decode.url}/forward", headers=headers, content=body, timeout=60)
 
 
-@pytest.mark.parametrize("mode", ["unsigned", "other_key", "replayed"])
+@pytest.mark.parametrize("mode", ["unsigned", "other_key", "replayed", "not_sealed"])
 def test_kv_not_signed_by_the_route_named_prefill_node_for_this_pull_is_refused(
         decode: Service, fakep: FakePrefill, trap: socket.socket, mode: str) -> None:
     fakep.mode = mode
@@ -190,7 +195,8 @@ def test_kv_not_signed_by_the_route_named_prefill_node_for_this_pull_is_refused(
     answer = step_with_handoff(decode, fakep, f"s-{mode}")
     assert answer.status_code == 409, answer.text
     assert answer.json()["error"]["code"] == "handoff_failed"
-    assert "is refused" in answer.json()["error"]["message"]
+    message = answer.json()["error"]["message"]
+    assert "is refused" in message or "cannot be opened" in message, message
     assert len(fakep.pulls) == before + 1, "the pull went to the endpoint the signed route names"
     assert fakep.pulls[-1][KV_SOURCE] == "fakep"
     with pytest.raises(BlockingIOError):

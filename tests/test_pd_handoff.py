@@ -29,6 +29,7 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from meshwire import headers as h
+from meshwire.kv_box import BOX, Opener
 from meshwire.kv_handoff import (
     DECODE_ROUTE,
     KV_CHUNK_POSITIONS,
@@ -242,9 +243,12 @@ def test_the_kv_endpoints_refuse_unsigned_callers_and_the_mesh_secret_is_no_cred
 def test_a_pull_of_a_handoff_nobody_holds_is_a_404_and_bad_headers_a_400(mesh: PdMesh) -> None:
     url = f"{mesh.url(mesh.extra['prefill'][0])}{PULL_PATH}"
     headers = {h.ROUTE: decode_route(mesh, TEST_DECODE), h.SESSION: "s-nobody", KV_LAYERS: "0-0",
-               h.CHUNK_INDEX: "0", KV_CHUNK_POSITIONS: "16", KV_SOURCE: mesh.extra["prefill"][0]}
+               h.CHUNK_INDEX: "0", KV_CHUNK_POSITIONS: "16", KV_SOURCE: mesh.extra["prefill"][0],
+               BOX: Opener().public_text}
     elsewhere = httpx.post(url, headers=signed({**headers, KV_SOURCE: "another-node"}, "td", PULL_PATH))
     assert elsewhere.status_code == 403 and elsewhere.json()["error"]["code"] == "wrong_node", elsewhere.text
+    unsealable = httpx.post(url, headers=signed({**headers, BOX: "not-a-key"}, "td", PULL_PATH))
+    assert unsealable.status_code == 400, unsealable.text
     missing = httpx.post(url, headers=signed(headers, "td", PULL_PATH))
     assert missing.status_code == 404 and missing.json()["error"]["code"] == "unknown_handoff"
     assert httpx.post(url, headers=signed({**headers, KV_CHUNK_POSITIONS: "17"}, "td", PULL_PATH)).status_code == 400

@@ -14,6 +14,7 @@ import torch
 
 from meshwire.forward_step import DataRequest, StepInfo, parse_forward
 from meshwire.frames import FrameError, encode_frame
+from meshwire.kv_box import BoxProblem, Opener, check_box, seal
 from meshwire.kv_handoff import (
     PAGE_TOKENS,
     HandoffSource,
@@ -347,3 +348,14 @@ def test_held_handoffs_are_counted_bounded_and_freed_by_the_sweeper_after_their_
     now[0] += 0.2
     table.sweep()
     assert "s-a" not in table and expired == [1] and table.handoffs == 0
+
+
+def test_a_chunk_sealed_to_a_pulls_key_opens_only_with_that_key_and_that_pulls_proof() -> None:
+    puller = Opener()
+    box, sealed = seal(puller.public_text, b"kv bytes" * 100, "1.proof")
+    assert puller.open(box, sealed, "1.proof") == b"kv bytes" * 100
+    for opener, context in ((Opener(), "1.proof"), (puller, "2.proof")):
+        with pytest.raises(BoxProblem):
+            opener.open(box, sealed, context)
+    with pytest.raises(BoxProblem):
+        check_box("not-a-key")

@@ -42,6 +42,8 @@ accepts a chunk only when its answer is signed with that node's hop key over
 the chunk's headers and bytes, the puller's id and the pull's own proof
 (:func:`sign_pull_answer`, :func:`pull_answer_problem`): an answer made for
 another pull, another decode node or an older request does not verify.
+The chunk is sealed to a fresh key the pull carries (:mod:`meshwire.kv_box`),
+so a pull replayed by anyone else yields nothing they can read.
 
 The cache layout is the bootstrap registry's ``cache-layouts`` wire form
 (``reference/bootstrap-spec.md``): one group ``kv`` of pages of

@@ -161,7 +161,8 @@ class NodeRuntime:
                                        position_bytes=shape.position_bytes_per_layer)
         if s.bootstrap is not None and s.role != "prefill":
             self.puller = KvPuller(node_id=self.node_id, hop_key=self.hop_key, trust=self.trust,
-                                   model_id=self.model_id, bootstrap_url=s.bootstrap, shape=shape, max_chunk_bytes=s.max_frame_bytes,
+                                   model_id=self.model_id, bootstrap_url=s.bootstrap, shape=shape,
+                                   max_chunk_bytes=s.max_frame_bytes,
                                    timeout_s=s.handoff_pull_timeout_s, metrics=self.metrics,
                                    verify=tls.httpx_verify(s.tls_ca), nice=s.kv_pull_nice)
         if s.role == "prefill":

@@ -83,4 +83,5 @@ def credential_sized(anonymous_max_bytes: int) -> type[asyncio.Protocol]:
 
 
 AnonymousSizedWebSockets: Final = credential_sized(DEFAULT_MAX_ANONYMOUS_MESSAGE_BYTES + ANONYMOUS_WS_SLACK)
-"""The protocol at the default anonymous bound, for ``uvicorn --ws services.relay.ws_protocol:AnonymousSizedWebSockets``."""
+"""The protocol at the default anonymous bound, for a bare uvicorn
+(``--ws services.relay.ws_protocol:AnonymousSizedWebSockets``)."""

@@ -28,6 +28,9 @@ the handoff is freed; one never pulled whole is freed after
 every answer is signed with this node's hop key over its headers, its bytes,
 the puller and the pull's proof (:func:`~meshwire.kv_handoff.sign_pull_answer`),
 so the decode node takes KV only from the node the signed prefill route names.
+The chunk itself is sealed to the puller's fresh X25519 key
+(``X-Meshnet-KV-Box``, :mod:`meshwire.kv_box`): a pull without one is refused
+400, and a pull replayed by anyone else yields bytes only the puller can open.
 
 Refusals are OpenAI-shaped JSON: 401 without a proof (checked before
 anything is read), 403 ``bad_proof``/``bad_route``/``bad_layers``/``replayed``
@@ -52,6 +55,7 @@ from meshwire import errors
 from meshwire import headers as h
 from meshwire.frames import FrameError, check_session_id, encode_frame, get_header, parse_int_header
 from meshwire.hop_proof import PROOF
+from meshwire.kv_box import BOX, BoxProblem, check_box, seal
 from meshwire.kv_handoff import (
     KV_CHUNK_POSITIONS,
     KV_LAYERS,
@@ -212,6 +216,10 @@ class KvServeService:
         claim = caller_claim(headers)
         digest, signer = await self._auth.signed_puller(claim, headers)
         check_pull_target(headers, self.node_id)
+        try:
+            check_box(headers.get(BOX))
+        except BoxProblem as exc:
+            raise KvRefusal(400, "bad_header", str(exc)) from None
         session_id = check_session_id(get_header(headers, h.SESSION))
         first, last = parse_layers(get_header(headers, KV_LAYERS))
         index = parse_int_header(h.CHUNK_INDEX, get_header(headers, h.CHUNK_INDEX), minimum=0,
@@ -255,8 +263,17 @@ class KvServeService:
                 if session.pulled_layers >= set(range(entry, shard.end + 1)):
                     self._sessions.close(session_id)
                     self._metrics.handoffs_freed.labels(how="pulled").inc()
-        out_headers.update(sign_pull_answer(self._hop_key, self.node_id, out_headers, body, requester=claim.signer,
-                                            request_proof=headers.get(PROOF) or ""))
+        body = await asyncio.to_thread(self._seal_and_sign, out_headers, body, claim.signer, headers.get(PROOF) or "",
+                                       headers.get(BOX))
         return Response(body, media_type=OCTET_STREAM, headers=out_headers)
+
+    def _seal_and_sign(self, out_headers: dict[str, str], body: bytes, requester: str, proof: str,
+                       box: str | None) -> bytes:
+        """Seal a chunk to the puller's key and sign the answer (adds both headers); the sealed bytes. Off the
+        event loop: a chunk is megabytes to encrypt and hash."""
+        out_headers[BOX], sealed = seal(box, body, proof)
+        out_headers.update(sign_pull_answer(self._hop_key, self.node_id, out_headers, sealed, requester=requester,
+                                            request_proof=proof))
+        return sealed
 
 

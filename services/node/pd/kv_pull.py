@@ -17,7 +17,8 @@ the prefill nodes (:class:`~meshwire.kv_handoff.HandoffSource`):
    a link-local or cloud-metadata address is refused even there;
 3. each node's layers are pulled in chunks of whole pages (``POST /kv/pull``,
    carrying this node's signed decode route, naming the prefill node it is for
-   and signed with this node's hop key: :mod:`services.node.pd.kv_auth`); each
+   and signed with this node's hop key: :mod:`services.node.pd.kv_auth`, with a
+   fresh X25519 key the answer is sealed to: :mod:`meshwire.kv_box`); each
    answer must be signed by that prefill node's hop key over the chunk, this
    node's id and the pull's own proof
    (:func:`~meshwire.kv_handoff.pull_answer_problem`), and is a frame checked
@@ -55,6 +56,7 @@ from meshwire import headers as h
 from meshwire.bootstrap_client import AsyncBootstrapClient, BootstrapError, PrefillInfo, RetryPolicy
 from meshwire.frames import TORCH_DTYPES, FrameError, FrameLimits, decode_frame
 from meshwire.hop_proof import PROOF, sign_request
+from meshwire.kv_box import BOX, BoxProblem, Opener
 from meshwire.kv_handoff import (
     KV_CHUNK_POSITIONS,
     KV_LAYERS,
@@ -321,9 +323,10 @@ class KvPuller:
 
     def _fetch(self, job: _PullJob, stage: StageSource, source: HandoffSource, index: int, total: int,
                per_chunk: int, expected: tuple[int, ...], route_token: str) -> Any:
+        opener = Opener()  # the answer is sealed to this pull's own key
         headers = {h.WIRE: h.WIRE_VERSION, h.ROUTE: route_token, h.SESSION: source.session,
                    KV_LAYERS: format_layers(stage.first, stage.last), h.CHUNK_INDEX: str(index),
-                   KV_CHUNK_POSITIONS: str(per_chunk), KV_SOURCE: stage.node_id}
+                   KV_CHUNK_POSITIONS: str(per_chunk), KV_SOURCE: stage.node_id, BOX: opener.public_text}
         headers.update(sign_request(self._hop_key, self._node_id, PULL_PATH, headers, b""))
         nbytes = 1
         for dim in expected:
@@ -352,7 +355,11 @@ class KvPuller:
             raise HandoffFailed("bad_signature", f"a KV chunk from {stage.node_id} at {stage.url} is refused: "
                                                  f"{problem}")
         try:
-            frame = decode_frame(answer_headers, body, FrameLimits(max_bytes=nbytes))  # handed over: no copy
+            plain = opener.open(answer_headers.get(BOX), body, headers[PROOF])
+        except BoxProblem as exc:
+            raise HandoffFailed("bad_signature", f"a KV chunk from {stage.node_id} cannot be opened: {exc}") from None
+        try:
+            frame = decode_frame(answer_headers, plain, FrameLimits(max_bytes=nbytes))
         except FrameError as exc:
             raise HandoffFailed("bad_chunk", f"a KV chunk from stage {stage.stage} is not a frame: {exc}") from None
         if (tuple(frame.tensor.shape) != expected or frame.chunk_index != index or frame.chunk_total != total
