@@ -23,13 +23,16 @@ import httpx
 import orjson
 import pytest
 
+from meshwire.auth import DEFAULT_SECRET
 from meshwire.kv_handoff import KVShape
 from meshwire.pd_group import PrefillMember, plan_prefill_group
 from meshwire.rank_proof import SIGNER_KEY, sign_registration
 from meshwire.registry import RegistrationAnswer
 from meshwire.route_keys import SigningKey
+from services.bootstrap.app import create_app
 from services.bootstrap.refusals import Refusal
 from services.bootstrap.registry import SLOT_HELD, BootstrapRegistry
+from services.bootstrap.settings import BootstrapSettings
 from services.node.pd.pd_member import REFRESH_S, RETRY_HELD_S, PrefillMembership
 from tests.bootstrap_samples import registration
 from tests.procs import TEST_SECRET, Service, start_service
@@ -169,3 +172,10 @@ def test_a_prefill_node_refused_for_a_held_slot_asks_again_and_renews_its_own_ho
 
     with start_service("bootstrap", {"MESHNET_SLOT_HOLD_S": "2"}) as service:
         assert asyncio.run(scenario(service.url)) == [0, None, 0, 0]
+
+
+async def test_the_published_development_secret_proves_nothing() -> None:
+    app = create_app(BootstrapSettings(secret=DEFAULT_SECRET))
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://bootstrap") as http:
+        answer = await http.put("/route", json=registration(0), headers={"Authorization": f"Bearer {DEFAULT_SECRET}"})
+    assert answer.status_code == 403

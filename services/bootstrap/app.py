@@ -38,7 +38,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from meshwire.auth import check_bearer
+from meshwire.auth import DEFAULT_SECRET, check_bearer
 from meshwire.body_guard import BodyGuard, plain_text
 from meshwire.hop_proof import ProofProblem
 from meshwire.logs import configure_logging
@@ -81,11 +81,13 @@ def create_app(settings: BootstrapSettings | None = None) -> FastAPI:
     async def health() -> PlainTextResponse:
         return text(200, HEALTHY)
 
+    secret = None if settings.secret in (None, DEFAULT_SECRET) else settings.secret  # the published one proves nothing
+
     def bears_secret(authorization: str | None) -> bool:
         """Whether a request bears the mesh secret (``False`` for no credential); 403 for any other."""
         if authorization is None:
             return False
-        if settings.secret is None or check_bearer(authorization, settings.secret) is not None:
+        if secret is None or check_bearer(authorization, secret) is not None:
             raise Refusal(FORBIDDEN, "invalid credential")
         return True
 
