@@ -22,6 +22,9 @@ Modules, one concept each (none imports a web framework):
   on connections per address (the one module that imports uvicorn, when it is used)
 - :mod:`meshwire.serving`  what every service serves with: the settings mixins of those guards and TLS
   (one block, inherited by the four services' settings), and the options it passes uvicorn
+- :mod:`meshwire.targets`  addresses no service may be made to call (metadata, link-local; private by choice)
+- :mod:`meshwire.rank_proof` signed bootstrap registrations (a prefill rank's slot held by its key)
+- :mod:`meshwire.kv_box`   a KV pull's answer sealed to the puller's fresh X25519 key
 
 Import the submodule you need; this package imports nothing eagerly so that
 torch-free services (tracker, relay) do not pay for torch.

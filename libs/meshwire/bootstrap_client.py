@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Annotated, Any, Final, Literal, Self, TypeVar
 
@@ -236,10 +236,13 @@ class AsyncBootstrapClient:
         except httpx.HTTPError:
             return False
 
-    async def register_rank(self, registration: RankRegistration) -> None:
-        """Register a source rank; :class:`BootstrapRefused` with the service's text when refused."""
-        _check_ok(await self._call("PUT", content=registration.wire(),
-                                   headers={"content-type": "application/json"}))
+    async def register_rank(self, registration: RankRegistration,
+                            sign: Callable[[bytes], Mapping[str, str]] | None = None) -> None:
+        """Register a source rank (``sign``: the headers that sign its body, :mod:`meshwire.rank_proof`);
+        :class:`BootstrapRefused` with the service's text when refused."""
+        body = registration.wire()
+        _check_ok(await self._call("PUT", content=body,
+                                   headers={"content-type": "application/json", **(sign(body) if sign else {})}))
 
     async def get_sizes(self, *, wait_s: float = 0.0) -> PrefillInfo:
         """The node's sizes; with ``wait_s``, wait that long for a first registration."""

@@ -17,7 +17,7 @@ from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from meshwire.serving import ListenerSettings
-from services.bootstrap.registry import DEFAULT_MAX_RANKS, RegistryKind
+from services.bootstrap.registry import DEFAULT_HOLD_S, DEFAULT_MAX_RANKS, RegistryKind
 
 DEFAULT_HOST: Final = "0.0.0.0"
 """Every IPv4 interface: decode ranks on other machines must reach the service."""
@@ -47,3 +47,7 @@ class BootstrapSettings(BaseSettings, ListenerSettings):
     max_connections: int = Field(DEFAULT_MAX_CONNECTIONS, ge=1, description="connections served at once")
     shutdown_timeout_s: float = Field(SHUTDOWN_TIMEOUT_S, ge=0, description="grace for requests in flight")
     access_log: bool = Field(True, description="log one line per request")
+    secret: str | None = Field(None, min_length=1, max_length=4096,
+                               description="the mesh secret: a registration bearing it may register over any slot")
+    slot_hold_s: float = Field(DEFAULT_HOLD_S, gt=0, le=86_400,
+                               description="how long a signed registration holds its slot against other registrants")

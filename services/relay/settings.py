@@ -18,11 +18,12 @@ the other's:
   ``max_anonymous_inflight_per_peer`` requests per peer, smaller messages and
   a shorter idle timeout.
 
-The anonymous message bound is the relay's: it refuses a larger message before
-parsing it. The WebSocket server's own bound is one for every connection
-(``max_message_bytes`` plus slack, :mod:`services.relay.server`), so until the
-handshake's credential can choose it, the anonymous caps above are what bound
-the memory anonymous callers can make the server hold.
+The anonymous message bound holds at the WebSocket parser: every connection
+starts bounded just above ``max_anonymous_message_bytes`` and only one the relay
+accepted with a credential is raised to ``max_message_bytes``
+(:mod:`services.relay.ws_protocol`), so an anonymous caller makes the relay
+hold at most about 20 KiB per connection, and ``max_anonymous_callers``
+(``max_anonymous_callers_per_address`` per remote IP) such connections.
 
 ``rpc_requires_auth`` was the switch that let anonymous ``/rpc`` callers reach a
 peer's whole app (its default, off) or refused them. The health-only rule

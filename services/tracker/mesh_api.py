@@ -8,13 +8,17 @@ Routes:
   ``X-Meshnet-Lease``. Answers :class:`~meshwire.registry.RegistrationAnswer`
   (the first time with a fresh lease); 409 ``lease_conflict`` when the id is
   live and the request does not carry its lease; 400 naming the field for an
-  endpoint or relay address that is not a plain ``scheme://host:port[/prefix]``.
+  endpoint or relay address that is not a plain ``scheme://host:port[/prefix]``,
+  and 400 ``forbidden_address`` for one on a link-local or cloud-metadata
+  address (or a private one with ``MESHNET_ALLOW_PRIVATE_ENDPOINTS=0``,
+  :mod:`.endpoint_policy`).
 - ``DELETE /v1/nodes/{node_id}`` (its join token or the mesh secret, and the
   node's lease): leave now; 403 ``lease_required`` without the lease.
 - ``POST /v1/nodes/{node_id}/failures`` (a join token or the mesh secret): a
   caller could not use the node; it backs off (see :mod:`.registry`).
-- ``GET /v1/nodes``: every listed node (state, load, last heartbeat) and each
-  model's coverage.
+- ``GET /v1/nodes``: every listed node (state, load, last heartbeat, the kind of
+  its last failure: one word of :data:`.failure_kinds.FAILURE_KINDS`, never
+  what its endpoint answered) and each model's coverage.
 - ``GET /v1/mesh``: the same plus the tracker's clocks, for the live page.
 - ``GET /v1/route?model=M&exclude=a,b``: a signed route
   (:class:`~meshwire.routes.SignedRoute`).
@@ -44,6 +48,7 @@ from meshwire.headers import LEASE
 from meshwire.openai import validation_error_message, validation_error_param
 from meshwire.registry import NodeRegistration, RegistrationAnswer
 
+from .endpoint_policy import EndpointPolicy
 from .join_tokens import TokenRefused
 from .registry import MAX_REASON_CHARS, Registered, RegistryError
 from .responses import HTTPError, read_body, require_api_key
@@ -125,6 +130,22 @@ def _lease(request: Request) -> str | None:
     return lease.strip() if lease is not None else None
 
 
+async def _check_addresses(request: Request, state: TrackerState, registration: NodeRegistration) -> None:
+    """Refuse (400 ``forbidden_address``) a registration whose endpoint or relay address the tracker must not
+    call (:class:`.endpoint_policy.EndpointPolicy`)."""
+    policy: EndpointPolicy | None = getattr(request.app.state, "endpoint_policy", None)
+    if policy is None:
+        policy = EndpointPolicy(allow_private=state.settings.allow_private_endpoints)
+        request.app.state.endpoint_policy = policy
+    for field, address in (("endpoint", registration.endpoint), ("relay_addr", registration.relay_addr)):
+        problem = None if address is None else await policy.address_problem(address)
+        if problem is not None:  # counted as refused by the caller
+            logger.warning("refused registration of %s: %s %s: %s", registration.node_id, field, address, problem)
+            hint = "" if policy.allow_private else " (MESHNET_ALLOW_PRIVATE_ENDPOINTS is off)"
+            raise HTTPError(400, f"{field} is refused: {problem}{hint}", errors.INVALID_REQUEST, "forbidden_address",
+                            field)
+
+
 @router.post("/v1/nodes")
 async def register(request: Request) -> JSONResponse:
     """Register a node or take its heartbeat."""
@@ -148,6 +169,7 @@ async def _registered(request: Request, state: TrackerState, body: bytes) -> tup
         registration = NodeRegistration.model_validate_json(body)
     except ValidationError as exc:
         raise _invalid(exc) from None
+    await _check_addresses(request, state, registration)
     try:
         await state.trust.admit(request.headers.get("authorization"), registration)
     except TokenRefused as exc:

@@ -53,6 +53,8 @@ class NodeInfo(BaseModel):
     """Failure reports in the current run."""
     backoff_remaining_s: float
     last_failure_reason: str | None
+    """What kind of failure the last report was: a word of :data:`.failure_kinds.FAILURE_KINDS` (``refused``,
+    ``timeout``, ``http_5xx``...), never what the node's endpoint answered."""
     role: NodeRole = "both"
     """What the node serves: ``prefill``, ``decode`` or ``both`` (``meshnet node --role``)."""
     pd_rank: int | None = None

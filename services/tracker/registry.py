@@ -52,6 +52,7 @@ from typing import Final
 from meshwire.headers import LEASE as LEASE_HEADER
 from meshwire.registry import NodeRegistration, NodeState
 
+from .failure_kinds import failure_kind
 from .node_views import ModelCoverage, NodeInfo
 from .planner import Candidate, layer_holders, missing_layers
 
@@ -308,7 +309,7 @@ class Registry:
         entry = self._entries.get(node_id)
         if entry is None:
             raise UnknownNode(f"no node {node_id!r} is registered")
-        entry.last_failure_reason = reason[:MAX_REASON_CHARS]
+        entry.last_failure_reason = failure_kind(reason)
         if entry.backoff_until > now:
             return entry.backoff_until - now
         recent = entry.last_failure_at is not None and now - entry.last_failure_at <= self.policy.failure_reset_s
@@ -316,8 +317,8 @@ class Registry:
         backoff = min(self.policy.backoff_s * 2 ** (entry.failures - 1), self.policy.backoff_max_s)
         entry.last_failure_at = now
         entry.backoff_until = now + backoff
-        logger.warning("node %s reported failing (%s): backing off %.1f s (failure %d in a row)",
-                       node_id, entry.last_failure_reason, backoff, entry.failures)
+        logger.warning("node %s reported failing (%s: %s): backing off %.1f s (failure %d in a row)",
+                       node_id, entry.last_failure_reason, reason[:MAX_REASON_CHARS], backoff, entry.failures)
         return backoff
 
     # --- in-flight requests ---------------------------------------------------------------------
@@ -371,7 +372,7 @@ class Registry:
         if entry is None:
             return
         if reason is not None:
-            entry.last_failure_reason = reason[:MAX_REASON_CHARS]
+            entry.last_failure_reason = failure_kind(reason)
         if backoff_remaining_s > 0:
             entry.failures = failures
             entry.last_failure_at = now

@@ -32,6 +32,8 @@ class TrackerSettings(BaseSettings, SlowClientSettings, TlsClientSettings):
     port: int = Field(DEFAULT_PORT, ge=0, le=65535)
     secret: str = Field(DEFAULT_SECRET, min_length=1)
     """The mesh's shared secret: admits nodes that hold no join token (a mesh that issues none)."""
+    allow_private_endpoints: bool = True
+    """Whether nodes may register loopback/private endpoints (off for a public mesh; link-local never)."""
     admin_key: str = Field("", max_length=1024)
     """The operator's credential for the admin API (join tokens, key rotation); empty: the admin API is off."""
     api_keys: Annotated[tuple[str, ...], NoDecode, ApiKeyList] = ()
