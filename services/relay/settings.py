@@ -78,8 +78,7 @@ class RelaySettings(BaseSettings):
     tracker: str | None = Field(None, max_length=4 * limits.MAX_URL_CHARS)
     """Tracker URL(s), comma-separated, that check the join tokens peers and callers show; none: only the secret."""
     route_keys: str | None = Field(None, max_length=16 * limits.KIB)
-    """Route-signing public keys pinned by hand (a JWK set), besides the trackers': nodes calling a peer show a
-    route signed with one of them and a proof by their own hop key instead of a secret."""
+    """Route-signing public keys pinned by hand (a JWK set), besides the trackers': they verify nodes' signed handshakes."""
     rpc_requires_auth: bool = False
     """Refuse ``/rpc`` callers without the secret at the handshake (401). Off: they are admitted, but reach only a peer's ``GET /health``."""
 
