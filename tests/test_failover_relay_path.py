@@ -155,11 +155,12 @@ def hop(port: int, relay_addr: str | None) -> RouteNode:
 
 
 @contextlib.asynccontextmanager
-async def hop_client(clock: Clock) -> AsyncIterator[HopClient]:
+async def hop_client(clock: Clock, relay: Service) -> AsyncIterator[HopClient]:
+    """A hop client whose operator configured ``relay`` (it shows that relay the mesh secret)."""
     async with httpx.AsyncClient() as http:
         client = HopClient(http, TEST_SECRET, timeout_s=WAIT_S, node_id="head", hop_key=SigningKey.generate(),
-                           connect_timeout_s=CONNECT_TIMEOUT_S,
-                           relay_only_ttl_s=MEMORY_S, clock=clock)
+                           connect_timeout_s=CONNECT_TIMEOUT_S, relay_only_ttl_s=MEMORY_S, clock=clock,
+                           own_relays=(f"ws://{relay.host}:{relay.port}",))
         try:
             yield client
         finally:
@@ -173,7 +174,7 @@ async def send(client: HopClient, node: RouteNode) -> int | None:
 async def test_a_hop_whose_direct_path_drops_packets_is_reached_through_its_relay_and_the_relay_is_remembered(
         relay: Service) -> None:
     clock = Clock()
-    async with hidden_node(relay) as (node, relay_addr), hop_client(clock) as client:
+    async with hidden_node(relay) as (node, relay_addr), hop_client(clock, relay) as client:
         with black_hole() as port:
             assert await send(client, hop(port, relay_addr)) == TOKEN
             assert node.forwards == 1
@@ -186,7 +187,7 @@ async def test_a_hop_whose_direct_path_drops_packets_is_reached_through_its_rela
 async def test_when_the_memory_runs_out_the_direct_path_is_probed_aside_and_used_once_it_answers(
         relay: Service) -> None:
     clock = Clock()
-    async with hidden_node(relay) as (node, relay_addr), hop_client(clock) as client:
+    async with hidden_node(relay) as (node, relay_addr), hop_client(clock, relay) as client:
         with black_hole() as port:
             assert await send(client, hop(port, relay_addr)) == TOKEN
         async with direct_server(port) as direct:
@@ -201,7 +202,7 @@ async def test_when_the_memory_runs_out_the_direct_path_is_probed_aside_and_used
 
 
 async def test_a_hop_without_a_relay_whose_connect_times_out_is_reported_as_failed_by_name(relay: Service) -> None:
-    async with hop_client(Clock()) as client:
+    async with hop_client(Clock(), relay) as client:
         with black_hole() as port, pytest.raises(ChainFailure) as failure:
             await send(client, hop(port, relay_addr=None))
     assert failure.value.status == 502 and failure.value.failed_node == "hidden"
@@ -215,7 +216,7 @@ async def test_closing_the_hop_client_closes_its_relay_connection(relay: Service
 
     before = await callers()
     async with hidden_node(relay) as (_, relay_addr):
-        async with hop_client(Clock()) as client:
+        async with hop_client(Clock(), relay) as client:
             with black_hole() as port:
                 await send(client, hop(port, relay_addr))
             assert await callers() == before + 1

@@ -40,6 +40,7 @@ from meshwire.relay_client import RelayCaller, RelayError, rpc_address
 from meshwire.routes import Route, RouteNode, sign_route
 from tests.procs import (
     TEST_ROUTE_KEY,
+    TEST_ROUTE_KEYS,
     TEST_SECRET,
     Service,
     free_port,
@@ -56,6 +57,9 @@ MAX_TOKENS = 12
 READY_S = 120.0
 MESSAGES = [{"role": "user", "content": "What is the capital of France?"}]
 NODE_ENV = {"MESHNET_DTYPE": "float32", "MESHNET_DEVICE": "cpu", "MESHNET_THREADS": "1"}
+RELAY_ENV = {"MESHNET_ROUTE_KEYS": TEST_ROUTE_KEYS}
+"""The routes' keys, so the relay verifies the head's signed, peer-bound handshake (the head shows no secret to
+a relay the hidden node chose)."""
 
 
 @dataclass(frozen=True)
@@ -131,7 +135,7 @@ class HiddenMesh:
     def restart_relay(self) -> None:
         """Kill the relay without a goodbye and start it again on the same address."""
         self.relay.kill(signal.SIGKILL)
-        self.relay = start_service("relay", port=self.relay.port, host=self.relay.host)
+        self.relay = start_service("relay", RELAY_ENV, port=self.relay.port, host=self.relay.host)
 
     def route_token(self) -> str:
         """A signed route: the head, then the hidden node at an endpoint nobody can dial, with its relay."""
@@ -180,7 +184,7 @@ def mesh(namespace: Namespace, tiny_model_dir: Path) -> Iterator[HiddenMesh]:
     tracker = start_service("tracker", host=namespace.host_ip)
     services = [tracker]
     try:
-        relay = start_service("relay", host=namespace.host_ip)
+        relay = start_service("relay", RELAY_ENV, host=namespace.host_ip)
         services.append(relay)
         hidden_id = f"behind-nat-{uuid.uuid4().hex[:6]}"
         hidden_port = free_port()

@@ -7,12 +7,16 @@ import pytest
 
 from meshnet.tokens import parse_duration
 from meshwire.hop_proof import (
+    BODY_DIGEST,
     MAX_PROOF_AGE_S,
+    NONCE,
     PROOF,
     SIGNER,
     ProofProblem,
     SeenProofs,
+    check_body,
     check_claim,
+    check_claim_headers,
     read_claim,
     sign_request,
 )
@@ -190,6 +194,37 @@ def test_a_signed_request_changed_in_any_part_does_not_verify(change):
     with pytest.raises(ProofProblem) as caught:
         check_claim(read_claim(received(sent)), key.private.public_key(), path, received(sent), body, now=now)
     assert caught.value.status == 403
+
+
+def test_a_proof_verifies_from_the_headers_alone_and_binds_the_body_read_after():
+    key = SigningKey.generate()
+    sent = {**HEADERS, **sign_request(key, "front", "/forward", HEADERS, b"body", now=NOW)}
+    claim = read_claim(received(sent))
+    check_claim_headers(claim, key.private.public_key(), "/forward", received(sent), now=NOW)  # no body needed
+    check_body(claim, b"body")
+    with pytest.raises(ProofProblem):
+        check_body(claim, b"another body")
+    forged = {**received(sent), BODY_DIGEST.lower(): "0" * 64}  # declaring another digest breaks the signature
+    with pytest.raises(ProofProblem) as caught:
+        check_claim_headers(read_claim(forged), key.private.public_key(), "/forward", forged, now=NOW)
+    assert caught.value.status == 403
+
+
+def test_two_proofs_of_the_same_request_differ_by_their_nonce():
+    key = SigningKey.generate()
+    first, second = (sign_request(key, "tracker:k", "/v1/chat/completions", HEADERS, b"{}", now=NOW) for _ in range(2))
+    assert first[NONCE] != second[NONCE] and first[PROOF] != second[PROOF]
+    changed = {**received({**HEADERS, **first}), NONCE.lower(): second[NONCE]}
+    with pytest.raises(ProofProblem):
+        check_claim_headers(read_claim(changed), key.private.public_key(), "/v1/chat/completions", changed, now=NOW)
+
+
+def test_a_proof_without_its_body_digest_is_a_401():
+    sent = {**HEADERS, **sign_request(SigningKey.generate(), "front", "/forward", HEADERS, b"", now=NOW)}
+    del sent[BODY_DIGEST]
+    with pytest.raises(ProofProblem) as caught:
+        read_claim(received(sent))
+    assert caught.value.status == 401
 
 
 @pytest.mark.parametrize("headers", [{}, {SIGNER: "front"}, {PROOF: "1.abc"}, {SIGNER: "front", PROOF: "garbage"},

@@ -43,7 +43,7 @@ from meshwire.frames import (
     parse_position_ids,
 )
 from meshwire.kv_handoff import HANDOFF_FROM, HANDOFF_ROUTE, HOLD, HandoffSource, parse_digest
-from meshwire.limits import MAX_HEADER_VALUE_CHARS, MAX_LAYERS, MAX_ROUTE_HOPS
+from meshwire.limits import MAX_HEADER_VALUE_CHARS, MAX_LAYERS, MAX_ROUTE_HOPS, MAX_TOKENS_LIMIT
 from meshwire.sampling_params import MAX_REPLAY_IDS_PER_FRAME, MAX_TOP_LOGPROBS, SamplingParams, TokenLogprobs
 
 ControlVerb = Literal["close"]
@@ -54,12 +54,14 @@ MAX_POSITION: Final = 1 << 32
 """Highest absolute position of a frame's first token."""
 MAX_RESERVE_TOKENS: Final = 1 << 32
 """Most KV tokens a session may ask to reserve on its first step."""
-MAX_SAMPLE_DRAWS: Final = 1 << 20
-"""Most sampler draws a failover replay may ask the tail to skip."""
-MAX_TIMING_ENTRIES: Final = MAX_ROUTE_HOPS
-"""Most per-node timings one answer may carry (one per hop)."""
 MAX_DRAFT_TOKENS: Final = 16
 """Most drafted tokens one speculative frame may carry (``--speculate-max`` is at most this)."""
+MAX_SAMPLE_DRAWS: Final = MAX_TOKENS_LIMIT + MAX_DRAFT_TOKENS + 1
+"""Most sampler draws a failover replay may ask the tail to skip: one a generated token, and a session
+generates at most ``max_tokens`` (each of a request's ``n`` choices is its own session), plus one
+speculative step's run past it. More is refused with 400 (each draw costs the tail's compute thread)."""
+MAX_TIMING_ENTRIES: Final = MAX_ROUTE_HOPS
+"""Most per-node timings one answer may carry (one per hop)."""
 MAX_TOKEN_ID: Final = 1 << 31
 """Highest token id a draft may name."""
 

@@ -10,20 +10,30 @@ its route-signing key, which the node already holds from ``GET /v1/keys``.
 Headers:
 
 - ``X-Meshnet-Signer``: the signer, a node id (a hop) or ``tracker:<kid>``;
-- ``X-Meshnet-Proof``: ``<unix milliseconds>.<base64url Ed25519 signature>``.
+- ``X-Meshnet-Proof``: ``<unix milliseconds>.<base64url Ed25519 signature>``;
+- ``X-Meshnet-Body-Sha256``: the SHA-256 of the body (hex), declared up front;
+- ``X-Meshnet-Nonce``: 16 random bytes (base64url), so no two proofs are alike.
 
 The signature covers, each on its own line: :data:`DOMAIN`, the path, the
 signer, the timestamp, every other ``X-Meshnet-*`` header of the request
-(lower-cased ``name:value`` lines, sorted; the route, session, step and hop
-index among them), and the SHA-256 of the body. A proof older or newer than
-:data:`MAX_PROOF_AGE_S` is refused, which bounds a replay; within it, a
-replayed step is refused by the session's step order anyway.
+(lower-cased ``name:value`` lines, sorted; the route, session, step, hop
+index and nonce among them), and the body's SHA-256 as declared. So a proof is
+verified from the headers alone, **before the body is read**
+(:func:`check_claim_headers`): an unsigned or forged request costs the
+receiver a header parse and one Ed25519 check, never its body. The body read
+afterwards must then hash to the declared digest (:func:`check_body`).
+
+A proof older or newer than :data:`MAX_PROOF_AGE_S` is refused, which bounds a
+replay; within it, a replayed step is refused by the session's step order
+anyway, and a call that must be answered once (a KV handoff, the tracker's call
+to a head) keeps a :class:`SeenProofs` replay cache.
 """
 
 from __future__ import annotations
 
 import hashlib
 import re
+import secrets
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping
@@ -46,10 +56,16 @@ PROOF: Final = "X-Meshnet-Proof"
 DOMAIN: Final = b"meshnet-request/1"
 MAX_PROOF_AGE_S: Final = 300.0
 """How far a proof's timestamp may be from the receiver's clock (either way)."""
+BODY_DIGEST: Final = "X-Meshnet-Body-Sha256"
+NONCE: Final = "X-Meshnet-Nonce"
+NONCE_BYTES: Final = 16
 TRACKER_SIGNER_PREFIX: Final = "tracker:"
 MAX_SIGNER_CHARS: Final = 200
 _PROOF: Final = re.compile(r"(?P<ms>[0-9]{1,16})\.(?P<sig>[A-Za-z0-9_\-]{80,90})")
-_SKIPPED: Final = frozenset({SIGNER.lower(), PROOF.lower()})
+_DIGEST: Final = re.compile(r"[0-9a-f]{64}")
+_NONCE: Final = re.compile(r"[A-Za-z0-9_\-]{16,64}")
+_SKIPPED: Final = frozenset({SIGNER.lower(), PROOF.lower(), BODY_DIGEST.lower()})
+"""Headers outside the signed header lines (the digest is the message's last line instead)."""
 
 
 class ProofProblem(ValueError):
@@ -67,28 +83,50 @@ class Claim:
     signer: str
     timestamp_ms: int
     signature: bytes
+    digest: str
+    """The body's SHA-256 (hex) the signer declared, which the signature covers."""
+    nonce: str | None = None
 
 
-def _message(path: str, signer: str, timestamp_ms: int, headers: Iterable[tuple[str, str]], body: bytes) -> bytes:
+def body_digest(body: bytes) -> str:
+    """The SHA-256 of ``body`` as :data:`BODY_DIGEST` carries it (hex)."""
+    return hashlib.sha256(body).hexdigest()
+
+
+def _message(path: str, signer: str, timestamp_ms: int, headers: Iterable[tuple[str, str]], digest: str) -> bytes:
     lines = sorted(f"{name.lower()}:{value.strip()}" for name, value in headers
                    if name.lower().startswith("x-meshnet-") and name.lower() not in _SKIPPED)
     return b"\n".join((DOMAIN, path.encode("utf-8"), signer.encode("utf-8"), str(timestamp_ms).encode("ascii"),
-                       "\n".join(lines).encode("utf-8"), hashlib.sha256(body).hexdigest().encode("ascii")))
+                       "\n".join(lines).encode("utf-8"), digest.encode("ascii")))
 
 
 def sign_request(key: SigningKey, signer: str, path: str, headers: Mapping[str, str], body: bytes,
                  now: float | None = None) -> dict[str, str]:
-    """The two headers that prove ``signer`` (holding ``key``) sent this request."""
+    """The headers that prove ``signer`` (holding ``key``) sent this request: signer, proof, body digest, nonce."""
     timestamp_ms = int((time.time() if now is None else now) * 1000)
-    signature = key.sign(_message(path, signer, timestamp_ms, headers.items(), body))
-    return {SIGNER: signer, PROOF: f"{timestamp_ms}.{b64encode(signature)}"}
+    nonce = b64encode(secrets.token_bytes(NONCE_BYTES))
+    digest = body_digest(body)
+    signed = {**{k: v for k, v in headers.items() if k.lower() != NONCE.lower()}, NONCE: nonce}
+    signature = key.sign(_message(path, signer, timestamp_ms, signed.items(), digest))
+    return {SIGNER: signer, PROOF: f"{timestamp_ms}.{b64encode(signature)}", BODY_DIGEST: digest, NONCE: nonce}
+
+
+def _header(headers: Mapping[str, str], name: str) -> str | None:
+    return headers.get(name.lower()) or headers.get(name)
 
 
 def read_claim(headers: Mapping[str, str]) -> Claim:
-    """The proof headers of a request, checked for form and age; :class:`ProofProblem` (401) otherwise."""
-    signer, proof = headers.get(SIGNER.lower()) or headers.get(SIGNER), headers.get(PROOF.lower()) or headers.get(PROOF)
+    """The proof headers of a request, checked for form; :class:`ProofProblem` (401) otherwise."""
+    signer, proof = _header(headers, SIGNER), _header(headers, PROOF)
     if not signer or not proof:
         raise ProofProblem(401, f"missing {SIGNER} / {PROOF}: this request must be signed by its sender")
+    digest = (_header(headers, BODY_DIGEST) or "").strip()
+    if not _DIGEST.fullmatch(digest):
+        raise ProofProblem(401, f"missing or malformed {BODY_DIGEST}: a signed request declares its body's "
+                                "SHA-256 (64 hex digits), so its proof is checked before the body is read")
+    nonce = _header(headers, NONCE)
+    if nonce is not None and not _NONCE.fullmatch(nonce.strip()):
+        raise ProofProblem(401, f"{NONCE} must be 16-64 base64url characters")
     if len(signer) > MAX_SIGNER_CHARS:
         raise ProofProblem(401, f"{SIGNER} is too long")
     match = _PROOF.fullmatch(proof.strip())
@@ -100,19 +138,34 @@ def read_claim(headers: Mapping[str, str]) -> Claim:
         raise ProofProblem(401, f"{PROOF} signature is not base64url") from None
     if len(signature) != SIGNATURE_BYTES:
         raise ProofProblem(401, f"{PROOF} signature is not {SIGNATURE_BYTES} bytes")
-    return Claim(signer=signer.strip(), timestamp_ms=int(match.group("ms")), signature=signature)
+    return Claim(signer=signer.strip(), timestamp_ms=int(match.group("ms")), signature=signature, digest=digest,
+                 nonce=None if nonce is None else nonce.strip())
 
 
-def check_claim(claim: Claim, key: Ed25519PublicKey, path: str, headers: Mapping[str, str], body: bytes,
-                now: float | None = None) -> None:
-    """Verify ``claim`` with ``key`` over this request; :class:`ProofProblem` (403) when it does not hold."""
+def check_claim_headers(claim: Claim, key: Ed25519PublicKey, path: str, headers: Mapping[str, str],
+                        now: float | None = None) -> None:
+    """Verify ``claim`` with ``key`` over this request's headers and its declared body digest, before the body
+    is read; :class:`ProofProblem` (403) when it does not hold. The body must then pass :func:`check_body`."""
     skew = abs((time.time() if now is None else now) - claim.timestamp_ms / 1000)
     if skew > MAX_PROOF_AGE_S:
         raise ProofProblem(403, f"{PROOF} is {skew:.0f} s away from this node's clock (at most "
                                 f"{MAX_PROOF_AGE_S:.0f} s): check the clocks, or this is a replay")
     if not verify_signature(key, claim.signature, _message(path, claim.signer, claim.timestamp_ms, headers.items(),
-                                                           body)):
-        raise ProofProblem(403, f"{PROOF} does not verify with {claim.signer}'s key")
+                                                           claim.digest)):
+        raise ProofProblem(403, f"{PROOF} does not verify with {claim.signer[:100]}'s key")
+
+
+def check_body(claim: Claim, body: bytes) -> None:
+    """Refuse (403) a body that is not the one ``claim`` declared (and signed) in :data:`BODY_DIGEST`."""
+    if body_digest(body) != claim.digest:
+        raise ProofProblem(403, f"the body does not hash to its signed {BODY_DIGEST}")
+
+
+def check_claim(claim: Claim, key: Ed25519PublicKey, path: str, headers: Mapping[str, str], body: bytes,
+                now: float | None = None) -> None:
+    """:func:`check_claim_headers` and :func:`check_body` at once, for a body already read."""
+    check_claim_headers(claim, key, path, headers, now)
+    check_body(claim, body)
 
 
 MAX_SEEN_PROOFS: Final = 4096
@@ -142,3 +195,4 @@ class SeenProofs:
             return False
         self._seen[claim.signature] = now
         return True
+

@@ -232,6 +232,14 @@ def rpc_address(relay_url: str, peer_id: str) -> str:
     return f"{ws_base(relay_url)}/rpc/{peer_id}"
 
 
+def relay_parts(relay_addr: str) -> tuple[str, str]:
+    """``ws(s)://relay/rpc/{peer_id}`` -> ``(ws(s)://relay, peer_id)``; :class:`RelayError` for anything else."""
+    match = _ADDRESS.match(relay_addr.strip())
+    if match is None or len(relay_addr) > limits.MAX_URL_CHARS:
+        raise RelayError("bad_request", f"relay_addr must be ws(s)://relay/rpc/{{peer_id}}, got {relay_addr[:200]!r}")
+    return match.group("base"), match.group("peer")
+
+
 def mux_url(relay_addr: str) -> str:
     """``ws(s)://relay/rpc/{peer_id}`` -> ``ws(s)://relay/mux/{peer_id}``."""
     match = _ADDRESS.match(relay_addr.strip())
@@ -514,15 +522,19 @@ class RelayCaller:
         self._opening: dict[str, asyncio.Lock] = {}
 
     async def request(self, relay_addr: str, method: HttpMethod, path: str, headers: Mapping[str, str],
-                      body: bytes = b"", timeout: float = DEFAULT_TIMEOUT_S) -> tuple[int, dict[str, str], bytes]:
+                      body: bytes = b"", timeout: float = DEFAULT_TIMEOUT_S, *,
+                      handshake: Mapping[str, str] | None = None) -> tuple[int, dict[str, str], bytes]:
         """Send one request to the peer at ``relay_addr``; its ``(status, headers, body)``.
 
-        Response header names are lower-cased. Raises :class:`RelayError` when
-        the relay cannot deliver it (unknown peer, timeout, disconnect, size).
+        ``handshake``: the headers that authenticate a new connection instead of
+        the bearer secret (a signed, peer-bound proof, :mod:`meshwire.relay_auth`,
+        for a relay a peer chose). Response header names are lower-cased. Raises
+        :class:`RelayError` when the relay cannot deliver it (unknown peer,
+        timeout, disconnect, size).
         """
         url = mux_url(relay_addr)
         deadline = asyncio.get_running_loop().time() + timeout
-        link = await self._link(url, timeout)
+        link = await self._link(url, timeout, handshake)
         try:
             return await link.request(method, path, headers, body, timeout)
         except RelayError as exc:
@@ -533,7 +545,7 @@ class RelayCaller:
         left = deadline - asyncio.get_running_loop().time()
         if left <= 0:
             raise RelayError("timeout", f"no answer from {url} within {timeout:g}s")
-        link = await self._link(url, left)
+        link = await self._link(url, left, handshake)
         return await link.request(method, path, headers, body, left)
 
     async def close(self) -> None:
@@ -541,7 +553,7 @@ class RelayCaller:
         links, self._links = list(self._links.values()), {}
         await asyncio.gather(*(link.close() for link in links), return_exceptions=True)
 
-    async def _link(self, url: str, timeout: float) -> _MuxLink:
+    async def _link(self, url: str, timeout: float, handshake: Mapping[str, str] | None = None) -> _MuxLink:
         link = self._links.get(url)
         if link is not None and not link.closed:
             return link
@@ -550,12 +562,13 @@ class RelayCaller:
             link = self._links.get(url)
             if link is not None and not link.closed:
                 return link
-            self._links[url] = link = await self._open(url, min(timeout, self._open_timeout_s))
+            self._links[url] = link = await self._open(url, min(timeout, self._open_timeout_s), handshake)
             return link
 
-    async def _open(self, url: str, timeout_s: float) -> _MuxLink:
+    async def _open(self, url: str, timeout_s: float, handshake: Mapping[str, str] | None) -> _MuxLink:
+        credential = dict(handshake) if handshake is not None else bearer_headers(self._secret)
         try:
-            ws = await connect(url, additional_headers=bearer_headers(self._secret), open_timeout=timeout_s,
+            ws = await connect(url, additional_headers=credential, open_timeout=timeout_s,
                                max_size=self._max_message_bytes, compression=None, **_tls_option(url, self._ssl))
         except InvalidStatus as exc:
             status, message = _refusal(exc)
@@ -570,5 +583,5 @@ class RelayCaller:
 __all__: list[str] = [
     "CLOSE_IDLE", "ERROR_STATUS", "Handler", "MuxError", "MuxMessage", "MuxRequest", "MuxResponse", "MuxSignal",
     "RelayCaller", "RelayError", "RelayErrorCode", "RelayPeer", "backoff_delay", "mux_url",
-    "peek_mux_id", "read_mux", "rpc_address", "write_mux", "ws_base",
+    "peek_mux_id", "read_mux", "relay_parts", "rpc_address", "write_mux", "ws_base",
 ]

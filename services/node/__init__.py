@@ -40,6 +40,7 @@ pd/ — prefill/decode disaggregation: long prompts prefilled elsewhere, their K
     ``pd.handoff_limits`` how many handoffs, and how many bytes, a prefill node holds
 
 hop/ — the mesh: routes, the next hop, the tracker, the relay
+    ``hop.auth``          the front door: who calls (a hop, the tracker, the mesh secret) and what it may do, from headers
     ``hop.route_step``    one step at this node, then on to the next hop: the head (hop 0) and every hop
     ``hop.row_sender``    decode frames for the same hop sent together (``POST /forward/rows``)
     ``hop.hop_client``    sending a frame to a hop, directly or through its relay; judging the answer

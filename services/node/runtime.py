@@ -37,6 +37,7 @@ from services.node.head.draft_model import load_draft_model
 from services.node.head.generation import Generator
 from services.node.head.sampling_defaults import SamplingDefaults
 from services.node.head.tokens import HeadTokenizer, eos_ids_of
+from services.node.hop.auth import HopAuth
 from services.node.hop.hop_client import HopClient
 from services.node.hop.registration import Registrar
 from services.node.hop.relay_link import ASGIApp, asgi_handler
@@ -91,12 +92,16 @@ class NodeRuntime:
         self.hop_key = settings.hop_key()
         """This node's own Ed25519 key: it signs the frames this node sends; its public half is registered."""
         self.hops = HopClient(self.http, settings.mesh_credential(), settings.hop_timeout_s, node_id=self.node_id,
-                              hop_key=self.hop_key, tls_context=tls.client_context(settings.tls_ca))
+                              hop_key=self.hop_key, tls_context=tls.client_context(settings.tls_ca),
+                              own_relays=(settings.relay,) if settings.relay else ())
         self.tracker_routes = TrackerRoutes(self.http, settings.tracker, settings.mesh_credential(), self.node_id)
         self.trust = RouteTrust(settings.pinned_keys(),
                                 self.tracker_routes.fetch_keys if self.tracker_routes.available else None)
         """The tracker's route keys this node verifies routes with (pinned, and fetched at registration)."""
         self.tracker_routes.trust = self.trust
+        self.hop_auth = HopAuth(node_id=self.node_id, model_id=self.model_id, trust=self.trust,
+                                legacy_secret=None if settings.join_token else settings.secret)
+        """The front door every call from the mesh passes: frames, handoffs, the tracker's calls to a head."""
         self.shard: Shard | None = None
         self.runner: ShardRunner | None = None
         self.forward: ForwardService | None = None
@@ -129,6 +134,7 @@ class NodeRuntime:
             ThreadPoolExecutor(thread_name_prefix="meshnet-io", initializer=one_torch_thread))
         resolved = await self.worker.run(resolve_model, s.model, s.model_cache_dir)
         self.model_id = resolved.model_id
+        self.hop_auth.model_id = self.model_id
         device = pick_device(s.device)
         self.worker.use_gate(cpu_gate_for(s.cpu_lock, device.type), self.metrics.cpu_gate_wait.observe)
         # Chosen for one row: a lone stream's speed is what a user meets first, and the table's batch
@@ -172,14 +178,13 @@ class NodeRuntime:
             else:
                 self.membership = PrefillMembership(bootstrap_url=s.bootstrap, public_url=s.public_url(), shape=shape,
                                                     node_id=self.node_id, hop_key=self.hop_key)
-        self.forward = ForwardService(node_id=self.node_id, model_id=self.model_id, trust=self.trust,
-                                      legacy_secret=None if s.join_token else s.secret,
+        self.forward = ForwardService(node_id=self.node_id, model_id=self.model_id, auth=self.hop_auth,
                                       runner=self.runner, sessions=self.sessions, hops=self.hops, stepper=stepper,
                                       metrics=self.metrics, frame_limits=FrameLimits(max_bytes=s.max_frame_bytes),
                                       grammar=self.grammar, puller=self.puller, handoff_limits=handoff_limits)
         if self.membership is not None:
             self.kv_serve = KvServeService(
-                node_id=self.node_id, model_id=self.model_id, trust=self.trust, hop_key=self.hop_key,
+                node_id=self.node_id, model_id=self.model_id, auth=self.hop_auth, hop_key=self.hop_key,
                 runner=self.runner,
                 sessions=self.sessions, hops=self.hops, stepper=stepper, metrics=self.metrics,
                 membership=self.membership, shape=shape, limits=handoff_limits, max_chunk_bytes=s.max_frame_bytes,

@@ -7,7 +7,8 @@ Routes::
     WS   /peer/{peer_id}     a peer's outbound link (Bearer auth; one live connection per id)
     WS   /rpc/{peer_id}      callers, the reference's JSON envelope, one text message each way
                              (with Bearer auth: everything; without: the peer's GET /health only)
-    WS   /mux/{peer_id}      callers, binary and multiplexed (Bearer auth)
+    WS   /mux/{peer_id}      callers, binary and multiplexed (Bearer auth, or a node's signed proof bound to
+                             this peer: ``services.relay.hop_callers``)
 
 The message formats are documented in :mod:`meshwire.relay_client` (binary)
 and :mod:`meshwire.envelope` (JSON). Run it with ``meshnet relay`` or

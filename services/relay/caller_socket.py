@@ -3,7 +3,8 @@
 Both check the handshake before accepting it, in this order: the peer id's
 form (400); the credential (:mod:`services.relay.access`: ``/mux`` always,
 ``/rpc`` whenever one is presented or ``rpc_requires_auth`` is on; 401
-missing, 403 wrong); that the peer is connected now (404, so a caller for an
+missing, 403 wrong; a node calling a peer shows a signed proof bound to that
+peer instead of a secret, :mod:`services.relay.hop_callers`); that the peer is connected now (404, so a caller for an
 unknown peer learns it at once); and a place in the caller budget of its kind
 (:class:`~services.relay.budgets.CallerSlots`: 503 full, 429 when one address
 holds its limit of anonymous connections).
@@ -71,6 +72,7 @@ from services.relay.peer_socket import admit_credential
 from services.relay.peers import RelayFailure, TransportClosed
 from services.relay.state import RelayState
 from services.relay.transport import PEER_ID, WebSocketTransport, refuse
+from services.relay.ws_protocol import AUTHENTICATED_SCOPE_KEY
 
 log = logging.getLogger(__name__)
 
@@ -120,9 +122,14 @@ async def admit_caller(websocket: WebSocket, peer_id: str, state: RelayState,
         await refuse(websocket, 400, "bad_peer_id", "peer id must be 1-128 characters of [A-Za-z0-9._:-]")
         return None
     authorization = websocket.headers.get("authorization")
-    if bearer_token(authorization) is not None:  # a node that joined by its join token
+    kind: CallerKind | AuthFailure
+    if websocket.headers.get("x-meshnet-signer") is not None:  # a node's signed, peer-bound proof (no secret)
+        assert state.handshakes is not None
+        refused = await state.handshakes.check(websocket.headers, peer_id)
+        kind = "authenticated" if refused is None else refused
+    elif bearer_token(authorization) is not None:  # a node that joined by its join token
         refused = await admit_credential(authorization, state, None)
-        kind: CallerKind | AuthFailure = "authenticated" if refused is None else refused
+        kind = "authenticated" if refused is None else refused
     else:
         kind = caller_kind(authorization, settings.secret, transport, rpc_requires_auth=settings.rpc_requires_auth)
     if isinstance(kind, AuthFailure):
@@ -139,6 +146,8 @@ async def admit_caller(websocket: WebSocket, peer_id: str, state: RelayState,
         log.debug("refused a %s %s caller of %s: %s", kind, transport, peer_id, slot.message)
         await refuse(websocket, slot.status, slot.code, slot.message)
         return None
+    if kind == "authenticated":  # a node's signed handshake carries no Authorization: tell the parser's bound
+        websocket.scope[AUTHENTICATED_SCOPE_KEY] = True
     try:
         await websocket.accept()
     except BaseException:

@@ -80,6 +80,8 @@ class RelaySettings(BaseSettings, SlowClientSettings):
     """The mesh's shared secret: peers, ``/mux`` callers and full ``/rpc`` callers present it as a bearer token."""
     tracker: str | None = Field(None, max_length=4 * limits.MAX_URL_CHARS)
     """Tracker URL(s), comma-separated, that check the join tokens peers and callers show; none: only the secret."""
+    route_keys: str | None = Field(None, max_length=16 * limits.KIB)
+    """Route-signing public keys pinned by hand (a JWK set), besides the trackers': they verify nodes' signed handshakes."""
     rpc_requires_auth: bool = False
     """Refuse ``/rpc`` callers without the secret at the handshake (401). Off: they are admitted, but reach only a peer's ``GET /health``."""
 

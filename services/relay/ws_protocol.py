@@ -35,6 +35,9 @@ from meshwire import limits
 from services.relay.settings import DEFAULT_MAX_ANONYMOUS_MESSAGE_BYTES
 
 AUTHORIZATION: Final = b"authorization"
+AUTHENTICATED_SCOPE_KEY: Final = "meshnet.authenticated"
+"""Set in the connection's ASGI scope by the app when it accepts a caller it authenticated without an
+``Authorization`` header (a node's signed relay handshake, :mod:`meshwire.relay_auth`)."""
 ANONYMOUS_WS_SLACK: Final = 4 * limits.KIB
 """Room above ``max_anonymous_message_bytes`` at the parser, so the relay still sees, and answers ``too_large``,
 an anonymous message a little over its bound; one further over it closes the connection (1009)."""
@@ -72,7 +75,9 @@ def credential_sized(anonymous_max_bytes: int) -> type[asyncio.Protocol]:
         async def send(self, message: Any) -> None:
             accepting = message["type"] == "websocket.accept" and not self.handshake_complete
             await super().send(message)
-            if accepting and any(name.lower() == AUTHORIZATION for name, _ in self.scope["headers"]):
+            credentialed = self.scope.get(AUTHENTICATED_SCOPE_KEY) or any(
+                name.lower() == AUTHORIZATION for name, _ in self.scope["headers"])
+            if accepting and credentialed:
                 conn = self.conn
                 assert isinstance(conn, _SizedServer)
                 conn.opened = True

@@ -1,23 +1,29 @@
 """``POST /forward``: run this node's layers on a frame and pass the result along the route.
 
-The order of checks is the security model:
+The order of checks is the security model; the first three are
+:mod:`services.node.hop.auth`'s, the node's one front door, and read no body:
 
-1. the sender's credential, before anything else is read: the proof headers
-   of :mod:`meshwire.hop_proof` (``X-Meshnet-Signer``, ``X-Meshnet-Proof``),
+1. the sender's credential: the proof headers of :mod:`meshwire.hop_proof`
+   (``X-Meshnet-Signer``, ``X-Meshnet-Proof``, ``X-Meshnet-Body-Sha256``),
    401 when missing or malformed; a node that holds no join token (a mesh of
    one shared secret) also takes ``Authorization: Bearer <MESHNET_SECRET>``
    in their place, as before;
-2. every header, read once before the body (:func:`meshwire.forward_step.parse_forward`):
+2. every header, read once (:func:`meshwire.forward_step.parse_forward`):
    400 with the :class:`~meshwire.frames.FrameError` code;
 3. the signed route (``X-Meshnet-Route``): it must verify with the tracker's
    key, name this node at ``X-Meshnet-Hop-Index`` and agree with the layers it
    holds: 403 ``bad_route``; then the sender: the route's previous hop must be
    the signer, and the proof must verify with the hop key the route names for
-   it, over these headers and this body: 403 ``bad_proof``; then the body:
-   400 when it does not match its headers;
+   it, over these headers and the body's declared digest: 403 ``bad_proof``.
+   Only then is the body read, within the bound its headers give, and it must
+   hash to the signed digest (403 ``bad_proof``) and match its headers (400);
 4. the session: step order (409 ``bad_step``), position (409 ``bad_position``),
    unknown session (409 ``unknown_session``), KV budget (503 ``kv_budget``
    with ``Retry-After``).
+
+``POST /forward/rows`` names the route of one of its rows in its own headers,
+so its proof too is verified before the batch is read; each row is then
+checked as a ``/forward`` frame.
 
 Nothing is changed before every check passed, so a refused frame leaves every
 session as it was. Then the layers run on the compute worker; the tail samples;
@@ -41,7 +47,6 @@ from starlette.responses import Response
 
 from meshwire import errors
 from meshwire import headers as h
-from meshwire.auth import check_bearer
 from meshwire.body_guard import BodyIncomplete, BodyTooLarge, read_bounded
 from meshwire.fork import FORK_REFUSED, ForkSource
 from meshwire.forward_step import (
@@ -52,10 +57,8 @@ from meshwire.forward_step import (
     close_headers,
     parse_forward,
 )
-from meshwire.frames import FrameError, FrameLimits, body_bound, decode_frame_body
-from meshwire.hop_proof import Claim, ProofProblem, check_claim, read_claim
+from meshwire.frames import Frame, FrameError, FrameLimits, body_bound, decode_frame_body
 from meshwire.kv_handoff import HANDOFF_FAILED
-from meshwire.route_keys import KeyProblem, public_key_from_text
 from meshwire.row_batch import MAX_INDEX_BYTES, RowAnswer, decode_rows, encode_answers
 from meshwire.sampling_params import SamplingParams
 from services.node.engine.compute import ShardRunner
@@ -67,15 +70,15 @@ from services.node.engine.sessions import (
     log_tag,
     route_key,
 )
+from services.node.hop.auth import Credential, HopAuth, HopRefused
 from services.node.hop.hop_client import INVALID_SAMPLING, ChainFailure, HopClient, send_along
-from services.node.hop.route_step import Onward, RouteStepper
-from services.node.hop.routing import RoutedHop, RouteRefused, verify_hop
-from services.node.hop.trust import RouteTrust
+from services.node.hop.route_step import Onward, RouteStepper, StepDone
+from services.node.hop.routing import RoutedHop
 from services.node.metrics import NodeMetrics
 from services.node.pd.handoff_limits import HandoffLimits
 from services.node.pd.kv_pull import HandoffFailed, KvPuller
 from services.node.sampling.grammar import GrammarEngine, GrammarError
-from services.node.sampling.sampler import Sampler, SamplingFailed
+from services.node.sampling.sampler import Sampler, SamplingFailed, check_replay_draws
 
 logger = logging.getLogger(__name__)
 
@@ -114,14 +117,13 @@ def _response(answer: RowAnswer) -> Response:
 class ForwardService:
     """The ``/forward`` endpoint of one node."""
 
-    def __init__(self, *, node_id: str, model_id: str, trust: RouteTrust, legacy_secret: str | None,
+    def __init__(self, *, node_id: str, model_id: str, auth: HopAuth,
                  runner: ShardRunner, sessions: SessionTable, hops: HopClient, stepper: RouteStepper,
                  metrics: NodeMetrics, frame_limits: FrameLimits, grammar: GrammarEngine | None = None,
                  puller: KvPuller | None = None, handoff_limits: HandoffLimits | None = None) -> None:
         self.node_id = node_id
         self.model_id = model_id
-        self._trust = trust
-        self._legacy_secret = legacy_secret
+        self._auth = auth
         self._runner = runner
         self._sessions = sessions
         self._hops = hops
@@ -137,10 +139,11 @@ class ForwardService:
     async def handle(self, request: Request) -> Response:
         """Answer one ``POST /forward``."""
         began = time.perf_counter()
-        sender = self._check_credential(request, FORWARD_PATH)
-        if isinstance(sender, RowAnswer):
-            return _response(sender)
-        answer = await self._frame(request.headers, lambda max_bytes: self._read_body(request, max_bytes), sender)
+        try:
+            credential = self._auth.credential(request.headers, FORWARD_PATH)
+        except HopRefused as exc:
+            return _response(self._refuse(ForwardRefusal(exc.status, exc.code, str(exc))))
+        answer = await self._frame(request.headers, lambda max_bytes: self._read_body(request, max_bytes), credential)
         if answer.status == 200:
             self._metrics.forward_latency.observe(time.perf_counter() - began)
         return _response(answer)
@@ -148,54 +151,40 @@ class ForwardService:
     async def handle_rows(self, request: Request) -> Response:
         """Answer one ``POST /forward/rows``: every frame of the batch as ``/forward`` would, side by side.
 
-        The rows run concurrently, so their steps reach the step engine together
-        and run as one batch; each row's answer is its own.
+        The batch's proof is verified from its headers before the batch is read
+        (:meth:`HopAuth.batch`). The rows run concurrently, so their steps reach
+        the step engine together and run as one batch; each row's answer is its own.
         """
         began = time.perf_counter()
-        sender = self._check_credential(request, ROWS_PATH)
-        if isinstance(sender, RowAnswer):
-            return _response(sender)
         try:
+            credential = await self._auth.batch(request.headers, ROWS_PATH)
             body = await self._read_body(request, self._limits.max_bytes + MAX_INDEX_BYTES)
+            credential.check_body(body)  # one proof covers the whole batch
             frames = decode_rows(body)
+        except HopRefused as exc:
+            return _response(self._refuse(ForwardRefusal(exc.status, exc.code, str(exc))))
         except FrameError as exc:
             return _response(self._refuse(ForwardRefusal(400, exc.code, str(exc))))
-        if sender is not None:  # one proof covers the whole batch: every row's route must vouch for its signer
-            sender = sender.with_body(body)
-        answers = await asyncio.gather(*(self._frame(frame.headers, _given(frame.body), sender) for frame in frames))
+        answers = await asyncio.gather(*(self._frame(frame.headers, _given(frame.body), credential)
+                                         for frame in frames))
         self._metrics.forward_latency.observe(time.perf_counter() - began)
         return Response(encode_answers(answers), media_type=JSON)
 
-    def _check_credential(self, request: Request, path: str) -> Sender | RowAnswer | None:
-        """The sender's proof to check once the route is known, ``None`` for the legacy secret, or the refusal."""
-        has_proof = any(name in request.headers for name in ("x-meshnet-signer", "x-meshnet-proof"))
-        if not has_proof and self._legacy_secret is not None and request.headers.get("authorization"):
-            failure = check_bearer(request.headers.get("authorization"), self._legacy_secret)
-            if failure is None:
-                return None
-            return self._refuse(ForwardRefusal(failure.status, failure.code, failure.message))
-        try:
-            claim = read_claim(request.headers)
-        except ProofProblem as exc:
-            code = "unauthorized" if exc.status == 401 else "bad_proof"
-            return self._refuse(ForwardRefusal(exc.status, code, str(exc)))
-        return Sender(claim=claim, path=path, headers=request.headers, body=None)
-
-    async def _frame(self, headers: Mapping[str, str], read_body: BodyReader, sender: Sender | None) -> RowAnswer:
-        """One frame, after the credential: its route, then a close or a data frame; every refusal answered."""
+    async def _frame(self, headers: Mapping[str, str], read_body: BodyReader, credential: Credential) -> RowAnswer:
+        """One frame, after the credential's form: its route and sender, then a close or a data frame; every
+        refusal answered."""
         try:
             request = parse_forward(headers, self._limits)
-            await self._trust.ensure(request.address.route_token or None)
-            hop = self._verify_route(request.address, request.session)
-            if sender is not None:
-                sender.check_route(hop, closing=isinstance(request, CloseRequest))
+            closing = isinstance(request, CloseRequest)
+            hop = await self._route(request.address, request.session, credential, closing=closing)
             if isinstance(request, CloseRequest):
-                if sender is not None:
-                    sender.check_body(b"")
+                credential.check_body(b"")
                 return await self._close(request.session, hop)
-            return await self._data_frame(request, headers, read_body, hop, sender)
+            return await self._data_frame(request, headers, read_body, hop, credential)
         except FrameError as exc:
             return self._refuse(ForwardRefusal(400, exc.code, str(exc)))
+        except HopRefused as exc:
+            return self._refuse(ForwardRefusal(exc.status, exc.code, str(exc)))
         except ForwardRefusal as exc:
             return self._refuse(exc)
         except ChainFailure as exc:
@@ -211,19 +200,17 @@ class ForwardService:
 
     # --- route ------------------------------------------------------------------------
 
-    def _verify_route(self, address: HopAddress, session_id: str) -> RoutedHop:
-        """The verified route naming this node at the frame's hop index, or a 403 ``bad_route``.
+    async def _route(self, address: HopAddress, session_id: str, credential: Credential, *,
+                     closing: bool) -> RoutedHop:
+        """The verified route naming this node at the frame's hop index, sent by its previous hop
+        (:meth:`HopAuth.frame`: 403 ``bad_route`` / ``bad_proof``), with the layers the frame says.
 
         A route's expiry bounds when a session may open; an open session's later
         frames ride on the route that opened it.
         """
-        opens_session = self._sessions.get(session_id) is None
-        try:
-            hop = verify_hop(address.route_token or None, address.hop_index, keys=self._trust.keys,
-                             node_id=self.node_id, model_id=self.model_id, shard=self._runner.shard,
-                             check_expiry=opens_session)
-        except RouteRefused as exc:
-            raise ForwardRefusal(403, "bad_route", str(exc)) from None
+        hop = await self._auth.frame(credential, address.route_token or None, address.hop_index,
+                                     shard=self._runner.shard, opens_session=self._sessions.get(session_id) is None,
+                                     closing=closing)
         if address.start_layer != hop.me.start_layer:
             raise FrameError("bad_header", f"{h.START_LAYER} is {address.start_layer}, "
                                            f"the route says {hop.me.start_layer}")
@@ -257,79 +244,96 @@ class ForwardService:
     # --- data frames ------------------------------------------------------------------
 
     async def _data_frame(self, request: DataRequest, headers: Mapping[str, str], read_body: BodyReader,
-                          hop: RoutedHop, sender: Sender | None) -> RowAnswer:
+                          hop: RoutedHop, credential: Credential) -> RowAnswer:
+        """One data frame, its sender already verified: its body, its session, its step, its answer."""
+        frame = await self._received(request, headers, read_body, hop, credential)
+        info, tokens = request.info, request.tokens
+        samples = self._runner.shard.is_tail and frame.chunk_index == frame.chunk_total - 1
+        params = await self._sampling(info, tokens) if samples else None
+        session = self._session_for(frame.session, info, tokens, hop.token)
+        async with session.lock:
+            await self._begin(session, info, hop.token)
+            sampler = await self._sampler(session, params, info) if samples else None
+            done = await self._step(session, info, frame, hop, sampler, tokens)
+            self._stepped(session, tokens)
+            if info.hold is not None and frame.chunk_index == frame.chunk_total - 1:
+                self._sessions.hold(session)
+                self._metrics.handoffs_held.inc()
+            return _answer(200, _step_body(done))
+
+    async def _received(self, request: DataRequest, headers: Mapping[str, str], read_body: BodyReader,
+                        hop: RoutedHop, credential: Credential) -> Frame:
+        """The frame's body, read within the bound its headers give, the one its proof signed, decoded."""
         shard = self._runner.shard
         if hop.hop_index == 0:
             raise FrameError("bad_header", f"{h.HOP_INDEX} 0 is the head, which takes tokens through the chat API, "
                                            "not hidden states")
-        spec, info, tokens = request.spec, request.info, request.tokens
+        spec = request.spec
         if spec.shape[2] != shard.hidden_size:
             raise FrameError("bad_shape", f"frame shape {list(spec.shape)} is not [1, n, {shard.hidden_size}] "
                                           "(this model's hidden size)")
         body = await read_body(body_bound(spec))
-        if sender is not None:
-            sender.check_body(body)
-        frame = decode_frame_body(spec, headers, body)
-        samples = shard.is_tail and frame.chunk_index == frame.chunk_total - 1
-        params = info.sampling_params() if samples else None
+        credential.check_body(body)
+        return decode_frame_body(spec, headers, body)
+
+    async def _sampling(self, info: StepInfo, tokens: int) -> SamplingParams | None:
+        """The request's sampling parameters at the tail, its grammar engine made ready when it needs one;
+        a replay's draws within what its positions can have made (checked before any session opens)."""
+        if info.sample_draws:
+            check_replay_draws(info.sample_draws, info.position_offset + tokens)
+        params = info.sampling_params()
         if params is not None and params.grammar is not None:
             if self._grammar is None:
                 raise FrameError("bad_header", "this node enforces no grammars")
             if not self._grammar.ready:  # built once, off the event loop (about a second)
                 await asyncio.to_thread(self._grammar.prepare)
+        return params
 
-        session = self._sessions.get(frame.session)
+    def _session_for(self, session_id: str, info: StepInfo, tokens: int, route_token: str) -> Session:
+        """The frame's session: opened by its first frame, else the one open here along the same route."""
+        session = self._sessions.get(session_id)
         if session is None:
-            session = self._open(frame.session, info, tokens, hop.token)
-        else:
-            _check_bound(session, hop.token)
-        async with session.lock:
-            if info.handoff is not None and info.step == 0 and session.position == 0 and not session.closed:
-                await self._take_over(session, info, hop.token)
-            if info.fork is not None and info.step == 0 and session.position == 0 and not session.closed:
-                self._fork(session, info.fork, hop.token)
-            self._check_order(session, info)
-            if info.sample_ids and shard.is_tail and session.sampler is None:
-                if len(session.replayed_ids) + len(info.sample_ids) > (info.sample_draws or 0):
-                    raise FrameError("bad_header", f"{h.SAMPLE_IDS} names more tokens than {h.SAMPLE_DRAWS}")
-                session.replayed_ids.extend(info.sample_ids)
-            sampler = await self._sampler(session, params, info) if samples else None
-            nxt = hop.next
-            onward = None if nxt is None else Onward(nxt, info.for_next_hop(nxt.start_layer), frame.chunk_index,
-                                                     frame.chunk_total)
-            try:
-                done = await self._stepper.run(session, position_offset=info.position_offset,
-                                               from_layer=info.start_layer, tokens=tokens, hidden=frame.tensor,
-                                               sampler=sampler, onward=onward, score=info.score, draft=info.draft)
-            except SessionRefused as exc:  # nothing was run: the session stays as it was
-                raise ForwardRefusal(503, exc.code, str(exc), exc.retry_after_s) from None
-            except SamplingFailed as exc:  # the request's parameters, not this node: no failure to report
-                self._sessions.close(frame.session)
-                raise ForwardRefusal(400, INVALID_SAMPLING, str(exc)) from None
-            except ChainFailure:  # the rest of the route failed: this hop's step is done, the head decides
-                self._stepped(session, tokens)
-                raise
-            except Exception:
-                logger.exception("layers failed on session %s; closing it", log_tag(frame.session))
-                self._sessions.close(frame.session)
-                raise ForwardRefusal(500, "compute_failed", "this node failed to run its layers; "
-                                                            "the session is closed") from None
+            return self._open(session_id, info, tokens, route_token)
+        _check_bound(session, route_token)
+        return session
+
+    async def _begin(self, session: Session, info: StepInfo, route_token: str) -> None:
+        """Under the session's lock, before it steps: a handoff or fork to start from, the step's order,
+        the replayed ids a replay brings to the tail."""
+        fresh = info.step == 0 and session.position == 0 and not session.closed
+        if info.handoff is not None and fresh:
+            await self._take_over(session, info, route_token)
+        if info.fork is not None and fresh:
+            self._fork(session, info.fork, route_token)
+        self._check_order(session, info)
+        if info.sample_ids and self._runner.shard.is_tail and session.sampler is None:
+            if len(session.replayed_ids) + len(info.sample_ids) > (info.sample_draws or 0):
+                raise FrameError("bad_header", f"{h.SAMPLE_IDS} names more tokens than {h.SAMPLE_DRAWS}")
+            session.replayed_ids.extend(info.sample_ids)
+
+    async def _step(self, session: Session, info: StepInfo, frame: Frame, hop: RoutedHop, sampler: Sampler | None,
+                    tokens: int) -> StepDone:
+        """Run the layers (and sample, and send on); each failure answered as what it means for the session."""
+        nxt = hop.next
+        onward = None if nxt is None else Onward(nxt, info.for_next_hop(nxt.start_layer), frame.chunk_index,
+                                                 frame.chunk_total)
+        try:
+            return await self._stepper.run(session, position_offset=info.position_offset,
+                                           from_layer=info.start_layer, tokens=tokens, hidden=frame.tensor,
+                                           sampler=sampler, onward=onward, score=info.score, draft=info.draft)
+        except SessionRefused as exc:  # nothing was run: the session stays as it was
+            raise ForwardRefusal(503, exc.code, str(exc), exc.retry_after_s) from None
+        except SamplingFailed as exc:  # the request's parameters, not this node: no failure to report
+            self._sessions.close(frame.session)
+            raise ForwardRefusal(400, INVALID_SAMPLING, str(exc)) from None
+        except ChainFailure:  # the rest of the route failed: this hop's step is done, the head decides
             self._stepped(session, tokens)
-            if info.hold is not None and frame.chunk_index == frame.chunk_total - 1:
-                self._sessions.hold(session)
-                self._metrics.handoffs_held.inc()
-            body: dict[str, Any] = {"token": done.token, "node_timings_ms": done.node_timings_ms}
-            if done.logprobs is not None:
-                body["logprobs"] = done.logprobs.model_dump()
-            if done.scored:
-                body["scored"] = [item.model_dump() for item in done.scored]
-            if done.run is not None:
-                body["tokens"] = [pick.token for pick in done.run]
-                if all(pick.logprobs is not None for pick in done.run):
-                    body["run_logprobs"] = [pick.logprobs.model_dump() for pick in done.run if pick.logprobs]
-                if done.unverified:
-                    body["unverified"] = True
-            return _answer(200, body)
+            raise
+        except Exception:
+            logger.exception("layers failed on session %s; closing it", log_tag(frame.session))
+            self._sessions.close(frame.session)
+            raise ForwardRefusal(500, "compute_failed", "this node failed to run its layers; "
+                                                        "the session is closed") from None
 
     async def _take_over(self, session: Session, info: StepInfo, route_token: str) -> None:
         """Pull this hop's layers of a handoff's KV into the fresh ``session``; 409 ``handoff_failed`` if it cannot.
@@ -459,58 +463,20 @@ def _check_bound(session: Session, route_token: str) -> None:
                                                "route; only that route may step or close it")
 
 
-class Sender:
-    """Who sent a request, as its proof claims, checked against each frame's route (:mod:`meshwire.hop_proof`).
-
-    For ``/forward`` the proof covers the request's headers and its body, read
-    later; for ``/forward/rows`` it covers the whole batch, known up front
-    (:meth:`with_body`), and is verified once per hop key however many rows name it.
-    """
-
-    def __init__(self, *, claim: Claim, path: str, headers: Mapping[str, str], body: bytes | None) -> None:
-        self.claim = claim
-        self._path = path
-        self._headers = headers
-        self._body = body
-        self._key_text: str | None = None
-        self._verified: set[str] = set()
-
-    def with_body(self, body: bytes) -> Sender:
-        return Sender(claim=self.claim, path=self._path, headers=self._headers, body=body)
-
-    def check_route(self, hop: RoutedHop, *, closing: bool = False) -> None:
-        """Refuse (403 ``bad_proof``) a frame whose route does not name the signer as its previous hop.
-
-        A close may also come from the route's head, which owns the session: after a hop
-        fails, the head closes the session on the hops past it directly.
-        """
-        if hop.hop_index == 0:
-            raise ForwardRefusal(403, "bad_proof", "hop 0 has no previous hop to send it frames")
-        previous = hop.route.nodes[hop.hop_index - 1]
-        if closing and previous.node_id != self.claim.signer and hop.route.head.node_id == self.claim.signer:
-            previous = hop.route.head
-        if previous.node_id != self.claim.signer:
-            raise ForwardRefusal(403, "bad_proof", f"the route's previous hop is {previous.node_id}, but the frame "
-                                                   f"is signed by {self.claim.signer[:100]}")
-        if previous.hop_key is None:
-            raise ForwardRefusal(403, "bad_proof", f"the route names no hop key for {previous.node_id}")
-        self._key_text = previous.hop_key
-        if self._body is not None:
-            self.check_body(self._body)
-
-    def check_body(self, body: bytes) -> None:
-        """Verify the proof over ``body`` with the key the route named (once per key for a batch)."""
-        key_text = self._key_text
-        assert key_text is not None, "check_route first"
-        if self._body is not None:
-            body = self._body
-            if key_text in self._verified:
-                return
-        try:
-            check_claim(self.claim, public_key_from_text(key_text), self._path, self._headers, body)
-        except (ProofProblem, KeyProblem) as exc:
-            raise ForwardRefusal(403, "bad_proof", str(exc)) from None
-        self._verified.add(key_text)
+def _step_body(done: StepDone) -> dict[str, Any]:
+    """A step's answer: the token (at the tail), timings, and what the step scored or verified."""
+    body: dict[str, Any] = {"token": done.token, "node_timings_ms": done.node_timings_ms}
+    if done.logprobs is not None:
+        body["logprobs"] = done.logprobs.model_dump()
+    if done.scored:
+        body["scored"] = [item.model_dump() for item in done.scored]
+    if done.run is not None:
+        body["tokens"] = [pick.token for pick in done.run]
+        if all(pick.logprobs is not None for pick in done.run):
+            body["run_logprobs"] = [pick.logprobs.model_dump() for pick in done.run if pick.logprobs]
+        if done.unverified:
+            body["unverified"] = True
+    return body
 
 
 def _given(body: bytes) -> BodyReader:

@@ -32,9 +32,10 @@ The chunk itself is sealed to the puller's fresh X25519 key
 (``X-Meshnet-KV-Box``, :mod:`meshwire.kv_box`): a pull without one is refused
 400, and a pull replayed by anyone else yields bytes only the puller can open.
 
-Refusals are OpenAI-shaped JSON: 401 without a proof (checked before
-anything is read), 403 ``bad_proof``/``bad_route``/``bad_layers``/``replayed``
-for a proof or route that does not allow the call, 400 for a bad header or
+Refusals are OpenAI-shaped JSON: 401 without a proof, 403
+``bad_proof``/``bad_route``/``bad_layers``/``replayed`` for a proof or route
+that does not allow the call (the proof checked from the headers, before the
+body is read: it signs the body's digest), 400 for a bad header or
 body, 404 ``unknown_handoff``, 409 ``not_prefill`` (a node that is not a member
 of a registered prefill group), 503 when the node is at its handoff bounds.
 """
@@ -75,10 +76,10 @@ from meshwire.sampling_params import SamplingParams
 from services.node.engine.compute import ShardRunner
 from services.node.engine.sessions import SessionRefused, SessionTable, log_tag
 from services.node.head.generation import GenerationFailed, SessionChain
+from services.node.hop.auth import HopAuth
 from services.node.hop.hop_client import HopClient
 from services.node.hop.route_step import RouteStepper
 from services.node.hop.routing import RouteRefused, verify_hop
-from services.node.hop.trust import RouteTrust
 from services.node.metrics import NodeMetrics
 from services.node.pd.handoff_limits import HandoffLimits
 from services.node.pd.kv_auth import HandoffAuth, KvRefusal, caller_claim, check_pull_target
@@ -105,16 +106,16 @@ def _error(status: int, code: str, message: str, node_id: str) -> Response:
 class KvServeService:
     """The handoff endpoints of one prefill node."""
 
-    def __init__(self, *, node_id: str, model_id: str, trust: RouteTrust, hop_key: SigningKey, runner: ShardRunner,
+    def __init__(self, *, node_id: str, model_id: str, auth: HopAuth, hop_key: SigningKey, runner: ShardRunner,
                  sessions: SessionTable,
                  hops: HopClient, stepper: RouteStepper, metrics: NodeMetrics, membership: PrefillMembership,
                  shape: KVShape, limits: HandoffLimits, max_chunk_bytes: int, prefill_chunk_tokens: int,
                  max_prompt_tokens: int) -> None:
         self.node_id = node_id
         self.model_id = model_id
-        self._trust = trust
+        self._front = auth
         self._hop_key = hop_key
-        self._auth = HandoffAuth(trust=trust, model_id=model_id)
+        self._auth = HandoffAuth(auth=auth)
         self._runner = runner
         self._sessions = sessions
         self._hops = hops
@@ -145,17 +146,18 @@ class KvServeService:
             raise KvRefusal(409, "not_prefill", f"node {self.node_id} is not a registered member of a prefill group")
         shard = self._runner.shard
         token = request.headers.get(h.ROUTE)
+        trust = self._front.trust
         try:
-            await self._trust.ensure(token)
-            hop = verify_hop(token, 0, keys=self._trust.keys, node_id=self.node_id, model_id=self.model_id,
-                             shard=shard)
+            await trust.ensure(token)
+            hop = verify_hop(token, 0, keys=trust.keys, node_id=self.node_id, model_id=self.model_id, shard=shard)
         except RouteRefused as exc:
             raise KvRefusal(403, "bad_route", str(exc)) from None
+        digest, credential = await self._auth.check_prefill(claim, request.headers)  # before the body is read
         try:
             body = await read_bounded(request, MAX_PREFILL_BODY_BYTES)
         except (BodyTooLarge, BodyIncomplete):
             raise KvRefusal(400, "bad_body", f"the body is incomplete or over {MAX_PREFILL_BODY_BYTES} bytes") from None
-        digest = await self._auth.check_prefill(claim, request.headers, body)
+        credential.check_body(body)
         session_id = check_session_id(get_header(request.headers, h.SESSION))
         try:
             sampling = SamplingParams.model_validate_json(get_header(request.headers, h.SAMPLING) or "")

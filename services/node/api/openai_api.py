@@ -43,7 +43,6 @@ from meshwire import openai as oa
 from meshwire.auth import check_bearer, check_bearer_any
 from meshwire.body_guard import BodyIncomplete, BodyTooLarge, read_bounded
 from meshwire.fork import ChoiceGroup
-from meshwire.hop_proof import TRACKER_SIGNER_PREFIX, ProofProblem, check_claim, read_claim
 from meshwire.limits import MAX_HEADER_VALUE_CHARS
 from meshwire.responses_api import ResponseEvents, ResponsesRequest, usage_of
 from meshwire.resume import RESUME_KEY, Progress, Resume, take_resume, with_progress
@@ -62,6 +61,7 @@ from services.node.head.generation import (
     sent_text,
 )
 from services.node.head.tokens import HeadTokenizer, TemplateError
+from services.node.hop.auth import HopAuth, HopRefused
 from services.node.hop.routing import NoRoute, RoutedHop, RouteRefused, verify_hop, verify_prefill_route
 from services.node.pd.pd_head import PrefillPlan
 from services.node.sampling.grammar import GrammarError, grammar_for_schema
@@ -188,6 +188,7 @@ class HeadNode(Protocol):
     sampling_defaults: SamplingDefaults
     tracker_routes: TrackerRoutes
     trust: RouteTrust
+    hop_auth: HopAuth
 
 
 class OpenAIService:
@@ -307,31 +308,21 @@ class OpenAIService:
     async def _caller(self, request: Request) -> tuple[bool, bytes | None]:
         """Who asks: ``(from_mesh, body)``; :class:`ApiError` 401/403 for anyone but the mesh or a client key.
 
-        The tracker signs its requests with its route key (:mod:`meshwire.hop_proof`): the proof
-        covers the body, which is read (boundedly) to check it and handed back. A node without a
-        join token also takes the shared secret as the mesh's credential, as before; client API
-        keys (``MESHNET_API_KEYS``) are clients.
+        The tracker signs its requests with its route key (:mod:`meshwire.hop_proof`), with a nonce
+        seen once: the front door (:meth:`HopAuth.tracker_call`) checks the proof from the headers
+        before the body is read (boundedly), which must then hash to the signed digest; the body
+        is handed back. A node without a join token also takes the shared secret as the mesh's
+        credential, as before; client API keys (``MESHNET_API_KEYS``) are clients.
         """
         node = self._node
         settings = node.settings
         if any(name in request.headers for name in ("x-meshnet-signer", "x-meshnet-proof")):
             try:
-                claim = read_claim(request.headers)
-            except ProofProblem as exc:
-                raise ApiError(exc.status, str(exc), "unauthorized") from None
-            if not claim.signer.startswith(TRACKER_SIGNER_PREFIX):
-                raise ApiError(403, f"{claim.signer[:100]} may not call a head's API; only the tracker signs here",
-                               "forbidden")
-            kid = claim.signer[len(TRACKER_SIGNER_PREFIX):]
-            await node.trust.ensure_kid(kid)
-            key = node.trust.keys.get(kid)
-            if key is None:
-                raise ApiError(403, f"{kid[:64]!r} is not one of the tracker's keys this node holds", "forbidden")
-            body = await _read_json_body(request, settings.max_body_bytes)
-            try:
-                check_claim(claim, key, request.url.path, request.headers, body)
-            except ProofProblem as exc:
-                raise ApiError(exc.status, str(exc), "forbidden") from None
+                credential = await node.hop_auth.tracker_call(request.headers, request.url.path)
+                body = await _read_json_body(request, settings.max_body_bytes)
+                credential.check_body(body)
+            except HopRefused as exc:
+                raise ApiError(exc.status, str(exc), exc.code) from None
             return True, body
         legacy = () if settings.join_token else (settings.secret,)
         failure = check_bearer_any(request.headers.get("authorization"), (*legacy, *settings.api_keys))

@@ -10,6 +10,13 @@ hop behind NAT also has a ``relay_addr``: when it cannot be dialled directly
 packets, which shows as a connect timeout), the frame goes through the relay
 (``meshwire.relay_client.RelayCaller``).
 
+A ``relay_addr`` is what the peer registered: an address the peer chose. So
+this node shows such a relay no bearer credential (its join token or the
+mesh secret would be the peer's to keep); it shows a proof signed with its
+hop key, bound to the peer it calls and to the signed route naming both
+(:mod:`meshwire.relay_auth`), useless to anyone else. Only the relay this
+node's own operator configured (``--relay``) gets the bearer credential, as before.
+
 Such an endpoint is then remembered as relay-only (:class:`DirectPaths`), so
 later frames go straight to the relay instead of waiting on a dead direct
 path each time. When the memory runs out (:data:`RELAY_ONLY_TTL_S`) the
@@ -30,7 +37,7 @@ import logging
 import ssl
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Final
 
@@ -43,14 +50,11 @@ from meshwire.fork import FORK_REFUSED
 from meshwire.forward_step import ForwardAnswer
 from meshwire.hop_proof import sign_request
 from meshwire.kv_handoff import HANDOFF_FAILED
+from meshwire.relay_auth import relay_handshake
+from meshwire.relay_client import RelayCaller, RelayError, relay_parts, ws_base
 from meshwire.route_keys import SigningKey
 from meshwire.routes import RouteNode
 from services.node.hop.hop_http import HopConnectFailed, HopHttp, HopHttpError, HopTimedOut
-
-try:  # written by the relay piece; without it, hops behind NAT are reached directly or not at all
-    from meshwire.relay_client import RelayCaller
-except ImportError:  # pragma: no cover - depends on which pieces are installed
-    RelayCaller = None  # type: ignore[assignment,misc]
 
 logger = logging.getLogger(__name__)
 
@@ -142,7 +146,8 @@ class HopClient:
     def __init__(self, http: httpx.AsyncClient, relay_credential: str, timeout_s: float, *, node_id: str,
                  hop_key: SigningKey, connect_timeout_s: float = DIRECT_CONNECT_TIMEOUT_S,
                  relay_only_ttl_s: float = RELAY_ONLY_TTL_S, clock: Callable[[], float] = time.monotonic,
-                 tls_context: ssl.SSLContext | None = None) -> None:
+                 tls_context: ssl.SSLContext | None = None, own_relays: Collection[str] = ()) -> None:
+        """``own_relays``: relay URLs this node's operator configured, which alone get ``relay_credential``."""
         self._http = http
         self._node_id = node_id
         self._hop_key = hop_key
@@ -150,7 +155,8 @@ class HopClient:
         self._timeout = httpx.Timeout(timeout_s, connect=min(connect_timeout_s, timeout_s))
         self._frames = HopHttp(connect_timeout_s=min(connect_timeout_s, timeout_s), max_answer_bytes=MAX_ANSWER_BYTES,
                                tls=tls_context)
-        self._relay = RelayCaller(relay_credential, ssl_context=tls_context) if RelayCaller is not None else None
+        self._relay: RelayCaller | None = RelayCaller(relay_credential, ssl_context=tls_context)
+        self._own_relays = frozenset(ws_base(url) for url in own_relays)
         self._paths = DirectPaths(relay_only_ttl_s, clock)
         self._probes: dict[str, asyncio.Task[None]] = {}
 
@@ -204,11 +210,28 @@ class HopClient:
         logger.info("%s is reachable directly again", endpoint)
         self._paths.reachable(endpoint)
 
+    def _handshake(self, node: RouteNode, headers: Mapping[str, str]) -> dict[str, str] | None:
+        """What opens a connection to ``node``'s relay: ``None`` (the bearer credential) for a relay this node's
+        operator configured; for one the peer chose, a proof bound to that peer and the frame's signed route."""
+        assert node.relay_addr is not None
+        try:
+            base, peer = relay_parts(node.relay_addr)
+        except RelayError as exc:
+            raise HopUnreachable(node.node_id, str(exc)) from None
+        if base in self._own_relays:
+            return None
+        route = next((value for name, value in headers.items() if name.lower() == "x-meshnet-route"), None)
+        if not route:
+            raise HopUnreachable(node.node_id, f"its relay {base} is not this node's own, and this request carries "
+                                               "no signed route to show it")
+        return relay_handshake(self._hop_key, self._node_id, route, peer)
+
     async def _via_relay(self, node: RouteNode, headers: dict[str, str], body: bytes, path: str) -> HopAnswer:
         assert self._relay is not None and node.relay_addr is not None
+        handshake = self._handshake(node, headers)
         try:
             status, answer_headers, answer_body = await self._relay.request(
-                node.relay_addr, "POST", path, headers, body, self._timeout_s)
+                node.relay_addr, "POST", path, headers, body, self._timeout_s, handshake=handshake)
         except Exception as exc:  # any relay failure means the hop cannot be reached
             raise HopUnreachable(node.node_id, f"relay {node.relay_addr} failed: {exc}") from exc
         if len(answer_body) > MAX_ANSWER_BYTES:

@@ -92,7 +92,7 @@ class RowSender:
             settle(batch[0].future, await outcome_of(send_along(self._hops, node, batch[0].headers, batch[0].body)))
             return
         try:
-            answer = await self._hops.post_frame(node, {h.WIRE: h.WIRE_VERSION},
+            answer = await self._hops.post_frame(node, batch_headers(batch[0].headers),
                                                  encode_rows([(p.headers, p.body) for p in batch]),
                                                  path=ROWS_PATH, content_type=CONTENT_TYPE)
         except HopUnreachable as exc:
@@ -107,6 +107,17 @@ class RowSender:
             return
         for pending, outcome in zip(batch, _row_outcomes(node, answer, len(batch)), strict=True):
             settle(pending.future, outcome)
+
+
+def batch_headers(row: Mapping[str, str]) -> dict[str, str]:
+    """A batch's own headers: the wire version, and the route and hop index of one of its rows, so the next hop
+    can verify the batch's proof with the hop key that route names for this node before it reads the batch."""
+    out = {h.WIRE: h.WIRE_VERSION}
+    for name in (h.ROUTE, h.HOP_INDEX):
+        value = get_header(row, name)
+        if value is not None:
+            out[name] = value
+    return out
 
 
 def _row_outcomes(node: RouteNode, answer: HopAnswer, rows: int) -> list[ForwardAnswer | BaseException]:

@@ -37,15 +37,30 @@ class KeyFetchFailed(Exception):
 
 
 class RouteTrust:
-    """The route keys this node holds; :meth:`ensure` fetches the tracker's again for a key it lacks."""
+    """The route keys this node holds; :meth:`ensure` fetches the tracker's again for a key it lacks.
 
-    def __init__(self, pinned: KeySet, fetch: KeyFetch | None, clock: Callable[[], float] = time.monotonic) -> None:
+    A key id nobody holds may be a new key of the tracker's or a made-up one: the
+    two look alike until the tracker's set is fetched. So every caller with an
+    unknown id waits on one shared, scheduled fetch (:meth:`_upcoming`), never on
+    a lock: a fetch starts at most once per ``min_refresh_s``, however many ids
+    arrive, and each one that starts answers every caller waiting then. A flood
+    of made-up ids costs the tracker one fetch per window and delays a real new
+    key by at most one window and one fetch.
+    """
+
+    def __init__(self, pinned: KeySet, fetch: KeyFetch | None, clock: Callable[[], float] = time.monotonic,
+                 min_refresh_s: float | None = None) -> None:
         self._pinned = pinned
         self._fetched = KeySet()
         self._fetch = fetch
         self._clock = clock
+        self._min_refresh_s = MIN_REFRESH_S if min_refresh_s is None else min_refresh_s
         self._last_try: float | None = None
-        self._lock = asyncio.Lock()
+        self._fetching = asyncio.Lock()
+        self._upcoming_fetch: asyncio.Task[bool] | None = None
+        self._upcoming_started = False
+        self.fetches = 0
+        """Fetches of the tracker's keys made so far (the rate limit's witness in tests and metrics)."""
         self.keys: KeySet = pinned
         """Every key a route may be signed with (pinned and fetched)."""
 
@@ -53,12 +68,13 @@ class RouteTrust:
         """Fetch the tracker's keys now; ``True`` when they were fetched."""
         if self._fetch is None:
             return False
-        async with self._lock:
-            return await self._refresh_locked()
+        async with self._fetching:  # held only while one fetch runs, never while anyone waits out the window
+            return await self._fetch_now()
 
-    async def _refresh_locked(self) -> bool:
+    async def _fetch_now(self) -> bool:
         assert self._fetch is not None
         self._last_try = self._clock()
+        self.fetches += 1
         try:
             fetched = await self._fetch()
         except KeyFetchFailed as exc:  # the tracker is away or answered nonsense: keep the keys held
@@ -79,16 +95,37 @@ class RouteTrust:
             await self.ensure_kid(kid)
 
     async def ensure_kid(self, kid: str) -> None:
-        """:meth:`ensure` for a key id."""
+        """:meth:`ensure` for a key id: wait for the next shared fetch when ``kid`` is not held.
+
+        Returns once that fetch is done, whatever it found; the caller then
+        verifies with :attr:`keys` and refuses a key still unknown.
+        """
         if kid in self.keys or self._fetch is None:
             return
-        async with self._lock:
-            if kid in self.keys:  # fetched while this call waited
-                return
-            if self._last_try is not None and (wait := MIN_REFRESH_S - (self._clock() - self._last_try)) > 0:
-                # fetched moments ago (a key may have been made since: a store restarted empty): wait out the
-                # window rather than refuse a route the tracker signed a moment later
-                await asyncio.sleep(wait)
-                if kid in self.keys:
-                    return
-            await self._refresh_locked()
+        await asyncio.shield(self._upcoming())
+
+    def _upcoming(self) -> asyncio.Task[bool]:
+        """The fetch every caller arriving now shares: one not yet started, or a new one scheduled after it.
+
+        A fetch already under way may have started before the key it is awaited
+        for was made, so a caller arriving then waits for the next one.
+        """
+        task = self._upcoming_fetch
+        if task is None or task.done() or self._upcoming_started:
+            previous = None if task is None or task.done() else task
+            task = asyncio.get_running_loop().create_task(self._scheduled(previous), name="route key refresh")
+            self._upcoming_fetch = task
+            self._upcoming_started = False
+        return task
+
+    async def _scheduled(self, previous: asyncio.Task[bool] | None) -> bool:
+        if previous is not None:
+            await asyncio.gather(previous, return_exceptions=True)
+        if self._last_try is not None and (wait := self._min_refresh_s - (self._clock() - self._last_try)) > 0:
+            await asyncio.sleep(wait)  # fetched moments ago: the next fetch waits out the window (no lock held)
+        self._upcoming_started = True
+        try:
+            return await self.refresh()
+        except Exception:  # every waiter goes on (and refuses the key it lacks); the next call fetches again
+            logger.exception("fetching the tracker's route keys failed")
+            return False

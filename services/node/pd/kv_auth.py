@@ -15,8 +15,11 @@ against the key a route the tracker signed names for that node:
   (:data:`~meshwire.kv_handoff.KV_SOURCE`, signed with the rest: a pull made
   for another prefill node is refused here); each proof is answered once.
 
-Every refusal is a :class:`KvRefusal`: 401 with no proof, 403 for a proof or
-route that does not hold (nothing is read from the cache before).
+Both are checked at the node's front door (:mod:`services.node.hop.auth`), from
+the headers alone: the proof covers the body's declared digest, so a prefill's
+body is read only once its signer is known. Every refusal is a
+:class:`KvRefusal`: 401 with no proof, 403 for a proof or route that does not
+hold (nothing is read from the body or the cache before).
 """
 
 from __future__ import annotations
@@ -24,30 +27,19 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from meshwire import headers as h
-from meshwire.hop_proof import Claim, ProofProblem, SeenProofs, check_claim, read_claim
+from meshwire.hop_proof import Claim, SeenProofs
 from meshwire.kv_handoff import DECODE_ROUTE, KV_SOURCE, PREFILL_PATH, PULL_PATH, route_digest
-from meshwire.route_keys import KeyProblem, public_key_from_text
-from meshwire.routes import Route, RouteError, RouteNode, verify_route
+from meshwire.routes import RouteNode
 from services.node.engine.sessions import Session, log_tag
-from services.node.hop.trust import RouteTrust
+from services.node.hop.auth import Credential, HopAuth, HopRefused, proof_claim
 
-
-class KvRefusal(Exception):
-    """A handoff call refused: ``status`` and ``code`` go in the OpenAI-shaped error."""
-
-    def __init__(self, status: int, code: str, message: str) -> None:
-        super().__init__(message)
-        self.status = status
-        self.code = code
+KvRefusal = HopRefused
+"""A handoff call refused: ``status`` and ``code`` go in the OpenAI-shaped error."""
 
 
 def caller_claim(headers: Mapping[str, str]) -> Claim:
     """The proof headers of a handoff call, checked for form only (401 ``unauthorized`` without them)."""
-    try:
-        return read_claim(headers)
-    except ProofProblem as exc:
-        raise KvRefusal(exc.status, "unauthorized" if exc.status == 401 else "bad_proof",
-                        f"{exc} (a KV handoff call is signed with the caller's hop key)") from None
+    return proof_claim(headers, "a KV handoff call")
 
 
 def check_pull_target(headers: Mapping[str, str], node_id: str) -> None:
@@ -59,50 +51,26 @@ def check_pull_target(headers: Mapping[str, str], node_id: str) -> None:
 
 
 class HandoffAuth:
-    """Checks handoff calls against the tracker's signed routes (keys from ``trust``) for ``model_id``."""
+    """Checks handoff calls against the tracker's signed routes (through ``auth``, the node's front door)."""
 
-    def __init__(self, *, trust: RouteTrust, model_id: str, seen: SeenProofs | None = None) -> None:
-        self._trust = trust
-        self._model_id = model_id
+    def __init__(self, *, auth: HopAuth, seen: SeenProofs | None = None) -> None:
+        self._auth = auth
         self._seen = SeenProofs() if seen is None else seen
 
-    async def _route(self, token: str | None, what: str, *, check_expiry: bool) -> Route:
-        if not token:
-            raise KvRefusal(403, "bad_route", f"missing {what}: a KV handoff is made for a route the tracker signed")
-        await self._trust.ensure(token)
-        try:
-            route = verify_route(token, self._trust.keys, check_expiry=check_expiry)
-        except RouteError as exc:
-            raise KvRefusal(403, "bad_route", f"{what} refused ({exc.code}): {exc}") from None
-        if route.model != self._model_id:
-            raise KvRefusal(403, "bad_route", f"{what} is for {route.model}, this node serves {self._model_id}")
-        return route
-
-    @staticmethod
-    def _check_signer(claim: Claim, node: RouteNode, path: str, headers: Mapping[str, str], body: bytes) -> None:
-        if node.hop_key is None:
-            raise KvRefusal(403, "bad_proof", f"the decode route names no hop key for {node.node_id}")
-        try:
-            check_claim(claim, public_key_from_text(node.hop_key), path, headers, body)
-        except (ProofProblem, KeyProblem) as exc:
-            raise KvRefusal(403, "bad_proof", str(exc)) from None
-
-    async def check_prefill(self, claim: Claim, headers: Mapping[str, str], body: bytes) -> str:
-        """Check a prefill request signed by the head of the decode route it carries; that route's digest.
+    async def check_prefill(self, claim: Claim, headers: Mapping[str, str]) -> tuple[str, Credential]:
+        """Check a prefill request signed by the head of the decode route it carries, before its body is read:
+        that route's digest, and the credential its body must then pass (:meth:`Credential.check_body`).
 
         The prefill route itself is checked by the caller (it must name this node first).
         """
         decode = headers.get(DECODE_ROUTE.lower()) or headers.get(DECODE_ROUTE)
-        route = await self._route(decode, DECODE_ROUTE, check_expiry=True)
-        head = route.head
-        if claim.signer != head.node_id:
-            raise KvRefusal(403, "bad_proof", f"a prefill is asked by the decode route's head {head.node_id}, but "
-                                              f"this one is signed by {claim.signer[:100]}")
-        self._check_signer(claim, head, PREFILL_PATH, headers, body)
+        route = await self._auth.route(decode, DECODE_ROUTE, check_expiry=True)
+        credential = Credential(claim, PREFILL_PATH, headers)
+        self._auth.verify_signer(credential, route.head, "the decode route's head (who asks for a prefill)")
         if not self._seen.first_time(claim):
             raise KvRefusal(403, "replayed", "this prefill request was answered before (a replay)")
         assert decode is not None
-        return route_digest(decode)
+        return route_digest(decode), credential
 
     async def signed_puller(self, claim: Claim, headers: Mapping[str, str]) -> tuple[str, RouteNode]:
         """The digest of the decode route a pull carries and the hop of it that signed the pull.
@@ -110,16 +78,17 @@ class HandoffAuth:
         Checked before the handoff is looked up: an unsigned or forged pull learns nothing.
         """
         token = headers.get(h.ROUTE.lower()) or headers.get(h.ROUTE)
-        route = await self._route(token, f"the decode route ({h.ROUTE})", check_expiry=False)
+        route = await self._auth.route(token, f"the decode route ({h.ROUTE})", check_expiry=False)
         index = route.hop_of(claim.signer)
         if index is None:
             raise KvRefusal(403, "bad_proof", f"the decode route does not name {claim.signer[:100]}, who signed "
                                               "this pull")
         node = route.nodes[index]
-        self._check_signer(claim, node, PULL_PATH, headers, b"")
+        credential = Credential(claim, PULL_PATH, headers)
+        self._auth.verify_signer(credential, node, "the decode route")
+        credential.check_body(b"")
         assert token is not None
         return route_digest(token), node
-
     @staticmethod
     def check_pull(claim: Claim, digest: str, node: RouteNode, session: Session, first: int, last: int) -> None:
         """Refuse (403) a signed pull of ``session``'s layers ``first..last`` the decode route does not allow."""

@@ -53,13 +53,30 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
+from meshwire.forward_step import MAX_SAMPLE_DRAWS
+from meshwire.frames import FrameError
+from meshwire.headers import SAMPLE_DRAWS
 from meshwire.sampling_params import LOGPROB_FLOOR, SamplingParams, TokenLogprobs
 from services.node.sampling.grammar import Constraint, GrammarError
 
 logger = logging.getLogger(__name__)
 
-MAX_SKIP_DRAWS: Final = 1 << 20
+MAX_SKIP_DRAWS: Final = MAX_SAMPLE_DRAWS
 """Most draws one :meth:`Sampler.skip` call may replay (a session never makes more)."""
+
+
+def check_replay_draws(draws: int, positions: int) -> None:
+    """Refuse (400 ``bad_header``) a replay asking the tail to skip more draws than its request can have made.
+
+    A draw is made per generated token, and a replay brings the whole history
+    (a prompt of at least one token, then every generated token) to the frame
+    that creates the sampler, so its draws are at most the positions up to the
+    end of that frame, and at most :data:`MAX_SKIP_DRAWS`. Each skipped draw
+    costs the tail's compute thread, which every session there shares.
+    """
+    if not 0 <= draws <= min(positions, MAX_SKIP_DRAWS):
+        raise FrameError("bad_header", f"{SAMPLE_DRAWS} {draws} is more draws than a replay of {positions} "
+                                       f"positions can have made (at most {min(positions, MAX_SKIP_DRAWS)})")
 
 
 @dataclass(frozen=True)
