@@ -39,6 +39,8 @@ from tests.procs import (
 
 JOIN_TOKEN: Final = "mnj_the-honest-nodes-own-join-token"
 WAIT_S: Final = 20.0
+BIG_FRAME_BYTES: Final = 256 * 1024
+"""A hop frame sixteen times the relay's anonymous message bound (16 KiB)."""
 
 
 @pytest.fixture(scope="module")
@@ -180,3 +182,15 @@ async def test_the_relay_this_nodes_operator_configured_still_takes_its_credenti
             finally:
                 await client.aclose()
         assert answer.status == 200
+
+
+async def test_a_frame_larger_than_an_anonymous_message_passes_with_the_peer_bound_proof() -> None:
+    """Under ``meshnet relay`` (whose WebSocket parser bounds anonymous callers' messages) a node's signed
+    handshake counts as a credential: a hop frame far over the anonymous bound reaches the peer."""
+    with start_service("relay", {"MESHNET_ROUTE_KEYS": TEST_ROUTE_KEYS}, launcher="meshnet") as relay_cli:
+        async with peer_on(relay_cli, f"hidden-{uuid.uuid4().hex[:6]}") as relay_addr:
+            hidden = hop(relay_addr.rsplit("/", 1)[1], f"http://127.0.0.1:{free_port()}", relay_addr)
+            async with honest_front() as front:
+                answer = await front.post_frame(hidden, {h.ROUTE: route(FRONT, hidden), h.SESSION: "s-big"},
+                                                b"x" * BIG_FRAME_BYTES)
+                assert answer.status == 200 and answer.json()["token"] == 5
