@@ -9,11 +9,16 @@ logs the reason): the quantized path is the lean decoder's
 knows, on a CPU, with matrices the packed format holds.
 
 :func:`load_quantized` reads each matrix on its own and packs it at once, so
-the node never holds a float copy of its layers: from a GGUF, Q4_0/Q4_1/Q8_0
-blocks become the packed format directly (the integers as they are, the
-scales rounded to bfloat16; a block type of the other width is dequantized
-and requantized one matrix at a time); from safetensors, each float matrix
-is quantized as it is read. The token embedding and the LM head (one matrix
+the node never holds a float copy of its layers: from a GGUF, the blocks of
+a type served packed (:func:`packed_from_gguf`: Q4_0, Q4_1, Q4_K as int4;
+Q5_0, Q5_1, Q5_K, Q6_K, Q8_0 as int8) become the packed format directly (the
+integers as they are, the scales rounded to bfloat16), each matrix in its own
+format up to the width asked for (``auto``: the file's widest), so a Q4_K_M
+file's Q4_K, Q5_0, Q6_K and Q8_0 matrices are each held as they are; a type
+wider than asked for, or one not served packed (Q2_K, Q3_K, IQ*: ``auto``
+then loads the shard as float and says why), is dequantized and requantized
+one matrix at a time; from safetensors, each float matrix is quantized as it
+is read. The token embedding and the LM head (one matrix
 when tied, as in SmolLM2) are held in int8 in both modes: in bfloat16 they
 alone would be 56 MB of the default model's 98 MB file.
 """
@@ -36,6 +41,7 @@ from transformers import PretrainedConfig
 
 from services.node.model.quant.gguf_file import GgufFile, read_index
 from services.node.model.quant.packed import (
+    FORMAT_BITS,
     GGUF_BLOCK_BYTES,
     GGUF_FORMAT,
     GROUP_SIZE,
@@ -75,15 +81,19 @@ _GGUF_NAMES: Final = {EMBED_KEY: "token_embd.weight", "model.norm.weight": "outp
                       LM_HEAD_KEY: "output.weight"}
 
 
-def gguf_format(gguf: Path) -> QuantFormat | None:
-    """The format the decoder-layer matrices of ``gguf`` map onto, or ``None`` (float, or another type)."""
+def _layer_kinds(gguf: Path) -> set[str]:
     tensors, _ = read_index(gguf)
-    kinds = {t.kind for t in tensors.values() if t.name.startswith("blk.") and t.name.endswith(".weight")
-             and len(t.shape) == 2}
-    formats = {GGUF_FORMAT.get(kind) for kind in kinds}
-    if len(formats) == 1 and None not in formats:
-        return formats.pop()
-    return None
+    return {t.kind for t in tensors.values() if t.name.startswith("blk.") and t.name.endswith(".weight")
+            and len(t.shape) == 2}
+
+
+def gguf_format(gguf: Path) -> QuantFormat | None:
+    """The widest format the decoder-layer matrices of ``gguf`` are held in packed (each in its own:
+    :func:`packed_from_gguf`), or ``None`` when one of their types is not served packed (float, Q2_K, IQ*)."""
+    formats = {GGUF_FORMAT.get(kind) for kind in _layer_kinds(gguf)}
+    if not formats or None in formats:
+        return None
+    return max(formats, key=lambda fmt: FORMAT_BITS[fmt])  # type: ignore[arg-type]
 
 
 def resolve_format(mode: WeightsMode, gguf: Path | None) -> tuple[WeightsFormat, str]:
@@ -94,8 +104,23 @@ def resolve_format(mode: WeightsMode, gguf: Path | None) -> tuple[WeightsFormat,
         return "float", "--weights auto: the checkpoint is float"
     native = gguf_format(gguf)
     if native is None:
-        return "float", f"--weights auto: {gguf.name}'s layers are not all Q4_0/Q4_1/Q8_0"
-    return native, f"--weights auto: {gguf.name} holds its layers in {native}"
+        others = sorted(kind for kind in _layer_kinds(gguf) if kind not in GGUF_FORMAT)
+        return "float", (f"--weights auto: {gguf.name}'s layers hold {', '.join(others)}, not served packed "
+                         f"(packed: {', '.join(GGUF_FORMAT)}), so they load as float")
+    kinds = ", ".join(sorted(_layer_kinds(gguf)))
+    return native, f"--weights auto: {gguf.name} holds its layers in {kinds}, each served packed as it is"
+
+
+def packed_from_gguf(kind: str, raw: np.ndarray, rows: int, cols: int, fmt: QuantFormat) -> Groups | None:
+    """A GGUF tensor's blocks (type ``kind``, ``rows x cols`` weights, its raw bytes) as the packed format's
+    groups, exactly (the file's integers, its scales rounded to bfloat16), when its type is held in at most
+    ``fmt``'s width (:data:`~services.node.model.quant.packed.GGUF_FORMAT`: Q4_0/Q4_1/Q4_K as int4; Q5_0/Q5_1/
+    Q5_K/Q6_K/Q8_0 as int8); ``None`` when it is not (a float type, Q2_K, IQ*, or an int8 type asked for in
+    int4): then the caller dequantizes it and quantizes the floats to ``fmt``."""
+    held = GGUF_FORMAT.get(kind)
+    if held is None or FORMAT_BITS[held] > FORMAT_BITS[fmt]:
+        return None
+    return gguf_groups(kind, raw, rows, cols)
 
 
 def quantized_problem(config: PretrainedConfig, device: torch.device,
@@ -156,7 +181,7 @@ class SafetensorsSource:
 
 
 class GgufSource:
-    """A GGUF file: Q4_0/Q4_1/Q8_0 blocks become the packed format without a float copy (module doc)."""
+    """A GGUF file: blocks of a type served packed become the packed format without a float copy (module doc)."""
 
     def __init__(self, gguf: Path, config: PretrainedConfig) -> None:
         self.path = gguf
@@ -194,19 +219,19 @@ class GgufSource:
         tensor = self._file.tensors.get(name)
         if tensor is None or len(tensor.shape) != 2:
             return None
-        kind = tensor.kind
-        if GGUF_FORMAT.get(kind) != fmt:  # another width or a float type: this one matrix goes through float
+        rows, cols = tensor.shape
+        groups = packed_from_gguf(tensor.kind, self._file.raw(name), rows, cols, fmt)
+        if groups is None:  # a wider or a float type: this one matrix goes through float
             weight = self.float_tensor(key)
             return None if weight is None else groups_of(weight, fmt)
-        rows, cols = tensor.shape
-        groups = gguf_groups(kind, self._file.raw(name), rows, cols)
         order = self._row_order(key, rows)
         return groups if order is None else permute_rows(groups, order)
 
     def matrix(self, key: str, fmt: QuantFormat) -> QuantMatrix | None:
         name = self._name(key)
         tensor = self._file.tensors.get(name)
-        if (tensor is None or len(tensor.shape) != 2 or GGUF_FORMAT.get(tensor.kind) != fmt
+        if (tensor is None or len(tensor.shape) != 2 or GGUF_FORMAT.get(tensor.kind) is None
+                or FORMAT_BITS[GGUF_FORMAT[tensor.kind]] > FORMAT_BITS[fmt]
                 or self._row_order(key, tensor.shape[0]) is not None):
             groups = self.groups(key, fmt)
             return None if groups is None else QuantMatrix(groups)
