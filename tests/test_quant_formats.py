@@ -34,6 +34,7 @@ from gguf.quants import quantize as gguf_quantize
 
 from services.node.model.quant import quant_kernel
 from services.node.model.quant.packed import (
+    GGUF_BITS,
     GGUF_BLOCK_BYTES,
     GGUF_FORMAT,
     Groups,
@@ -203,7 +204,7 @@ def magnitude(groups: Groups) -> torch.Tensor:
 def test_held_weights_are_the_specs_within_the_bfloat16_rounding_of_their_scales(kind: str, source: str) -> None:
     raw = _blocks(kind, source)
     groups = gguf_groups(kind, raw, ROWS, COLS)
-    assert groups.bits == {"int4": 4, "int8": 8}[GGUF_FORMAT[kind]]
+    assert groups.bits == GGUF_BITS[kind] == (5 if kind.startswith("Q5") else {"int4": 4, "int8": 8}[GGUF_FORMAT[kind]])
     assert groups.group == (16 if kind == "Q6_K" else 32)
     held = QuantMatrix(groups).dequantize(torch.float64)
     exact = spec_matrix(kind, raw, ROWS, COLS)

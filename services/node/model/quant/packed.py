@@ -121,6 +121,13 @@ QUANTIZED_DTYPE: Final = torch.float32
 """What a quantized CPU shard computes in besides its products (``--dtype auto``): a bfloat16 residual stream
 made greedy answers of the default model drift (see services/node/runtime.py)."""
 NIBBLE_MID: Final = 8
+INT5_MID: Final = 16
+"""An int5 integer ``q`` (-16..15) is stored as ``q + 16``."""
+INT5_BITS: Final = 5
+INT5_PER_DWORD: Final = 6
+"""int5 integers a native dword holds (bits ``5i..5i+4``): one shift and one two-table permute unpack each."""
+INT5_SLOTS: Final = 36
+"""Slots of the 6 dwords a group of 32 int5 integers takes (the last 4 unused): 6 bits a weight."""
 INT4_LEVELS: Final = 15
 INT8_MAX: Final = 127
 PACK_ROWS: Final = 1024
@@ -134,9 +141,9 @@ class QuantError(ValueError):
 @dataclass(frozen=True)
 class Groups:
     """A matrix as integers with a scale and a zero per group of inputs: ``q`` ``[N, K]`` (int4: uint8 0..15,
-    the weight ``(q - 8) s + z``; int8: int8, the weight ``q s + z``), ``scale`` and ``zero`` (float32
-    ``[N, K/group]``, values bfloat16 holds exactly), ``bits`` (4 or 8) and ``group`` (:data:`GROUP_SIZE`, or
-    :data:`SMALL_GROUP` for GGUF's Q6_K)."""
+    the weight ``(q - 8) s + z``; int8 and int5: int8 (-16..15 for int5), the weight ``q s + z``), ``scale`` and
+    ``zero`` (float32 ``[N, K/group]``, values bfloat16 holds exactly), ``bits`` (4, 5 or 8) and ``group``
+    (:data:`GROUP_SIZE`, or :data:`SMALL_GROUP` for GGUF's Q6_K; int5 only in groups of 32)."""
 
     q: torch.Tensor
     scale: torch.Tensor
@@ -151,7 +158,7 @@ class Groups:
     @property
     def repeat(self) -> int:
         """How many times torch's kernel is fed the input (int8 is two nibble matrices there: module doc)."""
-        return 2 if self.bits == 8 else 1
+        return 1 if self.bits == 4 else 2
 
 
 def shape_problem(out_features: int, in_features: int) -> str | None:
@@ -189,12 +196,12 @@ def int4_groups(weight: torch.Tensor) -> Groups:
 
 
 def int8_signed_groups(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None = None,
-                       group: int = GROUP_SIZE) -> Groups:
-    """Signed 8-bit groups: ``q`` int8 ``[N, K]``, ``scale`` (and ``zero``, default none) ``[N, K/group]``,
-    rounded to bfloat16."""
+                       group: int = GROUP_SIZE, bits: int = 8) -> Groups:
+    """Signed 8-bit groups (``bits=5``: -16..15): ``q`` int8 ``[N, K]``, ``scale`` (and ``zero``, default none)
+    ``[N, K/group]``, rounded to bfloat16."""
     scale = _bf16(scale.to(torch.float32))
     zero = torch.zeros_like(scale) if zero is None else _bf16(zero.to(torch.float32))
-    return Groups(q=q.to(torch.int8), scale=scale, zero=zero, bits=8, group=group)
+    return Groups(q=q.to(torch.int8), scale=scale, zero=zero, bits=bits, group=group)
 
 
 def _nibble_halves(groups: Groups) -> Groups:
@@ -220,12 +227,13 @@ def _spread(groups: Groups) -> Groups:
     return Groups(q=padded, scale=groups.scale, zero=groups.zero, bits=4, group=TORCH_GROUP)
 
 
-def widened(groups: Groups) -> Groups:
-    """An int4 matrix as int8, exactly: ``q - 8`` as a signed byte, the same scales and zeros."""
-    if groups.bits == 8:
+def widened(groups: Groups, bits: int = 8) -> Groups:
+    """A matrix in ``bits`` (5 or 8, at least its own), exactly: int4's ``q - 8`` as a signed byte, an int5's
+    bytes as they are, the same scales and zeros."""
+    if groups.bits == bits:
         return groups
-    q = (groups.q.to(torch.int16) - NIBBLE_MID).to(torch.int8)
-    return Groups(q=q, scale=groups.scale, zero=groups.zero, bits=8, group=groups.group)
+    q = groups.q if groups.bits == 5 else (groups.q.to(torch.int16) - NIBBLE_MID).to(torch.int8)
+    return Groups(q=q, scale=groups.scale, zero=groups.zero, bits=bits, group=groups.group)
 
 
 def regrouped(groups: Groups, group: int) -> Groups:
@@ -254,6 +262,8 @@ def groups_of(weight: torch.Tensor, fmt: QuantFormat) -> Groups:
 
 # --- from GGUF blocks ------------------------------------------------------------------------------
 
+FORMAT_BITS: Final[dict[QuantFormat, int]] = {"int4": 4, "int8": 8}
+"""Each format family's widest integers (what ``--weights`` asks for is a ceiling: :func:`quant_load.packed_from_gguf`)."""
 SUPER_BLOCK: Final = 256
 """Weights of one K-quant super-block (ggml's ``QK_K``)."""
 GGUF_BLOCK_BYTES: Final = {"Q4_0": 18, "Q4_1": 20, "Q5_0": 22, "Q5_1": 24, "Q8_0": 34,
@@ -262,10 +272,11 @@ GGUF_BLOCK_BYTES: Final = {"Q4_0": 18, "Q4_1": 20, "Q5_0": 22, "Q5_1": 24, "Q8_0
 GGUF_BLOCK_WEIGHTS: Final = {kind: SUPER_BLOCK if kind.endswith("_K") else GROUP_SIZE for kind in GGUF_BLOCK_BYTES}
 GGUF_FORMAT: Final[dict[str, QuantFormat]] = {"Q4_0": "int4", "Q4_1": "int4", "Q4_K": "int4", "Q5_0": "int8",
                                               "Q5_1": "int8", "Q5_K": "int8", "Q6_K": "int8", "Q8_0": "int8"}
-"""The format each GGUF type is held in exactly (up to the bfloat16 rounding of its scales and zeros): 4-bit
-integers as int4; 5-, 6- and 8-bit ones as signed bytes (int8), the layout the kernel multiplies fastest
-among those that hold them (benchmarks/kernels.py; the module notes)."""
-FORMAT_BITS: Final[dict[QuantFormat, int]] = {"int4": 4, "int8": 8}
+"""The format family each GGUF type is held in exactly (up to the bfloat16 rounding of its scales and zeros):
+4-bit integers as int4; 5-bit ones as int5 (:data:`GGUF_BITS`: six a dword, 6 bits a weight, the int8 family);
+6- and 8-bit ones as signed bytes (int8)."""
+GGUF_BITS: Final = {kind: 5 if kind.startswith("Q5") else FORMAT_BITS[fmt] for kind, fmt in GGUF_FORMAT.items()}
+"""The integers' width in the native layout of each GGUF type."""
 
 
 def _f16(b: torch.Tensor, at: int) -> torch.Tensor:
@@ -327,7 +338,7 @@ def _k_quant_groups(kind: str, b: torch.Tensor, rows: int, cols: int) -> Groups:
     fifth = fifth.permute(0, 1, 3, 2).reshape(rows, blocks, 4, 64)  # bit 2c: low nibbles of chunk c; 2c+1: high
     q = (nibbles.to(torch.int16) | torch.bitwise_left_shift(fifth.to(torch.int16), 4)) - 16
     return int8_signed_groups(q.reshape(rows, cols), scale.reshape(rows, -1),
-                              (scale * 16 - offset).reshape(rows, -1))
+                              (scale * 16 - offset).reshape(rows, -1), bits=5)
 
 
 def gguf_groups(kind: str, blocks: np.ndarray, rows: int, cols: int) -> Groups:
@@ -361,7 +372,7 @@ def gguf_groups(kind: str, blocks: np.ndarray, rows: int, cols: int) -> Groups:
     if kind.startswith("Q5"):
         fifth = _high_bits(b[..., offset:offset + 4], GROUP_SIZE)
         q = (_nibbles(b[..., offset + 4:]).to(torch.int16) | torch.bitwise_left_shift(fifth.to(torch.int16), 4)) - 16
-        return int8_signed_groups(q.reshape(rows, cols), d, None if m is None else m + 16 * d)
+        return int8_signed_groups(q.reshape(rows, cols), d, None if m is None else m + 16 * d, bits=5)
     q = _nibbles(b[..., offset:]).reshape(rows, cols)
     scale = _bf16(d)
     zero = torch.zeros_like(scale) if m is None else _bf16(m + NIBBLE_MID * d)
@@ -387,7 +398,9 @@ def stack(parts: list[Groups]) -> Groups:
     different formats meet in the widest bits and the smallest group, exactly (:func:`widened`,
     :func:`regrouped`): a Q4_K_M file's q and k may be Q5_0 (int8) beside a Q4_K v (int4)."""
     bits, group = max(p.bits for p in parts), min(p.group for p in parts)
-    same = [regrouped(widened(p) if bits == 8 else p, group) for p in parts]
+    if bits == 5 and group != GROUP_SIZE:  # int5 comes in groups of 32 only
+        bits = 8
+    same = [regrouped(widened(p, bits) if p.bits != bits else p, group) for p in parts]
     return Groups(q=torch.cat([p.q for p in same]), scale=torch.cat([p.scale for p in same]),
                   zero=torch.cat([p.zero for p in same]), bits=bits, group=group)
 
@@ -452,9 +465,9 @@ class QuantMatrix(nn.Module):
         self.out_features = int(self.packed.shape[0]) * (NATIVE_BLOCK if native else 1)
         self.bits = bits
         self.group = group
-        self.repeat = 2 if bits == 8 else 1
+        self.repeat = 1 if bits == 4 else 2
         self.spread = TORCH_GROUP // group
-        self.format: QuantFormat = "int8" if bits == 8 else "int4"
+        self.format: QuantFormat = "int4" if bits == 4 else "int8"
 
     @property
     def max_kernel_rows(self) -> int:
@@ -554,7 +567,7 @@ def _slice(groups: Groups, start: int, end: int) -> Groups:
 
 def _aten_pack(groups: Groups) -> tuple[torch.Tensor, torch.Tensor]:
     """``groups`` in torch's layout: int8 as nibble halves, a group of 16 spread to 32 (module doc)."""
-    four = _nibble_halves(groups) if groups.bits == 8 else groups
+    four = _nibble_halves(groups) if groups.bits != 4 else groups
     if four.group != TORCH_GROUP:
         four = _spread(four)
     packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(four.q.to(torch.int32), 1)
@@ -566,6 +579,14 @@ def _native_pack(groups: Groups) -> tuple[torch.Tensor, torch.Tensor]:
     ``[rows/16, in/group, 2, 16]`` scales and zeros."""
     rows, cols = groups.q.shape
     blocks = rows // NATIVE_BLOCK
+    if groups.bits == 5:  # six integers + 16 a dword, bits 5i..5i+4; a group's 32 in 6 dwords (module doc)
+        q = (groups.q.to(torch.int32) + INT5_MID).view(rows, cols // GROUP_SIZE, GROUP_SIZE)
+        q = torch.cat([q, q.new_zeros(rows, cols // GROUP_SIZE, INT5_SLOTS - GROUP_SIZE)], -1)
+        q = q.view(rows, -1, INT5_PER_DWORD) << (INT5_BITS * torch.arange(INT5_PER_DWORD, dtype=torch.int32))
+        dwords = q.sum(-1, dtype=torch.int32).view(blocks, NATIVE_BLOCK, -1)
+        packed = dwords.transpose(1, 2).contiguous()
+        scales = torch.stack([groups.scale, groups.zero], -1).view(blocks, NATIVE_BLOCK, -1, 2).permute(0, 2, 3, 1)
+        return packed, scales.to(KERNEL_DTYPE).contiguous()
     if groups.bits == 4:
         q = groups.q.view(blocks, NATIVE_BLOCK, cols // 8, 4, 2)
         data = torch.bitwise_or(q[..., 0], torch.bitwise_left_shift(q[..., 1], 4))  # [blocks, 16, dwords, 4]
@@ -577,8 +598,13 @@ def _native_pack(groups: Groups) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _lane_integers(dwords: torch.Tensor, bits: int) -> torch.Tensor:
-    """The integers of native dwords ``[..., n]`` (int32, each 32/bits consecutive inputs of one row) as int16
-    ``[..., n * 32 / bits]``: 0..15 for int4, -128..127 for int8."""
+    """The integers of native dwords ``[..., n]`` (int32, consecutive inputs of one row) as int16: 0..15 for
+    int4, -128..127 for int8, -16..15 for int5 (``[..., n * 32 / 6]``: each group's 6 dwords hold 32)."""
+    if bits == 5:
+        shifts = INT5_BITS * torch.arange(INT5_PER_DWORD, dtype=torch.int32)
+        slots = torch.bitwise_and(torch.bitwise_right_shift(dwords.unsqueeze(-1), shifts), 31)
+        per_group = slots.reshape(*dwords.shape[:-1], -1, INT5_SLOTS)[..., :GROUP_SIZE]
+        return (per_group.flatten(-2) - INT5_MID).to(torch.int16)
     data = dwords.contiguous().view(torch.uint8)  # little-endian: the first inputs in the low byte
     if bits == 8:
         return data.view(torch.int8).to(torch.int16)

@@ -8,9 +8,11 @@
 // group size G (32, or 16 for GGUF's Q6_K, whose scales are per 16 inputs; G is K / scales.size(1)):
 //   packed  int32 [N/16, K*bits/32, 16]: dword [b, c, j] holds 32/bits inputs of row 16b+j:
 //           int4: nibble i (bits 4i..4i+3) = q[16b+j, 8c+i] in 0..15;
-//           int8: byte i (bits 8i..8i+7) = q[16b+j, 4c+i] as a signed int8.
+//           int8: byte i (bits 8i..8i+7) = q[16b+j, 4c+i] as a signed int8;
+//           int5 (GGUF's 5-bit types): a group of 32 inputs is 6 dwords of 6 integers each (the last holds 2),
+//           bits 5i..5i+4 of dword d of group g = q[16b+j, 32g+6d+i] + 16, q in -16..15 (6 bits a weight).
 //   scales  bfloat16 [N/16, K/G, 2, 16]: [b, g, 0, j] = s and [b, g, 1, j] = z of row 16b+j, group g.
-//   weight  w = (q - 8) * s + z (int4), w = q * s + z (int8), rounded once (one fused multiply-add).
+//   weight  w = (q - 8) * s + z (int4), w = q * s + z (int8, int5), rounded once (one fused multiply-add).
 // Arithmetic: float32 rows and sums. AVX-512 (and the portable paths): each weight (q - 8) s + z in one
 // fused multiply-add, each group of G inputs summed in input order, the groups' sums added in order.
 // AMX (from kAmxMinRows rows where the CPU has it): each group's sum of the exact products of the row with
@@ -43,6 +45,13 @@ constexpr int64_t kSmallGroup = 16;  // Q6_K's sub-blocks: the other group size 
 constexpr int64_t kMaxChunk = 16;  // rows a pass keeps in registers
 constexpr int64_t kGrainWork = 1 << 17;  // multiply-adds below which a thread is not worth waking
 
+// Integers a dword holds, and dwords a group of G inputs takes (5-bit integers: 6 a dword, so one shift and one
+// two-table permute give a weight, as one shift and one permute give a nibble).
+template <int BITS>
+constexpr int kPer = BITS == 5 ? 6 : 32 / BITS;
+template <int BITS, int G>
+constexpr int kDwordsPerGroup = (G + kPer<BITS> - 1) / kPer<BITS>;
+
 enum Isa : int64_t { kAuto = 0, kGeneric = 1, kAvx2 = 2, kAvx512 = 3, kAmx = 4 };
 constexpr int kPieces = 3;  // bfloat16 pieces a float32 row is split into for AMX: exactly its value
 // Fewest rows a call takes on AMX when the caller lets the kernel choose: below, unpacking the weights
@@ -70,11 +79,14 @@ struct Args {
 // (one chain a group would wait on the FMA latency); it changes no output's arithmetic.
 template <int R, int NB, int BITS, int G>
 __attribute__((target("avx512f"))) void block_avx512(const Args& a, int64_t blk0, int64_t row0) {
-  constexpr int PER = 32 / BITS;  // inputs a dword
+  constexpr int PER = kPer<BITS>;  // inputs a dword
+  constexpr int DWG = kDwordsPerGroup<BITS, G>;
   const int64_t groups = a.K / G;
-  const int64_t dwords = a.K / PER;
+  const int64_t dwords = groups * DWG;
   const float* x = a.x + row0 * a.ldx;  // each group: s * (sum of the row times q - 8) + z * (sum of the row)
   const __m512 lut = _mm512_setr_ps(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7);
+  const __m512 lut5 = _mm512_setr_ps(-16, -15, -14, -13, -12, -11, -10, -9, -8, -7, -6, -5, -4, -3, -2, -1);
+  const __m512 lut5_hi = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
   __m512 total[NB][R];
 #pragma GCC unroll 4
   for (int b = 0; b < NB; ++b)
@@ -93,19 +105,22 @@ __attribute__((target("avx512f"))) void block_avx512(const Args& a, int64_t blk0
       for (int r = 0; r < R; ++r) part[b][r] = _mm512_setzero_ps();
     }
 #pragma GCC unroll 8
-    for (int64_t d = 0; d < G / PER; ++d) {
+    for (int64_t d = 0; d < DWG; ++d) {
       const int64_t k0 = g * G + d * PER;
       __m512i v[NB];
 #pragma GCC unroll 4
       for (int b = 0; b < NB; ++b)
-        v[b] = _mm512_loadu_si512(a.w + ((blk0 + b) * dwords + g * (G / PER) + d) * kBlock);
+        v[b] = _mm512_loadu_si512(a.w + ((blk0 + b) * dwords + g * DWG + d) * kBlock);
 #pragma GCC unroll 8
       for (int i = 0; i < PER; ++i) {
+        if (d * PER + i >= G) break;  // int5's last dword of a group holds 2
 #pragma GCC unroll 4
         for (int b = 0; b < NB; ++b) {
           __m512 q;
           if constexpr (BITS == 4) {  // the permute reads the low 4 bits of each lane: nibble i, as q - 8
             q = _mm512_permutexvar_ps(i == 0 ? v[b] : _mm512_srli_epi32(v[b], 4 * i), lut);
+          } else if constexpr (BITS == 5) {  // the two-table permute reads the low 5 bits: q + 16, as q
+            q = _mm512_permutex2var_ps(lut5, i == 0 ? v[b] : _mm512_srli_epi32(v[b], 5 * i), lut5_hi);
           } else {  // byte i, sign-extended
             const __m512i t = i == 3 ? v[b] : _mm512_slli_epi32(v[b], 24 - 8 * i);
             q = _mm512_cvtepi32_ps(_mm512_srai_epi32(t, 24));
@@ -160,9 +175,10 @@ int64_t blocks_per_pass(int64_t n) { return n == 1 ? 4 : (n <= 3 ? 2 : 1); }
 
 #define MESHNET_GENERIC_BODY                                                                         \
   {                                                                                                  \
-    constexpr int PER = 32 / BITS;                                                                   \
+    constexpr int PER = kPer<BITS>;                                                                  \
+    constexpr int DWG = kDwordsPerGroup<BITS, G>;                                                    \
     const int64_t groups = a.K / G;                                                                  \
-    const int32_t* w = a.w + blk * (a.K / PER) * kBlock;                                             \
+    const int32_t* w = a.w + blk * groups * DWG * kBlock;                                            \
     const uint16_t* sz = a.sz + blk * groups * 2 * kBlock;                                           \
     float acc[kMaxChunk][kBlock];                                                                    \
     float wf[G][kBlock];                                                                             \
@@ -175,12 +191,13 @@ int64_t blocks_per_pass(int64_t n) { return n == 1 ? 4 : (n <= 3 ? 2 : 1); }
         std::memcpy(&s[j], &sb, 4);                                                                  \
         std::memcpy(&z[j], &zb, 4);                                                                  \
       }                                                                                              \
-      for (int d = 0; d < G / PER; ++d) {                                                            \
-        const int32_t* v = w + (g * (G / PER) + d) * kBlock;                                         \
-        for (int i = 0; i < PER; ++i)                                                                \
+      for (int d = 0; d < DWG; ++d) {                                                                \
+        const int32_t* v = w + (g * DWG + d) * kBlock;                                               \
+        for (int i = 0; i < PER && d * PER + i < G; ++i)                                             \
           for (int j = 0; j < kBlock; ++j) {                                                         \
-            float q = BITS == 4 ? float(int32_t((uint32_t(v[j]) >> (4 * i)) & 15u) - 8)              \
-                                : float(int32_t(uint32_t(v[j]) << (24 - 8 * i)) >> 24);              \
+            float q = BITS == 4   ? float(int32_t((uint32_t(v[j]) >> (4 * i)) & 15u) - 8)            \
+                      : BITS == 5 ? float(int32_t((uint32_t(v[j]) >> (5 * i)) & 31u) - 16)           \
+                                  : float(int32_t(uint32_t(v[j]) << (24 - 8 * i)) >> 24);            \
             wf[d * PER + i][j] = q * s[j] + z[j];                                                   \
           }                                                                                          \
       }                                                                                              \
@@ -267,9 +284,12 @@ bool amx_ready() {
 template <int BITS, int G>
 __attribute__((target("avx512f,avx512bw"))) inline void group_tile(const Args& a, int64_t blk, int64_t g,
                                                                    int32_t (*tile_w)[kBlock], __m512* s, __m512* z) {
-  constexpr int PER = 32 / BITS;
+  constexpr int PER = kPer<BITS>;
+  constexpr int DWG = kDwordsPerGroup<BITS, G>;
   const int64_t groups = a.K / G;
-  const int64_t dwords = a.K / PER;
+  const int64_t dwords = groups * DWG;
+  const __m512 lut5_lo = _mm512_setr_ps(-16, -15, -14, -13, -12, -11, -10, -9, -8, -7, -6, -5, -4, -3, -2, -1);
+  const __m512 lut5_hi = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
   // bfloat16 of -8..7 (the table repeats: vpermw reads 5 bits of each index, our words are 0..15)
   const __m512i lut16 = _mm512_set_epi16(
       0x40E0, 0x40C0, 0x40A0, 0x4080, 0x4040, 0x4000, 0x3F80, 0x0000, int16_t(0xBF80), int16_t(0xC000),
@@ -283,8 +303,8 @@ __attribute__((target("avx512f,avx512bw"))) inline void group_tile(const Args& a
   *z = _mm512_castsi512_ps(_mm512_slli_epi32(
       _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sg + kBlock))), 16));
 #pragma GCC unroll 8
-  for (int d = 0; d < G / PER; ++d) {
-    const __m512i v = _mm512_loadu_si512(a.w + (blk * dwords + g * (G / PER) + d) * kBlock);
+  for (int d = 0; d < DWG; ++d) {
+    const __m512i v = _mm512_loadu_si512(a.w + (blk * dwords + g * DWG + d) * kBlock);
     if constexpr (BITS == 4) {
       // byte b of each lane holds inputs 2p (low nibble) and 2p+1 (high), p = 4d + b: spread them into
       // the lane's two 16-bit words and look both up as the bfloat16 of q - 8
@@ -299,12 +319,17 @@ __attribute__((target("avx512f,avx512bw"))) inline void group_tile(const Args& a
     } else {
 #pragma GCC unroll 2
       for (int i = 0; i < PER; i += 2) {
+        if (d * PER + i >= G) break;  // int5's last dword of a group holds 2
         __m512 q[2];
 #pragma GCC unroll 2
         for (int h = 0; h < 2; ++h) {
           const int e = i + h;
-          const __m512i t = e == 3 ? v : _mm512_slli_epi32(v, 24 - 8 * e);
-          q[h] = _mm512_cvtepi32_ps(_mm512_srai_epi32(t, 24));
+          if constexpr (BITS == 5) {
+            q[h] = _mm512_permutex2var_ps(lut5_lo, e == 0 ? v : _mm512_srli_epi32(v, 5 * e), lut5_hi);
+          } else {
+            const __m512i t = e == 3 ? v : _mm512_slli_epi32(v, 24 - 8 * e);
+            q[h] = _mm512_cvtepi32_ps(_mm512_srai_epi32(t, 24));
+          }
         }
         // small integers: their bfloat16 is the float32's high half, exactly; input 2p low, 2p+1 high
         const __m512i pair = _mm512_ternarylogic_epi32(_mm512_castps_si512(q[1]),
@@ -433,6 +458,7 @@ RowsFn rows_fn(int64_t isa) {
 }
 
 RowsFn pick_rows_fn(int64_t bits, int64_t G, int64_t isa) {
+  if (bits == 5) return rows_fn<5, kGroup>(isa);  // GGUF's 5-bit types: groups of 32 only (mm checks)
   if (G == kGroup) return bits == 4 ? rows_fn<4, kGroup>(isa) : rows_fn<8, kGroup>(isa);
   return bits == 4 ? rows_fn<4, kSmallGroup>(isa) : rows_fn<8, kSmallGroup>(isa);
 }
@@ -440,26 +466,29 @@ RowsFn pick_rows_fn(int64_t bits, int64_t G, int64_t isa) {
 using ManyFn = void (*)(const Args&, int64_t, int64_t, int64_t, int64_t, int64_t, float*);
 
 ManyFn pick_many_fn(int64_t bits, int64_t G) {
+  if (bits == 5) return block_amx_rows<5, kGroup>;
   if (G == kGroup) return bits == 4 ? block_amx_rows<4, kGroup> : block_amx_rows<8, kGroup>;
   return bits == 4 ? block_amx_rows<4, kSmallGroup> : block_amx_rows<8, kSmallGroup>;
 }
 
 at::Tensor mm(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales, int64_t bits,
               int64_t isa) {
-  TORCH_CHECK(bits == 4 || bits == 8, "meshnet_quant.mm: bits must be 4 or 8, not ", bits);
+  TORCH_CHECK(bits == 4 || bits == 5 || bits == 8, "meshnet_quant.mm: bits must be 4, 5 or 8, not ", bits);
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "meshnet_quant.mm: x must be float32 [B, K]");
   TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == at::kInt && packed.size(2) == kBlock &&
                   packed.is_contiguous(),
-              "meshnet_quant.mm: packed must be contiguous int32 [N/16, K*bits/32, 16]");
+              "meshnet_quant.mm: packed must be contiguous int32 [N/16, dwords, 16]");
   const int64_t K = x.size(1), B = x.size(0), blocks = packed.size(0), N = blocks * kBlock;
-  TORCH_CHECK(K % kGroup == 0 && packed.size(1) * 32 == K * bits,
-              "meshnet_quant.mm: x has ", K, " inputs, the packed matrix ", packed.size(1) * 32 / bits);
+  const int64_t dwords_per_32 = bits == 5 ? kDwordsPerGroup<5, kGroup> : bits;  // dwords a row takes for 32 inputs
+  TORCH_CHECK(K % kGroup == 0 && packed.size(1) * kGroup == K * dwords_per_32,
+              "meshnet_quant.mm: x has ", K, " inputs, the packed matrix ", packed.size(1) * kGroup / dwords_per_32);
   TORCH_CHECK(scales.scalar_type() == at::kBFloat16 && scales.is_contiguous() && scales.dim() == 4 &&
                   scales.size(0) == blocks && scales.size(1) > 0 &&
                   (K == scales.size(1) * kGroup || K == scales.size(1) * kSmallGroup) && scales.size(2) == 2 &&
                   scales.size(3) == kBlock,
               "meshnet_quant.mm: scales must be contiguous bfloat16 [N/16, K/G, 2, 16], G 32 or 16");
   const int64_t G = K / scales.size(1);
+  TORCH_CHECK(bits != 5 || G == kGroup, "meshnet_quant.mm: 5-bit integers come in groups of ", kGroup);
   const int64_t best = best_isa();
   if (isa == kAuto) isa = best == kAmx && B < kAmxMinRows ? kAvx512 : best;
   TORCH_CHECK(isa >= kGeneric && isa <= best, "meshnet_quant.mm: instruction set ", isa,
