@@ -2,7 +2,8 @@
 
 ``--weights int4`` and ``--weights int8`` keep a shard's decoder-layer
 products (and, for the default model, its token embedding / LM head) as
-integers with one scale and one zero per group of :data:`GROUP_SIZE` inputs,
+integers (4, 5 or 8 bits) with one scale and one zero per group of
+:data:`GROUP_SIZE` inputs (16 for Q6_K),
 and multiply them with meshnet's native kernel
 (:mod:`services.node.model.quant.quant_kernel`, the ``native`` layout below) or, where
 it is not built, ``torch.ops.aten._weight_int4pack_mm_for_cpu`` (the
@@ -12,9 +13,9 @@ The native layout and kernel: a matrix is blocks of :data:`NATIVE_BLOCK`
 output rows; ``packed`` int32 ``[out/16, in*bits/32, 16]`` holds in dword
 ``[b, c, j]`` the inputs ``c*32/bits ..`` of row ``16 b + j`` (int4: nibble
 ``i`` is input ``8 c + i``, 0..15; int8: byte ``i`` is input ``4 c + i``, a
-signed byte: int8 is one byte a weight, not two nibble matrices), and
-``scale_zeros`` bfloat16 ``[out/16, in/32, 2, 16]`` the scale and zero of
-each row's groups. The kernel computes, per group, ``s * sum((q - 8) x) +
+signed byte: int8 is one byte a weight, not two nibble matrices; int5:
+``[out/16, in*6/32, 16]``, below), and ``scale_zeros`` bfloat16
+``[out/16, in/group, 2, 16]`` the scale and zero of each row's groups. The kernel computes, per group, ``s * sum((q - 8) x) +
 z * sum(x)`` (int4; ``q`` for int8) with float32 rows and float32 sums,
 unpacking each weight tile once for up to 16 rows (AVX-512; from 8 rows AMX
 where the CPU has it, the rows as three bfloat16 pieces that add up to them
@@ -65,7 +66,32 @@ Scales and zeros are stored in bfloat16 (the kernel's format with bfloat16
 activations), so a GGUF's float16 ``d`` and ``m`` are rounded to bfloat16
 (relative error at most 2^-9 each); the integers are the file's own. The
 tests compare every product with a float product over :func:`dequantize` of
-the same stored values.
+the same stored values, and (tests/test_quant_formats.py) with the exact
+float64 product of the blocks as the GGUF spec reads them.
+
+GGUF's block types (:func:`gguf_groups`), each held exactly as integers with a
+scale and zero per group, the layout the native kernel multiplies fastest
+(``benchmarks/kernels.py --formats``, one run, 1 thread, ratios to Q4_1's
+time; cache-resident 576 x 1536 / Llama-8B's 4096 x 4096 at 1 row):
+
+* Q4_0, Q4_1 and Q4_K as **int4** (Q4_K's super-block ``d``, ``dmin`` and
+  6-bit scales and mins unpacked at load to ``s = d sc``, ``z = 8 s - dmin
+  m`` per 32 inputs): 0.96-1.02x.
+* Q5_0, Q5_1 and Q5_K as **int5**: ``q - 16`` (-16..15), six integers a
+  dword (bits ``5i..5i+4`` hold ``q + 16``), a group of 32 in 6 dwords, 6 bits
+  a weight; one shift and one two-table permute give a weight as one shift
+  and one permute give a nibble: 0.95-1.04x / 1.23-1.35x. As signed bytes
+  they had cost 1.26x / 1.75-1.84x.
+* Q6_K and Q8_0 as **int8** (Q6_K's ``q - 32`` with ``s = d sc`` per
+  sub-block of 16: the kernel's groups may be 16 inputs, :data:`SMALL_GROUP`):
+  1.26-1.32x / 1.54-1.77x.
+
+A fused product whose parts differ (a Q4_K_M file's Q5_0 q/k beside a Q8_0
+or Q6_K v) takes the widest integers and the smallest group, exactly
+(:func:`stack`). The 16-bit scale and zero per group cost 1 bit a weight
+(2 for Q6_K): the default model's Q4_K_M file (100.6 MB) is 122 MiB packed.
+Other types (Q2_K, Q3_K, IQ*, the float ones) are not held packed:
+:mod:`services.node.model.quant.quant_load` says so and loads float.
 
 The packed layout (``_convert_weight_to_int4pack_for_cpu``, ``innerKTiles``
 has no effect on the CPU) is blocks of 64 output rows: byte ``[b, k, j]`` of
