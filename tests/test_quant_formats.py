@@ -317,10 +317,12 @@ def test_auto_loads_a_file_with_a_type_not_served_packed_as_float_and_names_it(t
     assert fmt == "float" and "Q3_K" in why and "\n" not in why
 
 
-def test_a_type_is_held_packed_up_to_the_width_asked_for() -> None:
+def test_a_type_is_held_as_it_is_in_its_own_format_and_in_its_files_widest() -> None:
     raw = _random_blocks("Q6_K", 9)
-    assert packed_from_gguf("Q6_K", raw, ROWS, COLS, "int8") is not None
-    assert packed_from_gguf("Q6_K", raw, ROWS, COLS, "int4") is None  # requantized from float by the caller
-    q4k = packed_from_gguf("Q4_K", _random_blocks("Q4_K", 9), ROWS, COLS, "int8")
-    assert q4k is not None and q4k.bits == 4  # not widened: held as the file holds it
-    assert packed_from_gguf("Q3_K", raw, ROWS, COLS, "int8") is None
+    assert packed_from_gguf("Q6_K", raw, ROWS, COLS, "int8", "int8") is not None
+    assert packed_from_gguf("Q6_K", raw, ROWS, COLS, "int4", "int8") is None  # requantized from float by the caller
+    q4k = packed_from_gguf("Q4_K", _random_blocks("Q4_K", 9), ROWS, COLS, "int8", "int8")
+    assert q4k is not None and q4k.bits == 4  # a mixed file under its own format: held as the file holds it
+    # --weights int8 of an all-int4 file (the default Q4_1 one) requantizes it to int8, as it always did
+    assert packed_from_gguf("Q4_1", _random_blocks("Q4_1", 9), ROWS, COLS, "int8", "int4") is None
+    assert packed_from_gguf("Q3_K", raw, ROWS, COLS, "int8", None) is None
