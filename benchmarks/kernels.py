@@ -13,7 +13,15 @@ beside its new one, interleaved, in one process):
   place :data:`services.node.model.quant.packed.NATIVE_MAX_ROWS`;
 * per decode step: the default model's GGUF as one int4 shard (30 layers and
   the LM head, ``Shard.run_rows`` and ``logits_rows``) for 1 and 8 sessions
-  each with a 32-token prompt cached, loaded once per layout.
+  each with a 32-token prompt cached, loaded once per layout;
+* per GGUF type (``--formats``): each type served packed (Q4_0, Q4_1, Q5_0,
+  Q5_1, Q8_0, Q4_K, Q5_K, Q6_K; valid random blocks) on the native kernel at
+  decode rows (1 and 8), interleaved in one run, as a ratio to Q4_1, for a
+  matrix of the default model's ``down`` shape (576 x 1536, K-quants need 256 |
+  inputs) and one of Llama-3.1-8B's ``o`` (4096 x 4096, beyond the caches); and
+  with ``--files`` the whole decode step of the default model from its Q4_1
+  file against the same model requantized to Q4_K_M (``benchmarks.loglik``
+  makes that file).
 
 The fastest run is the figure: the machine is shared, and load from elsewhere only adds time.
 """
@@ -82,6 +90,73 @@ def matrices(reps: int, threads: Sequence[int]) -> None:
                       f"{dequantized:.2f} ms")
 
 
+FORMAT_SHAPES: Final = (("down 576x1536", 576, 1536), ("8B o 4096x4096", 4096, 4096))
+FORMAT_ROWS: Final = (1, 8)
+
+
+def formats(reps: int, threads: Sequence[int]) -> None:
+    """Each GGUF type's packed product against Q4_1's, interleaved in one run (module doc)."""
+    import numpy as np
+
+    from services.node.model.quant.packed import GGUF_BLOCK_BYTES, GGUF_BLOCK_WEIGHTS, gguf_groups
+
+    kinds = ("Q4_1", "Q4_0", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
+    print(f"\n{'matrix':<16} {'thr':>3} {'rows':>4} " + " ".join(f"{k:>13}" for k in kinds))
+    rng = np.random.default_rng(0)
+    for name, out_features, in_features in FORMAT_SHAPES:
+        matrices = []
+        for kind in kinds:
+            raw = rng.integers(0, 256, (out_features * in_features // GGUF_BLOCK_WEIGHTS[kind], GGUF_BLOCK_BYTES[kind]),
+                               dtype=np.uint8)
+            at = 208 if kind == "Q6_K" else 0  # finite scales (the rest of a block is any bytes)
+            raw[:, at:at + 2] = np.full(len(raw), 0.01, dtype=np.float16).view(np.uint8).reshape(-1, 2)
+            matrices.append(QuantMatrix(gguf_groups(kind, raw, out_features, in_features), "native"))
+        for count in threads:
+            torch.set_num_threads(count)
+            for rows in FORMAT_ROWS:
+                x = torch.randn(rows, in_features)
+                times = fastest([lambda x=x, m=m: quant_kernel.mm(x, m.packed, m.scale_zeros, m.bits)
+                                 for m in matrices], reps)
+                cells = " ".join(f"{t:>6.3f} {t / times[0]:>5.2f}x" for t in times)
+                print(f"{name:<16} {count:>3} {rows:>4} {cells}")
+    print("(each cell: ms, then the ratio to Q4_1's time)")
+
+
+def file_steps(reps: int, threads: Sequence[int]) -> None:
+    """The default model's whole decode step from its Q4_1 file and from the Q4_K_M one (module doc)."""
+    from benchmarks.loglik import CACHE, Q4_K_M_NAME
+    from services.node.model.quant.quant_load import resolve_format
+
+    model = resolve_model("default")
+    cpu = torch.device("cpu")
+    files = [model.gguf, CACHE / Q4_K_M_NAME]
+    if not files[1].exists():
+        print(f"\n{files[1]} is missing: run benchmarks.loglik first")
+        return
+    shards = [load_shard(model.path, 0, 29, QUANTIZED_DTYPE, cpu, resolve_format("auto", f)[0], f) for f in files]
+    print(f"\n{'decode step (30 layers + LM head)':<36} {'thr':>3} {'rows':>4} {'Q4_1 ms':>9} {'Q4_K_M ms':>9} "
+          f"{'ratio':>6}  (weight MB {shards[0].weight_bytes() / 1e6:.1f} / {shards[1].weight_bytes() / 1e6:.1f})")
+    prompt = torch.arange(100, 100 + PROMPT_TOKENS).unsqueeze(0)
+    for count in threads:
+        torch.set_num_threads(count)
+        for rows in STEP_ROWS:
+            runs = []
+            for shard in shards:
+                caches = [shard.new_cache() for _ in range(rows)]
+                for cache in caches:
+                    shard.run_layers(shard.embed(prompt), cache, 0)
+                hidden = shard.embed(torch.full((1, rows), 42)).view(rows, 1, -1)
+
+                def step(shard: Shard = shard, caches: list[ShardCache] = caches, hidden: torch.Tensor = hidden) -> None:
+                    out = shard.run_rows(hidden, caches, [PROMPT_TOKENS] * len(caches), 0)
+                    shard.logits_rows(out)
+                    for cache in caches:
+                        cache.truncate(PROMPT_TOKENS)
+                runs.append(step)
+            a, b = fastest(runs, reps)
+            print(f"{'default model':<36} {count:>3} {rows:>4} {a:>9.2f} {b:>9.2f} {b / a:>5.2f}x")
+
+
 def steps(reps: int, threads: Sequence[int]) -> None:
     model = resolve_model("default")
     cpu = torch.device("cpu")
@@ -117,11 +192,18 @@ def main() -> None:
     parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--no-step", action="store_true", help="skip the whole-shard decode step")
     parser.add_argument("--no-matrices", action="store_true", help="skip the per-matrix table")
+    parser.add_argument("--formats", action="store_true", help="only each GGUF type against Q4_1 (module doc)")
+    parser.add_argument("--files", action="store_true", help="with --formats: the Q4_1 and Q4_K_M files' steps")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     if not quant_kernel.available():
         raise SystemExit("the native kernel is not available (see the log above)")
     with torch.inference_mode():
+        if args.formats:
+            formats(args.reps, args.threads)
+            if args.files:
+                file_steps(args.reps, args.threads)
+            return
         if not args.no_matrices:
             matrices(args.reps, args.threads)
         if not args.no_step:

@@ -134,7 +134,7 @@ def test_gguf_blocks_of_the_wrong_size_are_refused() -> None:
     with pytest.raises(QuantError, match="needs"):
         gguf_groups("Q4_1", blocks[:, :-1], 192, 96)
     with pytest.raises(QuantError, match="not one of"):
-        gguf_groups("Q6_K", blocks, 192, 96)
+        gguf_groups("Q3_K", blocks, 192, 96)
 
 
 def test_auto_serves_a_float_checkpoint_as_float() -> None:

@@ -7,7 +7,9 @@ multiplies: one row of the default model's LM head took 5.3 ms, 8 rows 20 ms
 ``kernels/quant_mm.cpp`` unpacks each tile of 16 output rows by one group of
 32 inputs once and applies it to up to 16 rows held in registers, with
 float32 rows and sums (each group ``s * sum((q - 8) x) + z * sum(x)``);
-int8 is held as one signed byte a weight instead of two nibble matrices.
+int8 is held as one signed byte a weight instead of two nibble matrices, GGUF's
+5-bit types as six 5-bit integers a dword; a matrix's groups are 32 inputs, or
+16 (Q6_K), read from its scales' shape (:mod:`services.node.model.quant.packed`).
 AVX-512 when the CPU has it, else the same loops compiled for AVX2+FMA or
 for any CPU. From 8 rows on a CPU with AMX (Sapphire Rapids and later) the
 tile's integers go to AMX as exact bfloat16 and the rows as three bfloat16

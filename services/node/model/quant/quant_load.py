@@ -9,11 +9,16 @@ logs the reason): the quantized path is the lean decoder's
 knows, on a CPU, with matrices the packed format holds.
 
 :func:`load_quantized` reads each matrix on its own and packs it at once, so
-the node never holds a float copy of its layers: from a GGUF, Q4_0/Q4_1/Q8_0
-blocks become the packed format directly (the integers as they are, the
-scales rounded to bfloat16; a block type of the other width is dequantized
-and requantized one matrix at a time); from safetensors, each float matrix
-is quantized as it is read. The token embedding and the LM head (one matrix
+the node never holds a float copy of its layers: from a GGUF, the blocks of
+a type served packed (:func:`packed_from_gguf`: Q4_0, Q4_1, Q4_K as int4;
+Q5_0, Q5_1, Q5_K, Q6_K, Q8_0 as int8) become the packed format directly (the
+integers as they are, the scales rounded to bfloat16) when its format is the
+one asked for, or a narrower one under the file's widest (``auto``'s pick:
+:func:`holds_packed`), so a Q4_K_M file's Q4_K, Q5_0, Q6_K and Q8_0 matrices
+are each held as they are; another type (of another width than asked for, or
+one not served packed: Q2_K, Q3_K, IQ*, for which ``auto`` loads the shard as
+float and says why) is dequantized and requantized one matrix at a time; from safetensors, each float matrix is quantized as it
+is read. The token embedding and the LM head (one matrix
 when tied, as in SmolLM2) are held in int8 in both modes: in bfloat16 they
 alone would be 56 MB of the default model's 98 MB file.
 """
@@ -23,7 +28,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Final, Literal, Protocol
@@ -34,8 +39,9 @@ from safetensors import safe_open
 from torch import nn
 from transformers import PretrainedConfig
 
-from services.node.model.quant.gguf_file import GgufFile, read_index
+from services.node.model.quant.gguf_file import GgufFile, TensorEntry, read_index
 from services.node.model.quant.packed import (
+    FORMAT_BITS,
     GGUF_BLOCK_BYTES,
     GGUF_FORMAT,
     GROUP_SIZE,
@@ -75,15 +81,27 @@ _GGUF_NAMES: Final = {EMBED_KEY: "token_embd.weight", "model.norm.weight": "outp
                       LM_HEAD_KEY: "output.weight"}
 
 
-def gguf_format(gguf: Path) -> QuantFormat | None:
-    """The format the decoder-layer matrices of ``gguf`` map onto, or ``None`` (float, or another type)."""
+def _layer_kinds(gguf: Path) -> set[str]:
     tensors, _ = read_index(gguf)
-    kinds = {t.kind for t in tensors.values() if t.name.startswith("blk.") and t.name.endswith(".weight")
-             and len(t.shape) == 2}
+    return _matrix_kinds(tensors.values())
+
+
+def _matrix_kinds(tensors: Iterable[TensorEntry]) -> set[str]:
+    return {t.kind for t in tensors if t.name.startswith("blk.") and t.name.endswith(".weight") and len(t.shape) == 2}
+
+
+def kinds_format(kinds: Iterable[str]) -> QuantFormat | None:
+    """The widest format GGUF types ``kinds`` are held in packed, or ``None`` when one is not served packed."""
     formats = {GGUF_FORMAT.get(kind) for kind in kinds}
-    if len(formats) == 1 and None not in formats:
-        return formats.pop()
-    return None
+    if not formats or None in formats:
+        return None
+    return max(formats, key=lambda fmt: FORMAT_BITS[fmt])  # type: ignore[arg-type]
+
+
+def gguf_format(gguf: Path) -> QuantFormat | None:
+    """The widest format the decoder-layer matrices of ``gguf`` are held in packed (each in its own:
+    :func:`packed_from_gguf`), or ``None`` when one of their types is not served packed (float, Q2_K, IQ*)."""
+    return kinds_format(_layer_kinds(gguf))
 
 
 def resolve_format(mode: WeightsMode, gguf: Path | None) -> tuple[WeightsFormat, str]:
@@ -94,8 +112,32 @@ def resolve_format(mode: WeightsMode, gguf: Path | None) -> tuple[WeightsFormat,
         return "float", "--weights auto: the checkpoint is float"
     native = gguf_format(gguf)
     if native is None:
-        return "float", f"--weights auto: {gguf.name}'s layers are not all Q4_0/Q4_1/Q8_0"
-    return native, f"--weights auto: {gguf.name} holds its layers in {native}"
+        others = sorted(kind for kind in _layer_kinds(gguf) if kind not in GGUF_FORMAT)
+        return "float", (f"--weights auto: {gguf.name}'s layers hold {', '.join(others)}, not served packed "
+                         f"(packed: {', '.join(GGUF_FORMAT)}), so they load as float")
+    kinds = ", ".join(sorted(_layer_kinds(gguf)))
+    return native, f"--weights auto: {gguf.name} holds its layers in {kinds}, each served packed as it is"
+
+
+def holds_packed(kind: str, fmt: QuantFormat, file_format: QuantFormat | None) -> bool:
+    """Whether a GGUF type is served as it is under ``fmt``: its format family is ``fmt``, or it is narrower and
+    ``fmt`` is the file's own (``file_format``, :func:`kinds_format` of its layers), so ``auto`` serves a Q4_K_M
+    file's Q4_K, Q5_0 and Q6_K matrices each as it is, while ``--weights int8`` of a Q4_1 file still requantizes
+    its layers to int8 as before."""
+    held = GGUF_FORMAT.get(kind)
+    return held == fmt or (held is not None and FORMAT_BITS[held] < FORMAT_BITS[fmt] and fmt == file_format)
+
+
+def packed_from_gguf(kind: str, raw: np.ndarray, rows: int, cols: int, fmt: QuantFormat,
+                     file_format: QuantFormat | None) -> Groups | None:
+    """A GGUF tensor's blocks (type ``kind``, ``rows x cols`` weights, its raw bytes) as the packed format's
+    groups, exactly (the file's integers, its scales rounded to bfloat16), when :func:`holds_packed` (types
+    and their families: :data:`~services.node.model.quant.packed.GGUF_FORMAT`, Q4_0/Q4_1/Q4_K int4, Q5_0/Q5_1/
+    Q5_K int5 and Q6_K/Q8_0 int8 in the int8 family); ``None`` when not (a float type, Q2_K, IQ*, or a type
+    of another width than asked for): then the caller dequantizes it and quantizes the floats to ``fmt``."""
+    if not holds_packed(kind, fmt, file_format):
+        return None
+    return gguf_groups(kind, raw, rows, cols)
 
 
 def quantized_problem(config: PretrainedConfig, device: torch.device,
@@ -156,11 +198,12 @@ class SafetensorsSource:
 
 
 class GgufSource:
-    """A GGUF file: Q4_0/Q4_1/Q8_0 blocks become the packed format without a float copy (module doc)."""
+    """A GGUF file: blocks of a type served packed become the packed format without a float copy (module doc)."""
 
     def __init__(self, gguf: Path, config: PretrainedConfig) -> None:
         self.path = gguf
         self._file = GgufFile(gguf)
+        self._own_format = kinds_format(_matrix_kinds(self._file.tensors.values()))
         self._heads: int = config.num_attention_heads
         self._kv_heads: int = config.num_key_value_heads
 
@@ -194,19 +237,18 @@ class GgufSource:
         tensor = self._file.tensors.get(name)
         if tensor is None or len(tensor.shape) != 2:
             return None
-        kind = tensor.kind
-        if GGUF_FORMAT.get(kind) != fmt:  # another width or a float type: this one matrix goes through float
+        rows, cols = tensor.shape
+        groups = packed_from_gguf(tensor.kind, self._file.raw(name), rows, cols, fmt, self._own_format)
+        if groups is None:  # a wider or a float type: this one matrix goes through float
             weight = self.float_tensor(key)
             return None if weight is None else groups_of(weight, fmt)
-        rows, cols = tensor.shape
-        groups = gguf_groups(kind, self._file.raw(name), rows, cols)
         order = self._row_order(key, rows)
         return groups if order is None else permute_rows(groups, order)
 
     def matrix(self, key: str, fmt: QuantFormat) -> QuantMatrix | None:
         name = self._name(key)
         tensor = self._file.tensors.get(name)
-        if (tensor is None or len(tensor.shape) != 2 or GGUF_FORMAT.get(tensor.kind) != fmt
+        if (tensor is None or len(tensor.shape) != 2 or not holds_packed(tensor.kind, fmt, self._own_format)
                 or self._row_order(key, tensor.shape[0]) is not None):
             groups = self.groups(key, fmt)
             return None if groups is None else QuantMatrix(groups)

