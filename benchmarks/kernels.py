@@ -37,7 +37,6 @@ from unittest import mock
 
 import torch
 
-from services.node.model.kv_cache import ShardCache
 from services.node.model.model_source import resolve_model
 from services.node.model.quant import quant_kernel
 from services.node.model.quant.packed import QUANTIZED_DTYPE, QuantMatrix, groups_of
@@ -140,21 +139,24 @@ def file_steps(reps: int, threads: Sequence[int]) -> None:
     for count in threads:
         torch.set_num_threads(count)
         for rows in STEP_ROWS:
-            runs = []
-            for shard in shards:
-                caches = [shard.new_cache() for _ in range(rows)]
-                for cache in caches:
-                    shard.run_layers(shard.embed(prompt), cache, 0)
-                hidden = shard.embed(torch.full((1, rows), 42)).view(rows, 1, -1)
-
-                def step(shard: Shard = shard, caches: list[ShardCache] = caches, hidden: torch.Tensor = hidden) -> None:
-                    out = shard.run_rows(hidden, caches, [PROMPT_TOKENS] * len(caches), 0)
-                    shard.logits_rows(out)
-                    for cache in caches:
-                        cache.truncate(PROMPT_TOKENS)
-                runs.append(step)
-            a, b = fastest(runs, reps)
+            a, b = fastest([_decode_step(shard, rows, prompt) for shard in shards], reps)
             print(f"{'default model':<36} {count:>3} {rows:>4} {a:>9.2f} {b:>9.2f} {b / a:>5.2f}x")
+
+
+def _decode_step(shard: Shard, rows: int, prompt: torch.Tensor) -> Callable[[], None]:
+    """One decode step of ``rows`` sessions that each hold ``prompt``, through ``shard`` and its LM head; each
+    call leaves the caches as it found them."""
+    caches = [shard.new_cache() for _ in range(rows)]
+    for cache in caches:
+        shard.run_layers(shard.embed(prompt), cache, 0)
+    hidden = shard.embed(torch.full((1, rows), 42)).view(rows, 1, -1)
+
+    def step() -> None:
+        out = shard.run_rows(hidden, caches, [PROMPT_TOKENS] * len(caches), 0)
+        shard.logits_rows(out)
+        for cache in caches:
+            cache.truncate(PROMPT_TOKENS)
+    return step
 
 
 def steps(reps: int, threads: Sequence[int]) -> None:
@@ -169,20 +171,7 @@ def steps(reps: int, threads: Sequence[int]) -> None:
     for count in threads:
         torch.set_num_threads(count)
         for rows in STEP_ROWS:
-            runs = []
-            for shard in (old, new):
-                caches = [shard.new_cache() for _ in range(rows)]
-                for cache in caches:
-                    shard.run_layers(shard.embed(prompt), cache, 0)
-                hidden = shard.embed(torch.full((1, rows), 42)).view(rows, 1, -1)
-
-                def step(shard: Shard = shard, caches: list[ShardCache] = caches, hidden: torch.Tensor = hidden) -> None:
-                    out = shard.run_rows(hidden, caches, [PROMPT_TOKENS] * len(caches), 0)
-                    shard.logits_rows(out)
-                    for cache in caches:
-                        cache.truncate(PROMPT_TOKENS)
-                runs.append(step)
-            a, b = fastest(runs, reps)
+            a, b = fastest([_decode_step(shard, rows, prompt) for shard in (old, new)], reps)
             print(f"{'int4 shard 0-29':<36} {count:>3} {rows:>4} {a:>9.2f} {b:>9.2f} {a / b:>7.1f}x")
 
 
