@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import sys
 
 import uvicorn
 
@@ -15,6 +16,22 @@ from services.node.settings import NodeSettings
 logger = logging.getLogger(__name__)
 
 
+def _refuse_unserved_gguf(model: str) -> None:
+    """A GGUF whose architecture or tensor formats are not served stops the node here, in one line."""
+    from pathlib import Path
+
+    from services.node.model.gguf_model import GgufModelError, check_servable, is_gguf
+
+    path = Path(model).expanduser()
+    if not is_gguf(path):
+        return
+    try:
+        check_servable(path)
+    except GgufModelError as exc:
+        print(f"meshnet node: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
+
+
 def serve(settings: NodeSettings) -> None:
     """Serve ``settings``' node until interrupted.
 
@@ -25,6 +42,7 @@ def serve(settings: NodeSettings) -> None:
     """
     if not settings.join_token:  # a node that joins by token holds no secret: nothing to leak
         exposure.require_private_secret("the node", settings.host, settings.secret)
+    _refuse_unserved_gguf(settings.model)
     openmp.configure()  # before torch loads: the node's modules import it
     from services.node.app import create_app
 

@@ -28,12 +28,25 @@ import tempfile
 from pathlib import Path
 from typing import Any, Final, Self
 
+import filelock
 import numpy as np
 import torch
 from transformers import GenerationConfig, PretrainedConfig
 
-from services.node.model.gguf_config import GgufConfigError, generation_defaults, hf_config
-from services.node.model.quant.gguf_file import SPLIT_NAME, GgufError, GgufFile, split_parts
+from services.node.model.gguf_config import (
+    SERVED_ARCHITECTURES,
+    GgufConfigError,
+    generation_defaults,
+    hf_config,
+)
+from services.node.model.quant.gguf_file import (
+    SPLIT_NAME,
+    GgufError,
+    GgufFile,
+    read_architecture,
+    read_index,
+    split_parts,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -42,6 +55,8 @@ GGUF_MARKER: Final = "meshnet-gguf.json"
 FOLDER_FORMAT: Final = 1
 """Version of the metadata folder's layout; another version is prepared again."""
 FOLDER_MODE: Final = 0o755
+LOCK_TIMEOUT_S: Final = 600.0
+"""Longest wait for another process preparing the same file's folder (a large vocabulary takes tens of seconds)."""
 PERMUTED_QK: Final = frozenset({"llama", "mistral", "mixtral"})
 """Model types whose GGUF holds q/k rows in llama.cpp's rotary order (its converter permutes ``llama`` files)."""
 ONE_PLUS_NORMS: Final = frozenset({"gemma2", "gemma3_text"})
@@ -111,11 +126,39 @@ def gguf_config(gguf: Path) -> tuple[PretrainedConfig, dict[str, Any]]:
         raise GgufModelError(f"{gguf.name}: {exc}") from exc
 
 
-def prepare_gguf_folder(gguf: Path, cache_dir: Path) -> Path:
-    """The metadata folder of ``gguf`` under ``cache_dir`` (module doc), prepared once per file version."""
-    gguf = gguf.expanduser().resolve()
+def check_servable(gguf: Path) -> None:
+    """Refuse, in one line, a GGUF whose architecture or tensor formats meshnet does not serve (fast: the
+    header only), so a node says so at start rather than fail while loading."""
     if not gguf.is_file():
-        raise GgufModelError(f"{gguf} is not a file")
+        raise GgufModelError(f"{gguf} does not exist")
+    try:
+        arch = read_architecture(gguf)
+        if arch not in SERVED_ARCHITECTURES:
+            raise GgufModelError(f"{gguf.name}: GGUF architecture {arch!r} is not served; served: "
+                                 f"{', '.join(SERVED_ARCHITECTURES)}")
+        kinds: set[str] = set()
+        for part in split_parts(gguf):
+            kinds |= {entry.kind for entry in read_index(part)[0].values()}
+    except GgufError as exc:
+        raise GgufModelError(f"{gguf.name}: {exc}") from exc
+    unread = sorted(kinds - readable_kinds())
+    if unread:
+        raise GgufModelError(f"{gguf.name} holds tensors in {', '.join(unread)}, which meshnet cannot read")
+
+
+def readable_kinds() -> frozenset[str]:
+    """The ggml tensor types a shard can read: float ones as they are, quantized ones through gguf-py."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import _type_traits
+
+    return frozenset({"F32", "F16", "BF16"} | {GGMLQuantizationType(kind).name for kind in _type_traits})
+
+
+def prepare_gguf_folder(gguf: Path, cache_dir: Path) -> Path:
+    """The metadata folder of ``gguf`` under ``cache_dir`` (module doc), prepared once per file version; nodes
+    started together prepare it once (a file lock)."""
+    gguf = gguf.expanduser().resolve()
+    check_servable(gguf)
     parts = split_parts(gguf)
     stat = gguf.stat()
     source = {"format": FOLDER_FORMAT, "gguf": str(gguf), "bytes": sum(p.stat().st_size for p in parts),
@@ -124,15 +167,26 @@ def prepare_gguf_folder(gguf: Path, cache_dir: Path) -> Path:
     match = SPLIT_NAME.fullmatch(gguf.name)
     stem = match["stem"] if match else gguf.name.removesuffix(".gguf")
     target = cache_dir / "gguf" / digest / stem
+    if _prepared(target, source):
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with filelock.FileLock(str(target.with_name(f"{target.name}.lock")), timeout=LOCK_TIMEOUT_S):
+        if not _prepared(target, source):  # another node may have prepared it while this one waited
+            _prepare(gguf, target, stem, source)
+    return target
+
+
+def _prepared(target: Path, source: dict[str, Any]) -> bool:
     try:
-        if json.loads((target / GGUF_MARKER).read_text(encoding="utf-8")) == source:
-            return target
+        return bool(json.loads((target / GGUF_MARKER).read_text(encoding="utf-8")) == source)
     except (OSError, ValueError):
-        pass
+        return False
+
+
+def _prepare(gguf: Path, target: Path, stem: str, source: dict[str, Any]) -> None:
     config, meta = gguf_config(gguf)
     logger.info("reading %s's metadata into %s (once): %s, %d layers", gguf.name, target, config.model_type,
                 config.num_hidden_layers)
-    target.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{stem}.", dir=target.parent))
     staging.chmod(FOLDER_MODE)
     try:
@@ -151,7 +205,6 @@ def prepare_gguf_folder(gguf: Path, cache_dir: Path) -> Path:
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
-    return target
 
 
 def _save_tokenizer(gguf: Path, folder: Path) -> None:

@@ -87,6 +87,23 @@ def _skip_value(handle: BinaryIO, kind: int) -> None:
         raise GgufError(f"unknown metadata value type {kind}")
 
 
+def read_architecture(path: Path) -> str | None:
+    """The file's ``general.architecture``, read from the header alone."""
+    with path.open("rb") as handle:
+        if handle.read(4) != MAGIC:
+            raise GgufError(f"{path} is not a GGUF file")
+        version, _, metadata = _read(handle, "<IQQ")
+        if version not in VERSIONS or metadata > MAX_METADATA:
+            raise GgufError(f"{path}: GGUF version {version} is not supported")
+        for _ in range(metadata):
+            key = _string(handle)
+            (kind,) = _read(handle, "<I")
+            if key == b"general.architecture" and kind == _STRING:
+                return _string(handle).decode("utf-8", errors="replace")
+            _skip_value(handle, kind)
+    return None
+
+
 def read_index(path: Path) -> tuple[dict[str, TensorEntry], int]:
     """Every tensor of the GGUF at ``path`` by name, and the file offset of its data section."""
     with path.open("rb") as handle:
