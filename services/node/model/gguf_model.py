@@ -111,9 +111,7 @@ def read_metadata(gguf: Path) -> tuple[dict[str, Any], dict[str, tuple[int, ...]
             meta[name] = field.contents()
         except (ValueError, UnicodeDecodeError):
             continue
-    tensors = {}
-    for part in split_parts(gguf):
-        tensors.update({name: entry.shape for name, entry in GgufFile(part).tensors.items()})
+    tensors = {name: entry.shape for name, entry in GgufFile(gguf).tensors.items()}  # every part's
     return meta, tensors
 
 
@@ -132,12 +130,13 @@ def check_servable(gguf: Path) -> None:
     if not gguf.is_file():
         raise GgufModelError(f"{gguf} does not exist")
     try:
+        parts = split_parts(gguf)  # first: a later part of a split set is refused by name
         arch = read_architecture(gguf)
         if arch not in SERVED_ARCHITECTURES:
             raise GgufModelError(f"{gguf.name}: GGUF architecture {arch!r} is not served; served: "
                                  f"{', '.join(SERVED_ARCHITECTURES)}")
         kinds: set[str] = set()
-        for part in split_parts(gguf):
+        for part in parts:
             kinds |= {entry.kind for entry in read_index(part)[0].values()}
     except GgufError as exc:
         raise GgufModelError(f"{gguf.name}: {exc}") from exc
