@@ -26,7 +26,15 @@ from meshwire.routes import Route, RouteNode, plan_start_layers, sign_route
 from services.node.model.gguf_model import prepare_gguf_folder
 from services.node.model.shard import load_shard
 from tests.gguf_models import LAYERS, GgufModel, build_gguf_model
-from tests.procs import TEST_ROUTE_KEY, TEST_SECRET, Service, node_hop_key, pinned_node_env, start_service, wait_healthy
+from tests.procs import (
+    TEST_ROUTE_KEY,
+    TEST_SECRET,
+    Service,
+    node_hop_key,
+    pinned_node_env,
+    start_service,
+    wait_healthy,
+)
 
 MESSAGES: Final = [{"role": "user", "content": "Where does the river run before it reaches the sea?"}]
 NEW_TOKENS: Final = 12
