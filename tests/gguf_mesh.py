@@ -81,7 +81,8 @@ def reference(served: Served, sampling: dict[str, Any] | None = None, tokens: in
 
 
 def shards_generate(served: Served, ranges: list[tuple[int, int]], tokens: int = NEW_TOKENS) -> list[int]:
-    """Greedy tokens of shards of ``ranges`` loaded in this process from the GGUF, chained by hand."""
+    """Greedy tokens of shards of ``ranges`` loaded in this process from the GGUF, chained by hand; the logits
+    after the prompt must be transformers' own (soft-capping, which greedy tokens cannot see, included)."""
     shards = [load_shard(served.folder, start, end, torch.float32, torch.device("cpu")) for start, end in ranges]
     caches = [shard.new_cache() for shard in shards]
     step, position, out = served.prompt, 0, []
@@ -89,8 +90,13 @@ def shards_generate(served: Served, ranges: list[tuple[int, int]], tokens: int =
         hidden = shards[0].embed(step)
         for shard, cache in zip(shards, caches, strict=True):
             hidden = shard.run_layers(hidden, cache, position)
+        logits = shards[-1].logits_last(hidden)
+        if position == 0:
+            with torch.no_grad():
+                expected = served.gguf.model(step).logits[0, -1]
+            torch.testing.assert_close(logits, expected, rtol=1e-5, atol=1e-5)
         position += step.shape[1]
-        out.append(int(shards[-1].logits_last(hidden).argmax()))
+        out.append(int(logits.argmax()))
         step = torch.tensor([[out[-1]]])
     return out
 
