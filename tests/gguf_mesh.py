@@ -43,6 +43,9 @@ SPLITS: Final = tuple((0, cut, cut + 1, LAYERS - 1) for cut in range(LAYERS - 1)
 """Every two-shard split of the tiny models' layers."""
 NODES: Final = {"full": (0, LAYERS - 1), "front": (0, 1), "back": (2, LAYERS - 1)}
 ROUTES: Final = {1: ("full",), 2: ("front", "back")}
+LOGITS_TOLERANCE: Final = 1e-4
+"""Llama 3's rope from the file's divisors differs from transformers' own formula in the last bits (1e-5 on a
+logit); a missing soft-cap or rope scaling moves logits by far more."""
 
 
 @dataclass(frozen=True)
@@ -94,7 +97,7 @@ def shards_generate(served: Served, ranges: list[tuple[int, int]], tokens: int =
         if position == 0:
             with torch.no_grad():
                 expected = served.gguf.model(step).logits[0, -1]
-            torch.testing.assert_close(logits, expected, rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(logits, expected, rtol=LOGITS_TOLERANCE, atol=LOGITS_TOLERANCE)
         position += step.shape[1]
         out.append(int(logits.argmax()))
         step = torch.tensor([[out[-1]]])
