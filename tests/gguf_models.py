@@ -29,6 +29,7 @@ from transformers import (
     LlamaConfig,
     MistralConfig,
     MixtralConfig,
+    Phi3Config,
     PretrainedConfig,
     PreTrainedModel,
     PreTrainedTokenizerFast,
@@ -57,7 +58,7 @@ LLAMA3_ROPE: Final = {"rope_type": "llama3", "rope_theta": 10_000.0, "factor": 8
 """Llama 3.1's rope scaling with a short original context, so that within a few dozen positions its
 eight frequencies fall in all three of its bands and change the answer."""
 GGUF_ARCH: Final = {"llama": "llama", "mistral": "llama", "mixtral": "llama", "qwen2": "qwen2", "qwen3": "qwen3",
-                    "qwen3_moe": "qwen3moe", "gemma2": "gemma2", "gemma3_text": "gemma3"}
+                    "qwen3_moe": "qwen3moe", "gemma2": "gemma2", "gemma3_text": "gemma3", "phi3": "phi3"}
 
 
 @dataclass(frozen=True)
@@ -93,6 +94,10 @@ def family_config(family: str, vocab: int, eos: int, pad: int) -> PretrainedConf
     if family == "gemma3":
         return Gemma3TextConfig(**common, query_pre_attn_scalar=HEAD_DIM, sliding_window=4,
                                 layer_types=["sliding_attention", "full_attention"] * (LAYERS // 2))
+    if family == "phi3":
+        return Phi3Config(**{**common, "head_dim": HIDDEN // HEADS}, sliding_window=None,
+                          rope_parameters={"rope_type": "default", "rope_theta": 10_000.0,
+                                           "partial_rotary_factor": 0.5})
     if family == "qwen3_moe":
         return Qwen3MoeConfig(**common, moe_intermediate_size=32, num_experts=EXPERTS,
                               num_experts_per_tok=EXPERTS_USED, norm_topk_prob=True)
@@ -103,7 +108,7 @@ def family_config(family: str, vocab: int, eos: int, pad: int) -> PretrainedConf
 
 
 FAMILIES: Final = ("llama", "llama3", "llama_tied", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "qwen3_moe",
-                   "mixtral")
+                   "mixtral", "phi3")
 
 
 def build_gguf_model(family: str, dest: Path, *, split_max_tensors: int = 0) -> GgufModel:
@@ -147,6 +152,8 @@ def _write(model: PreTrainedModel, tokenizer: PreTrainedTokenizerFast, path: Pat
     writer.add_rope_freq_base(rope["rope_theta"])
     if arch == "llama":
         writer.add_rope_dimension_count(config.head_dim)
+    if arch == "phi3":
+        writer.add_rope_dimension_count(int(config.head_dim * rope.get("partial_rotary_factor", 1.0)))
     if config.model_type == "mixtral":
         writer.add_expert_count(config.num_local_experts)
         writer.add_expert_used_count(config.num_experts_per_tok)

@@ -1,4 +1,4 @@
-"""Dense architectures from their GGUF (llama, Llama 3's rope scaling, a tied LM head, mistral, qwen2, qwen3):
+"""Dense architectures from their GGUF (llama, Llama 3's rope scaling, a tied LM head, mistral, qwen2, qwen3, phi3):
 every split of the layers in this process, and 1 and 2 real node processes given ``--model FILE.gguf``,
 answer exactly as transformers does on the same weights (float32, greedy and seeded)."""
 
@@ -20,8 +20,8 @@ from tests.gguf_mesh import (
 )
 from tests.gguf_models import LAYERS
 
-FAMILIES = ("llama", "llama3", "llama_tied", "mistral", "qwen2", "qwen3")
-MESHED = ("llama3", "qwen2", "qwen3")
+FAMILIES = ("llama", "llama3", "llama_tied", "mistral", "qwen2", "qwen3", "phi3")
+MESHED = ("llama3", "qwen2", "qwen3", "phi3")
 """The families also run as real node processes (the others share their code path: llama's, with a
 tied head or Mistral's config)."""
 

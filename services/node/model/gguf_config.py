@@ -27,6 +27,7 @@ from transformers import (
     LlamaConfig,
     MistralConfig,
     MixtralConfig,
+    Phi3Config,
     PretrainedConfig,
     Qwen2Config,
     Qwen3Config,
@@ -36,7 +37,7 @@ from transformers import (
 Metadata = Mapping[str, Any]
 """A GGUF's metadata: key to value (strings decoded, arrays as lists)."""
 
-SERVED_ARCHITECTURES: Final = ("llama", "qwen2", "qwen3", "qwen3moe", "gemma2", "gemma3")
+SERVED_ARCHITECTURES: Final = ("llama", "qwen2", "qwen3", "qwen3moe", "gemma2", "gemma3", "phi3")
 """GGUF ``general.architecture`` values served (``llama`` covers Llama, Mistral and Mixtral files)."""
 GEMMA3_SLIDING_PATTERN: Final = 6
 """llama.cpp's Gemma 3: every sixth layer is global, the others slide (when the file does not say)."""
@@ -186,6 +187,19 @@ def _gemma3(meta: Metadata, common: dict[str, Any]) -> PretrainedConfig:
         attn_logit_softcapping=_get(meta, arch, "attn_logit_softcapping"))
 
 
+def _phi3(meta: Metadata, common: dict[str, Any], tensors: Mapping[str, tuple[int, ...]]) -> PretrainedConfig:
+    """Phi-3: fused q/k/v and gate/up projections, a rotary over part of each head (Phi-3.5/4-mini)."""
+    arch = "phi3"
+    if "rope_factors_long.weight" in tensors or "rope_factors_short.weight" in tensors:
+        raise GgufConfigError("phi3 with longrope scaling (rope_factors_long/short) is not served")
+    head_dim = common["hidden_size"] // common["num_attention_heads"]
+    rotary = int(_get(meta, arch, "rope.dimension_count", head_dim))
+    rope = {**_rope(meta, arch, _get(meta, arch, "rope.freq_base", DEFAULT_ROPE_BASE)),
+            "partial_rotary_factor": rotary / head_dim}
+    return Phi3Config(**{**common, "head_dim": head_dim}, rope_parameters=rope,
+                      sliding_window=_get(meta, arch, "attention.sliding_window"))
+
+
 def hf_config(meta: Metadata, tensors: Mapping[str, tuple[int, ...]]) -> PretrainedConfig:
     """The transformers config of the model in a GGUF with metadata ``meta`` and tensor shapes ``tensors``."""
     arch = meta.get("general.architecture")
@@ -203,6 +217,8 @@ def hf_config(meta: Metadata, tensors: Mapping[str, tuple[int, ...]]) -> Pretrai
         return _qwen3_moe(meta, common)
     if arch == "gemma2":
         return _gemma2(meta, common)
+    if arch == "phi3":
+        return _phi3(meta, common, tensors)
     return _gemma3(meta, common)
 
 
