@@ -130,3 +130,23 @@ def test_an_unserved_architecture_or_tensor_type_is_refused_in_one_line(tmp_path
     assert done.returncode == 2
     assert "Traceback" not in done.stderr
     assert "architecture 'phi2' is not served" in done.stderr.strip().splitlines()[-1]
+
+
+@pytest.mark.slow
+def test_the_default_models_gguf_served_directly_answers_as_its_converted_folder(tmp_path: Path) -> None:
+    from services.node.model.model_source import _locate_default_gguf
+
+    direct = resolve_model(str(_locate_default_gguf()), cache_dir=tmp_path)
+    converted = resolve_model("default")  # the folder `make setup` converted (converted now if missing)
+    mine, theirs = AutoTokenizer.from_pretrained(direct.path), AutoTokenizer.from_pretrained(converted.path)
+    assert mine.chat_template == theirs.chat_template
+    messages = [{"role": "user", "content": "Name three colours of the rainbow."}]
+    prompt = mine.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt")["input_ids"]
+    assert prompt.tolist() == theirs.apply_chat_template(messages, add_generation_prompt=True,
+                                                         return_tensors="pt")["input_ids"].tolist()
+    logits = []
+    for folder in (direct.path, converted.path):
+        shard = load_shard(folder, 0, 29, torch.float32, torch.device("cpu"))
+        logits.append(shard.logits_last(shard.run_layers(shard.embed(prompt), shard.new_cache(), 0)))
+        del shard
+    assert torch.equal(logits[0], logits[1])
