@@ -16,17 +16,19 @@ from services.node.settings import NodeSettings
 logger = logging.getLogger(__name__)
 
 
-def _refuse_unserved_gguf(model: str) -> None:
-    """A GGUF whose architecture or tensor formats are not served stops the node here, in one line."""
+def _refuse_unserved_gguf(settings: NodeSettings) -> None:
+    """A GGUF whose architecture, hyper-parameters or tensor formats are not served stops the node here, in one
+    line; one that is served has its metadata folder prepared (once; the runtime then finds it ready)."""
     from pathlib import Path
 
-    from services.node.model.gguf_model import GgufModelError, check_servable, is_gguf
+    from services.node.model.gguf_model import GgufModelError, is_gguf, prepare_gguf_folder
+    from services.node.model.model_source import default_cache_dir
 
-    path = Path(model).expanduser()
+    path = Path(settings.model).expanduser()
     if not is_gguf(path):
         return
     try:
-        check_servable(path)
+        prepare_gguf_folder(path, settings.model_cache_dir or default_cache_dir())
     except GgufModelError as exc:
         print(f"meshnet node: {exc}", file=sys.stderr)
         raise SystemExit(2) from None
@@ -42,8 +44,8 @@ def serve(settings: NodeSettings) -> None:
     """
     if not settings.join_token:  # a node that joins by token holds no secret: nothing to leak
         exposure.require_private_secret("the node", settings.host, settings.secret)
-    _refuse_unserved_gguf(settings.model)
     openmp.configure()  # before torch loads: the node's modules import it
+    _refuse_unserved_gguf(settings)
     from services.node.app import create_app
 
     configure_logging()
