@@ -44,7 +44,7 @@ class UpSettings(BaseSettings):
 
     model_config = SettingsConfigDict(env_prefix="MESHNET_", extra="ignore", frozen=True)
 
-    model: str = Field(DEFAULT_MODEL, description="a local model folder or a model name")
+    model: str = Field(DEFAULT_MODEL, description="a local model folder, a GGUF file or a model name")
     nodes: int = Field(2, ge=1, le=MAX_NODES, description="how many nodes split the model's layers")
     prefill_nodes: int = Field(0, ge=0, le=MAX_NODES, description="prefill nodes (--role prefill) splitting the "
                                                                    "layers beside the others, which then decode; "

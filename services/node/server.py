@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import sys
 
 import uvicorn
 
@@ -13,6 +14,24 @@ from services.node.engine import openmp
 from services.node.settings import NodeSettings
 
 logger = logging.getLogger(__name__)
+
+
+def _refuse_unserved_gguf(settings: NodeSettings) -> None:
+    """A GGUF whose architecture, hyper-parameters or tensor formats are not served stops the node here, in one
+    line; one that is served has its metadata folder prepared (once; the runtime then finds it ready)."""
+    from pathlib import Path
+
+    from services.node.model.gguf_model import GgufModelError, is_gguf, prepare_gguf_folder
+    from services.node.model.model_source import default_cache_dir
+
+    path = Path(settings.model).expanduser()
+    if not is_gguf(path):
+        return
+    try:
+        prepare_gguf_folder(path, settings.model_cache_dir or default_cache_dir())
+    except GgufModelError as exc:
+        print(f"meshnet node: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
 
 
 def serve(settings: NodeSettings) -> None:
@@ -26,6 +45,7 @@ def serve(settings: NodeSettings) -> None:
     if not settings.join_token:  # a node that joins by token holds no secret: nothing to leak
         exposure.require_private_secret("the node", settings.host, settings.secret)
     openmp.configure()  # before torch loads: the node's modules import it
+    _refuse_unserved_gguf(settings)
     from services.node.app import create_app
 
     configure_logging()

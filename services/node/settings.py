@@ -115,7 +115,7 @@ class NodeSettings(BaseSettings, SlowClientSettings, TlsClientSettings):
                                       use_attribute_docstrings=True)
 
     model: str = Field(default=DEFAULT_MODEL, min_length=1, max_length=limits.MAX_URL_CHARS)
-    """A local folder of a Hugging Face causal LM, or a hub name."""
+    """A local folder of a Hugging Face causal LM, a GGUF file (or the first of a split set), or a hub name."""
     layers: str | None = None
     """Layers this node holds, ``"A-B"`` inclusive; ``None`` holds every layer."""
     tracker: Annotated[TrackerUrls | None, NoDecode, BeforeValidator(_tracker_urls)] = None

@@ -1,6 +1,11 @@
 """Turn a ``--model`` argument into a local folder of safetensors weights and a tokenizer.
 
-Three kinds of argument:
+Four kinds of argument:
+
+* a GGUF file (or the first of a split ``-00001-of-000NN.gguf`` set): its
+  metadata read once into a small folder under the cache
+  (:mod:`services.node.model.gguf_model`); the weights stay in the file and
+  each shard reads its own tensors from it;
 
 * a local folder holding a Hugging Face causal LM (``config.json``,
   ``*.safetensors``, tokenizer files): used as it is;
@@ -36,6 +41,8 @@ from pathlib import Path
 from typing import Final
 
 import filelock
+
+from services.node.model.gguf_model import GgufModelError, gguf_of_folder, is_gguf, prepare_gguf_folder
 
 logger = logging.getLogger(__name__)
 
@@ -78,6 +85,8 @@ class ResolvedModel:
     gguf: Path | None = None
     """The quantized file the folder was converted from (the default model's GGUF), which ``--weights``
     reads its blocks from; ``None`` for a float checkpoint."""
+    weights_in_gguf: bool = False
+    """Whether ``gguf`` holds the only copy of the weights (``--model FILE.gguf``: ``path`` holds the metadata)."""
 
 
 def log_progress(stage: str, fraction: float) -> None:
@@ -100,16 +109,26 @@ def resolve_model(
         raise ModelSourceError("no model given: pass a local folder, 'default' or a hub name owner/name")
     root = cache_dir if cache_dir is not None else default_cache_dir()
     local = Path(name).expanduser()
+    if local.is_dir() and (gguf := gguf_of_folder(local)) is not None:  # a GGUF's metadata folder (meshnet up)
+        return ResolvedModel(path=local.resolve(), model_id=local.resolve().name, gguf=gguf, weights_in_gguf=True)
     if local.is_dir():
         check_model_folder(local)
         return ResolvedModel(path=local.resolve(), model_id=local.resolve().name)
+    if is_gguf(local):
+        if not local.is_file():
+            raise ModelSourceError(f"{local} does not exist")
+        try:
+            folder = prepare_gguf_folder(local, root)
+        except GgufModelError as exc:
+            raise ModelSourceError(str(exc)) from exc
+        return ResolvedModel(path=folder, model_id=folder.name, gguf=local.resolve(), weights_in_gguf=True)
     if name.lower() in DEFAULT_MODEL_ALIASES:
         return ResolvedModel(path=_default_model_folder(root, progress), model_id=DEFAULT_MODEL,
                              gguf=_locate_default_gguf())
     if HUB_NAME.fullmatch(name):
         return ResolvedModel(path=_download_from_hub(name, root, progress), model_id=name)
     raise ModelSourceError(
-        f"model {name!r} is neither a folder nor a hub name (owner/name); use 'default' for {DEFAULT_MODEL}"
+        f"model {name!r} is neither a folder, a GGUF file nor a hub name (owner/name); use 'default' for {DEFAULT_MODEL}"
     )
 
 

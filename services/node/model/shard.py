@@ -48,8 +48,16 @@ from transformers.masking_utils import (
     create_sliding_window_causal_mask,
 )
 
+from services.node.model.architecture import (
+    PositionEmbeddings,
+    attention_for,
+    divide_rope,
+    materialize_buffers,
+    soft_cap,
+)
 from services.node.model.chunk_precision import FLOAT32_ATTENTION, attention_kernel, compute_chunks_in_float32
 from services.node.model.device import chunk_compute_dtype
+from services.node.model.gguf_model import GgufWeights, gguf_of_folder
 from services.node.model.kv_cache import ShardCache
 from services.node.model.lean_decode import LeanDecoder, lean_decoder_for, quantized_lean_decoder, unsupported
 from services.node.model.quant.huge_pages import HugeRegion, gather
@@ -130,6 +138,7 @@ class Shard:
         self._lm_head = lm_head
         self._rotary_emb = rotary_emb
         self._mask_kinds: dict[int, MaskKind] = _mask_kinds(config, start, end)
+        self._positions = PositionEmbeddings(rotary_emb, set(self._mask_kinds.values()))
         self.lean = lean
         self.huge_region: HugeRegion | None = None
         """The huge-page mapping a quantized CPU shard's packed matrices live in (:mod:`services.node.model.quant.huge_pages`);
@@ -228,16 +237,17 @@ class Shard:
         if self.weights_format != "float" and self.lean is not None:
             return self._run_quantized(hidden, cache, position_ids, first, held)
         masks = self._masks(hidden, cache, position_ids, first)
-        position_embeddings = self._rotary_emb(hidden, position_ids=position_ids)
+        position_embeddings = self._positions(hidden, position_ids)
         try:
             if n == 1 and self.lean is not None and self.lean.solo and all(mask is None for mask in masks.values()):
-                cos, sin = position_embeddings
+                cos, sin = position_embeddings["full_attention"]
                 return self.lean.run(hidden, cos, sin, cache.kv, first, self.end)
             for index in range(first, self.end + 1):
+                kind = self._mask_kinds[index]
                 out = self._layers[index](
                     hidden,
-                    attention_mask=masks[self._mask_kinds[index]],
-                    position_embeddings=position_embeddings,
+                    attention_mask=masks[kind],
+                    position_embeddings=position_embeddings[kind],
                     position_ids=position_ids,
                     cache=cache.kv,
                     use_cache=True,
@@ -346,7 +356,7 @@ class Shard:
         if self._norm is None or self._lm_head is None:
             raise ShardError(f"layers {self.start}-{self.end} are not the tail: no LM head here")
         last = hidden[:, -1, :].to(device=self.device, dtype=self.dtype)
-        return self._lm_head(self._norm(last)).to(dtype=torch.float32)
+        return soft_cap(self._lm_head(self._norm(last)), self.config).to(dtype=torch.float32)
 
     @torch.inference_mode()
     def logits_at(self, hidden: torch.Tensor, positions: Sequence[int]) -> torch.Tensor:
@@ -361,7 +371,7 @@ class Shard:
         if self._norm is None or self._lm_head is None:
             raise ShardError(f"layers {self.start}-{self.end} are not the tail: no LM head here")
         states = hidden[0, :positions, :].to(device=self.device, dtype=self.dtype)
-        return self._lm_head(self._norm(states)).to(dtype=torch.float32)
+        return soft_cap(self._lm_head(self._norm(states)), self.config).to(dtype=torch.float32)
 
     @torch.inference_mode()
     def logits_tail(self, hidden: torch.Tensor, positions: int) -> torch.Tensor:
@@ -399,7 +409,7 @@ class Shard:
                 f"hidden states must have shape [1, n, {self.hidden_size}], got {list(hidden.shape)}"
             )
         last = hidden[:, -1:, :].to(device=self.device, dtype=self.dtype)
-        logits = self._lm_head(self._norm(last))
+        logits = soft_cap(self._lm_head(self._norm(last)), self.config)
         return logits[0, -1].to(dtype=torch.float32)
 
     def _masks(
@@ -460,8 +470,11 @@ def load_shard(path: Path, start: int, end: int, dtype: torch.dtype, device: tor
             f"layers {start}-{end} are not a range within the model's {num_layers} layers (0-{num_layers - 1})"
         )
 
+    weights_file = gguf_of_folder(path)  # --model FILE.gguf: the weights are in the file, not the folder
     chunk_dtype = chunk_compute_dtype(dtype, device)
     attention = attention_kernel(dtype, device)
+    model_class = AutoModelForCausalLM._model_mapping[type(config)]
+    attention = attention_for(model_class, attention, config)
     with torch.device("meta"):
         skeleton = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attention)
     config = skeleton.config  # the object the layers read at run time (attention kernel, layer types)
@@ -488,15 +501,23 @@ def load_shard(path: Path, start: int, end: int, dtype: torch.dtype, device: tor
     if served == "float":
         if chunk_dtype != dtype:
             compute_chunks_in_float32(modules.model.layers)
-        _load_weights(path, modules, config, dtype, device)
+        if weights_file is not None:
+            _load_gguf_weights(weights_file, modules, config, dtype, device)
+        else:
+            _load_weights(path, modules, config, dtype, device)
     else:
         chunk_dtype = dtype
-        _load_packed(path, gguf, modules, layers, config, served, dtype, device, is_head=is_head, is_tail=is_tail)
+        _load_packed(path, gguf or weights_file, modules, layers, config, served, dtype, device, is_head=is_head,
+                     is_tail=is_tail)
     huge = gather(modules) if served != "float" and device.type == "cpu" else None
 
     with torch.device(device):
         rotary_emb = type(decoder.rotary_emb)(config=config)
     rotary_emb.eval()
+    if weights_file is not None:
+        with GgufWeights(weights_file, config) as source:
+            if (divisors := source.rope_divisors()) is not None:
+                divide_rope(rotary_emb, divisors.to(device))
     modules.eval()
     if served == "float":
         lean = lean_decoder_for(config, layers, dtype, device, mask_kinds)
@@ -600,9 +621,33 @@ def _load_weights(
     if missing:
         raise ShardError(f"checkpoint in {path} lacks {len(missing)} tensors, e.g. {missing[:3]}")
     modules.load_state_dict(state, strict=True, assign=True)
+    materialize_buffers(modules, device)
     leftover = [name for name, t in [*modules.named_parameters(), *modules.named_buffers()] if t.is_meta]
     if leftover:
         raise ShardError(f"tensors not in the checkpoint and not computable: {leftover[:3]}")
+
+
+def _load_gguf_weights(gguf: Path, modules: nn.Module, config: PretrainedConfig, dtype: torch.dtype,
+                       device: torch.device) -> None:
+    """Read exactly the tensors ``modules`` names from the GGUF (:class:`GgufWeights`) and assign them."""
+    wanted = set(modules.state_dict().keys())
+    tied = LM_HEAD_KEY in wanted and bool(getattr(config, "tie_word_embeddings", False))
+    state: dict[str, torch.Tensor] = {}
+    with GgufWeights(gguf, config) as source:
+        for key in sorted(wanted):
+            tensor = source.tensor(EMBED_KEY if tied and key == LM_HEAD_KEY else key)
+            if tensor is not None:
+                state[key] = _cast(tensor, dtype, device)
+    if tied and EMBED_KEY in state:
+        state[LM_HEAD_KEY] = state[EMBED_KEY]
+    missing = sorted(wanted - state.keys())
+    if missing:
+        raise ShardError(f"{gguf.name} lacks {len(missing)} tensors this shard needs, e.g. {missing[:3]}")
+    modules.load_state_dict(state, strict=True, assign=True)
+    materialize_buffers(modules, device)
+    leftover = [name for name, t in [*modules.named_parameters(), *modules.named_buffers()] if t.is_meta]
+    if leftover:
+        raise ShardError(f"tensors not in {gguf.name} and not computable: {leftover[:3]}")
 
 
 def _load_packed(path: Path, gguf: Path | None, modules: nn.Module, layers: dict[int, nn.Module],

@@ -17,6 +17,7 @@ the data section, which starts at the next multiple of
 from __future__ import annotations
 
 import mmap
+import re
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -86,6 +87,23 @@ def _skip_value(handle: BinaryIO, kind: int) -> None:
         raise GgufError(f"unknown metadata value type {kind}")
 
 
+def read_architecture(path: Path) -> str | None:
+    """The file's ``general.architecture``, read from the header alone."""
+    with path.open("rb") as handle:
+        if handle.read(4) != MAGIC:
+            raise GgufError(f"{path} is not a GGUF file")
+        version, _, metadata = _read(handle, "<IQQ")
+        if version not in VERSIONS or metadata > MAX_METADATA:
+            raise GgufError(f"{path}: GGUF version {version} is not supported")
+        for _ in range(metadata):
+            key = _string(handle)
+            (kind,) = _read(handle, "<I")
+            if key == b"general.architecture" and kind == _STRING:
+                return _string(handle).decode("utf-8", errors="replace")
+            _skip_value(handle, kind)
+    return None
+
+
 def read_index(path: Path) -> tuple[dict[str, TensorEntry], int]:
     """Every tensor of the GGUF at ``path`` by name, and the file offset of its data section."""
     with path.open("rb") as handle:
@@ -122,20 +140,51 @@ def read_index(path: Path) -> tuple[dict[str, TensorEntry], int]:
     return entries, (start + alignment - 1) // alignment * alignment
 
 
+SPLIT_NAME: Final = re.compile(r"(?P<stem>.+)-(?P<part>\d{5})-of-(?P<count>\d{5})\.gguf")
+"""llama.cpp's ``gguf-split`` naming: ``model-00001-of-00003.gguf`` and its siblings."""
+MAX_SPLIT_PARTS: Final = 1024
+
+
+def split_parts(path: Path) -> list[Path]:
+    """Every file of the set ``path`` belongs to, in order (``[path]`` for a single file); a part missing is an
+    error naming it, and so is a set named by other than its first file."""
+    match = SPLIT_NAME.fullmatch(path.name)
+    if match is None:
+        return [path]
+    count = int(match["count"])
+    if int(match["part"]) != 1 or not 1 <= count <= MAX_SPLIT_PARTS:
+        raise GgufError(f"{path.name} is part {int(match['part'])} of {count}: name the first part of a split GGUF")
+    parts = [path.with_name(f"{match['stem']}-{index:05d}-of-{count:05d}.gguf") for index in range(1, count + 1)]
+    missing = [part.name for part in parts if not part.is_file()]
+    if missing:
+        raise GgufError(f"the split GGUF {path.name} lacks {len(missing)} of its {count} parts, e.g. {missing[0]}")
+    return parts
+
+
 class GgufFile:
-    """A GGUF file mapped read-only; :meth:`raw` is a tensor's bytes as ``uint8 [rows, bytes a row]``."""
+    """A GGUF file (or a split set, named by its first part) mapped read-only; :meth:`raw` is a tensor's bytes as
+    ``uint8 [rows, bytes a row]``. Only the pages of the tensors read are ever brought into memory."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
-        self.tensors, self._data = read_index(path)
-        with path.open("rb") as handle:
-            self._map = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ)
-        self._bytes = np.frombuffer(self._map, dtype=np.uint8)
+        self.tensors: dict[str, TensorEntry] = {}
+        self._where: dict[str, tuple[np.ndarray, int]] = {}
+        self._maps: list[mmap.mmap] = []
+        for part in split_parts(path):
+            tensors, data = read_index(part)
+            with part.open("rb") as handle:
+                mapped = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ)
+            self._maps.append(mapped)
+            view = np.frombuffer(mapped, dtype=np.uint8)
+            for name, entry in tensors.items():
+                self.tensors[name] = entry
+                self._where[name] = (view, data)
 
     def raw(self, name: str) -> np.ndarray:
         entry = self.tensors[name]
-        begin = self._data + entry.offset
-        if begin + entry.nbytes > self._bytes.size:
-            raise GgufError(f"tensor {name} lies beyond the end of {self.path}")
+        view, data = self._where[name]
+        begin = data + entry.offset
+        if begin + entry.nbytes > view.size:
+            raise GgufError(f"tensor {name} lies beyond the end of its file ({self.path})")
         rows = int(np.prod(entry.shape[:-1])) if len(entry.shape) > 1 else 1
-        return self._bytes[begin:begin + entry.nbytes].reshape(rows, -1)
+        return view[begin:begin + entry.nbytes].reshape(rows, -1)

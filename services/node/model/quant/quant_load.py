@@ -77,6 +77,8 @@ _GGUF_LAYER_NAMES: Final = {
     "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
 }
 _FLOAT_VIEWS: Final = {"F32": np.float32, "F16": np.float16}
+PERMUTED_QK: Final = frozenset({"llama", "mistral", "mixtral"})
+"""Model types whose GGUF holds q/k rows in llama.cpp's rotary order (its converter permutes ``llama`` files)."""
 _GGUF_NAMES: Final = {EMBED_KEY: "token_embd.weight", "model.norm.weight": "output_norm.weight",
                       LM_HEAD_KEY: "output.weight"}
 
@@ -206,6 +208,8 @@ class GgufSource:
         self._own_format = kinds_format(_matrix_kinds(self._file.tensors.values()))
         self._heads: int = config.num_attention_heads
         self._kv_heads: int = config.num_key_value_heads
+        self._permuted = config.model_type in PERMUTED_QK
+        """Whether the file holds q/k rows in llama.cpp's rotary order (``llama`` files; not Qwen's)."""
 
     def _name(self, key: str) -> str:
         if key in _GGUF_NAMES:
@@ -259,6 +263,8 @@ class GgufSource:
 
     def _row_order(self, key: str, rows: int) -> torch.Tensor | None:
         """llama.cpp's rotary row order of q/k undone (as transformers' GGUF loader does)."""
+        if not self._permuted:
+            return None
         if ".q_proj." in key:
             heads = self._heads
         elif ".k_proj." in key:
