@@ -40,7 +40,8 @@ from meshwire.frames import DTYPE_NAMES
 from meshwire.kv_handoff import PREFILL_PATH, PULL_PATH
 from meshwire.logs import configure_logging
 from meshwire.row_batch import ROWS_PATH
-from services.node.api.openai_api import ApiError, OpenAIService
+from services.node.api.api_error import ApiError
+from services.node.api.openai_api import OpenAIService
 from services.node.engine import openmp
 from services.node.metrics import CONTENT_TYPE
 from services.node.pd.kv_auth import KvRefusal, caller_claim
