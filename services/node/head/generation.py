@@ -35,6 +35,11 @@ history token, and the head's KV cache does not hold those, so its layers
 must run again whatever is reused; starting clean is as cheap and cannot mix
 two sessions' states. The old session is closed on the hops that survive
 (best effort, before the replay reserves KV again on a shared hop).
+
+The loop's parts live beside it: what goes in and out (:mod:`~services.node.head.events`), how it fails
+(:mod:`~services.node.head.failures`), the session along a route (:mod:`~services.node.head.chain`), an
+``n > 1`` request's choices (:mod:`~services.node.head.choices`) and the answer's text
+(:mod:`~services.node.head.answer_text`).
 """
 
 from __future__ import annotations
