@@ -11,9 +11,10 @@ from meshwire import errors
 from services.node.head.failures import GenerationFailed
 
 _STATUS_TYPES: Final = {
-    400: errors.INVALID_REQUEST, 401: errors.AUTHENTICATION, 403: errors.PERMISSION, 404: errors.NOT_FOUND, 409: errors.INVALID_REQUEST,
-    413: errors.INVALID_REQUEST, 502: errors.SERVER_ERROR, 503: errors.UNAVAILABLE,
+    400: errors.INVALID_REQUEST, 401: errors.AUTHENTICATION, 403: errors.PERMISSION, 404: errors.NOT_FOUND,
+    409: errors.INVALID_REQUEST, 413: errors.INVALID_REQUEST, 502: errors.SERVER_ERROR, 503: errors.UNAVAILABLE,
 }
+"""The OpenAI error ``type`` of each status (anything else: ``server_error``)."""
 
 
 class ApiError(Exception):

@@ -184,6 +184,19 @@ class KvServeService:
         except SessionRefused as exc:
             raise KvRefusal(503, exc.code, str(exc)) from None
         chain = self._chains.open(hop, session_id=session_id, sampling=sampling, reserve=len(ids), hold=digest)
+        pick = await self._run_prompt(chain, ids)
+        session = self._sessions.get(session_id)
+        if pick is None or session is None:
+            await chain.close()
+            raise KvRefusal(502, "no_token", "the prefill route produced no token")
+        self._sessions.hold(session)
+        self._metrics.handoffs_held.inc()
+        answer = PrefillAnswer(token=pick.token, positions=len(ids), dp_group=place.dp_group, logprobs=pick.logprobs)
+        return Response(answer.model_dump_json(exclude_none=True), media_type=JSON)
+
+    async def _run_prompt(self, chain: HeldPrefill, ids: list[int]) -> Pick | None:
+        """Run the prompt along the prefill route in chunks; the first token. A route that fails (or a request
+        cancelled) closes the session along it."""
         chunks = [ids[i:i + self._chunk] for i in range(0, len(ids), self._chunk)]
         pick = None
         try:
@@ -196,14 +209,7 @@ class KvServeService:
         except BaseException:
             await asyncio.shield(chain.close())
             raise
-        session = self._sessions.get(session_id)
-        if pick is None or session is None:
-            await chain.close()
-            raise KvRefusal(502, "no_token", "the prefill route produced no token")
-        self._sessions.hold(session)
-        self._metrics.handoffs_held.inc()
-        answer = PrefillAnswer(token=pick.token, positions=len(ids), dp_group=place.dp_group, logprobs=pick.logprobs)
-        return Response(answer.model_dump_json(exclude_none=True), media_type=JSON)
+        return pick
 
     # --- POST /kv/pull --------------------------------------------------------------------
 

@@ -93,9 +93,10 @@ class OpenAIService:
             answer = await collect(first, events)
         except GenerationFailed as exc:
             return from_failure(exc).response()
-        tokenizer = self._tokenizer(prepared)
-        body: oa.ChatCompletion | oa.Completion = (chat_completion(response_id, self._node.model_id, answer, tokenizer, prepared.tool_parser())
-                     if chat else completion(response_id, self._node.model_id, answer, tokenizer))
+        tokenizer, model = self._tokenizer(prepared), self._node.model_id
+        body: oa.ChatCompletion | oa.Completion = (
+            chat_completion(response_id, model, answer, tokenizer, prepared.tool_parser()) if chat
+            else completion(response_id, model, answer, tokenizer))
         return Response(body.model_dump_json(), media_type="application/json")
 
     def _stream(self, response_id: str, prepared: Prepared, first: GenerationEvent,

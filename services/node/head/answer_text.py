@@ -67,5 +67,5 @@ class AnswerText:
 
 def sent_text(tokenizer: HeadTokenizer, stop: Sequence[str], ids: Sequence[int]) -> str:
     """The text a head sent for generated ``ids`` (those a continuation replays, ``meshwire.resume``): what
-    the detokenizer and the stop matcher let out for them, as :meth:`services.node.head.generation.Generator.generate` rebuilds it."""
+    the detokenizer and the stop matcher let out for them, as the generation loop rebuilds it."""
     return AnswerText(tokenizer, stop).replay(ids)
