@@ -26,8 +26,8 @@ from transformers import AutoTokenizer
 from meshwire import openai as oa
 from meshwire.resume import PROGRESS_KEY
 from meshwire.tool_calls import ToolCallAssembler, ToolCallParser
-from services.node.api.openai_api import ChatStream
-from services.node.head.generation import Finished, TextDelta
+from services.node.api.streams import ChatStream
+from services.node.head.events import Finished, TextDelta
 from services.node.head.tokens import HeadTokenizer
 from services.node.sampling.grammar import GrammarEngine, GrammarError
 from services.node.sampling.tool_grammar import tool_grammar

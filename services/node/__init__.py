@@ -15,13 +15,27 @@ root — the service: wiring, start and stop
     ``metrics``           Prometheus metrics (leaf)
 
 api/ — the HTTP endpoints a node answers: what arrives, and its shape on the way out
-    ``api.openai_api``     ``/v1/chat/completions``, ``/v1/completions``, ``/v1/responses`` on a head
+    ``api.openai_api``     ``/v1/chat/completions``, ``/v1/completions``, ``/v1/responses`` on a head: the steps below
+    ``api.head_node``      what those endpoints read of the node (a protocol the runtime meets)
+    ``api.caller``         who may call them: the tracker's signed request, the mesh's secret, a client key
+    ``api.preparation``    a request validated, tokenised and bounded: ready to generate
+    ``api.request_route``  the route it runs along (verified, or asked of the tracker) and its prefill route
+    ``api.answer_grammar`` the grammar of a structured output or a tool call, checked before it runs
+    ``api.streams``        answers as server-sent events: chat, completion and Responses API chunks
+    ``api.collected``      answers collected whole: the chat completion, the completion, the response
+    ``api.api_error``      OpenAI-shaped error answers, a failed generation's among them
+    ``api.json_body``      a request's JSON body, read boundedly (413 over the limit)
     ``api.forward``        ``/forward`` and ``/forward/rows``: the hop side of a step
     ``api.kv_serve``       ``/kv/prefill`` and ``/kv/pull``: a prefill node's side of a handoff
     ``api.logprob_render`` log-probabilities in OpenAI's chat and completions forms
 
 head/ — hop 0 of a route: a prompt in, a stream of text out
-    ``head.generation``        the head's generation loop over a session chain
+    ``head.generation``        the head's generation loop: first token, decode steps, failover, closing
+    ``head.events``            what a generation takes (the request) and gives (text deltas, the finish)
+    ``head.failures``          how a generation fails: a failed hop, a busy one, a refused handoff or fork
+    ``head.chain``             one session of the head along one route: its steps, a fork, a handoff, its close
+    ``head.choices``           an ``n > 1`` request's choices: the first one's prompt forked by the others
+    ``head.answer_text``       an answer's tokens as the text deltas that may go out
     ``head.tokens``            the chat template in, token ids out; EOS ids
     ``head.detok``             ids back to text, incrementally, never splitting a character
     ``head.stops``             stop sequences, held back until they cannot match

@@ -9,13 +9,13 @@ Routes:
 * ``POST /kv/prefill``, ``POST /kv/pull`` — on a prefill node (``--role prefill``), the
   prefill/decode handoff (:mod:`services.node.api.kv_serve`), signed with the caller's hop key
   (:mod:`services.node.pd.kv_auth`); 409 ``not_prefill`` elsewhere.
-* ``POST /v1/chat/completions``, ``POST /v1/completions`` — on a head node
+* ``POST /v1/chat/completions``, ``POST /v1/completions``, ``POST /v1/responses`` — on a head node
   (one holding layer 0) the OpenAI-compatible API (:mod:`services.node.api.openai_api`);
   any other node answers 409 ``not_head``.
 
-``create_app(settings)`` builds the app; ``uvicorn services.node.app:app``
-builds it from ``MESHNET_*`` environment variables (module ``__getattr__``, so
-importing this module has no side effects).
+``create_app(settings)`` builds the app, one small function per group of routes;
+``uvicorn services.node.app:app`` builds it from ``MESHNET_*`` environment variables
+(module ``__getattr__``, so importing this module has no side effects).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from __future__ import annotations
 import functools
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
-from contextlib import asynccontextmanager
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from typing import Any
 
 import orjson
@@ -40,7 +40,8 @@ from meshwire.frames import DTYPE_NAMES
 from meshwire.kv_handoff import PREFILL_PATH, PULL_PATH
 from meshwire.logs import configure_logging
 from meshwire.row_batch import ROWS_PATH
-from services.node.api.openai_api import ApiError, OpenAIService
+from services.node.api.api_error import ApiError
+from services.node.api.openai_api import OpenAIService
 from services.node.engine import openmp
 from services.node.metrics import CONTENT_TYPE
 from services.node.pd.kv_auth import KvRefusal, caller_claim
@@ -50,10 +51,15 @@ from services.node.settings import NodeSettings
 logger = logging.getLogger(__name__)
 
 Handler = Callable[[Request], Awaitable[Response]]
+ExceptionHandler = Callable[[Request, Exception], Awaitable[Response]]
 
 
 def _json(status: int, payload: dict[str, Any], headers: dict[str, str] | None = None) -> Response:
     return Response(orjson.dumps(payload), status_code=status, media_type="application/json", headers=headers)
+
+
+def _not_ready() -> Response:
+    return ApiError(503, "this node is still loading its layers", "not_ready", retry_after="2").response()
 
 
 def create_app(settings: NodeSettings | None = None) -> Starlette:
@@ -66,7 +72,18 @@ def create_app(settings: NodeSettings | None = None) -> Starlette:
     configure_logging()
     settings = settings or NodeSettings()
     node = NodeRuntime(settings)
-    api = OpenAIService(node)
+    app = Starlette(
+        routes=[*_status_routes(node), *_forward_routes(node), *_kv_routes(node), *_openai_routes(node)],
+        exception_handlers=_error_handlers(),
+        middleware=[Middleware(BodyGuard, timeout_s=settings.body_timeout_s)],
+        lifespan=_lifespan(node),
+    )
+    app.state.node = node
+    return app
+
+
+def _lifespan(node: NodeRuntime) -> Callable[[Starlette], AbstractAsyncContextManager[None]]:
+    """The node's layers load when the app starts; it drains and stops when the app stops."""
 
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
@@ -76,12 +93,22 @@ def create_app(settings: NodeSettings | None = None) -> Starlette:
         finally:
             await node.stop()
 
-    def counted(endpoint: str, handler: Handler) -> Handler:
-        async def wrapper(request: Request) -> Response:
-            response = await handler(request)
-            node.metrics.requests.labels(endpoint=endpoint, status=str(response.status_code)).inc()
-            return response
-        return wrapper
+    return lifespan
+
+
+def _counted(node: NodeRuntime, endpoint: str, handler: Handler) -> Handler:
+    """``handler``, each answer counted in ``meshnet_node_requests_total`` by endpoint and status."""
+
+    async def wrapper(request: Request) -> Response:
+        response = await handler(request)
+        node.metrics.requests.labels(endpoint=endpoint, status=str(response.status_code)).inc()
+        return response
+
+    return wrapper
+
+
+def _status_routes(node: NodeRuntime) -> list[Route]:
+    """``GET /health`` and ``GET /metrics``: what the tracker, operators and Prometheus read."""
 
     async def health(_: Request) -> Response:
         if node.state != "ready" or node.shard is None or node.runner is None:
@@ -105,15 +132,28 @@ def create_app(settings: NodeSettings | None = None) -> Starlette:
     async def metrics(_: Request) -> Response:
         return Response(node.metrics.render(), media_type=CONTENT_TYPE)
 
+    return [Route("/health", health, methods=["GET"]), Route("/metrics", metrics, methods=["GET"])]
+
+
+def _forward_routes(node: NodeRuntime) -> list[Route]:
+    """``POST /forward`` and ``POST /forward/rows``: the hop side of a step (503 until the layers are loaded)."""
+
     async def forward(request: Request) -> Response:
         if node.forward is None or node.state == "starting":
-            return ApiError(503, "this node is still loading its layers", "not_ready", retry_after="2").response()
+            return _not_ready()
         return await node.forward.handle(request)
 
     async def forward_rows(request: Request) -> Response:
         if node.forward is None or node.state == "starting":
-            return ApiError(503, "this node is still loading its layers", "not_ready", retry_after="2").response()
+            return _not_ready()
         return await node.forward.handle_rows(request)
+
+    return [Route("/forward", _counted(node, "forward", forward), methods=["POST"]),
+            Route(ROWS_PATH, _counted(node, "forward_rows", forward_rows), methods=["POST"])]
+
+
+def _kv_routes(node: NodeRuntime) -> list[Route]:
+    """``POST /kv/prefill`` and ``POST /kv/pull``: a prefill node's side of a handoff (409 on any other node)."""
 
     async def kv_endpoint(request: Request, pull: bool) -> Response:
         try:  # the proof's form first, whatever this node is (kv_serve checks it against the routes)
@@ -121,7 +161,7 @@ def create_app(settings: NodeSettings | None = None) -> Starlette:
         except KvRefusal as exc:
             return ApiError(exc.status, str(exc), exc.code).response()
         if node.state == "starting":
-            return ApiError(503, "this node is still loading its layers", "not_ready", retry_after="2").response()
+            return _not_ready()
         if node.kv_serve is None:
             return ApiError(409, f"node {node.node_id} is not a prefill node with a bootstrap registry "
                                  "(--role prefill --bootstrap URL)", "not_prefill").response()
@@ -133,6 +173,21 @@ def create_app(settings: NodeSettings | None = None) -> Starlette:
     async def kv_pull(request: Request) -> Response:
         return await kv_endpoint(request, pull=True)
 
+    return [Route(PREFILL_PATH, _counted(node, "kv_prefill", kv_prefill), methods=["POST"]),
+            Route(PULL_PATH, _counted(node, "kv_pull", kv_pull), methods=["POST"])]
+
+
+def _openai_routes(node: NodeRuntime) -> list[Route]:
+    """The OpenAI-compatible API a head serves (:class:`OpenAIService`)."""
+    api = OpenAIService(node)
+    return [Route("/v1/chat/completions", _counted(node, "chat", api.chat), methods=["POST"]),
+            Route("/v1/completions", _counted(node, "completions", api.completions), methods=["POST"]),
+            Route("/v1/responses", _counted(node, "responses", api.responses), methods=["POST"])]
+
+
+def _error_handlers() -> dict[Any, ExceptionHandler]:
+    """OpenAI-shaped answers for Starlette's HTTP errors (404, 405...) and for anything unexpected (500)."""
+
     async def http_error(_: Request, exc: Exception) -> Response:
         assert isinstance(exc, StarletteHTTPException)
         kind = errors.NOT_FOUND if exc.status_code == 404 else errors.INVALID_REQUEST
@@ -142,24 +197,7 @@ def create_app(settings: NodeSettings | None = None) -> Starlette:
         logger.exception("unexpected error on %s %s", request.method, request.url.path, exc_info=exc)
         return _json(500, errors.error_body("internal error; see the node's log", errors.SERVER_ERROR, "internal"))
 
-    app = Starlette(
-        routes=[
-            Route("/health", health, methods=["GET"]),
-            Route("/metrics", metrics, methods=["GET"]),
-            Route("/forward", counted("forward", forward), methods=["POST"]),
-            Route(ROWS_PATH, counted("forward_rows", forward_rows), methods=["POST"]),
-            Route(PREFILL_PATH, counted("kv_prefill", kv_prefill), methods=["POST"]),
-            Route(PULL_PATH, counted("kv_pull", kv_pull), methods=["POST"]),
-            Route("/v1/chat/completions", counted("chat", api.chat), methods=["POST"]),
-            Route("/v1/completions", counted("completions", api.completions), methods=["POST"]),
-            Route("/v1/responses", counted("responses", api.responses), methods=["POST"]),
-        ],
-        exception_handlers={StarletteHTTPException: http_error, Exception: internal_error},
-        middleware=[Middleware(BodyGuard, timeout_s=settings.body_timeout_s)],
-        lifespan=lifespan,
-    )
-    app.state.node = node
-    return app
+    return {StarletteHTTPException: http_error, Exception: internal_error}
 
 
 @functools.cache

@@ -33,6 +33,7 @@ from services.node.api.kv_serve import KvServeService
 from services.node.engine.compute import ComputeWorker, ShardRunner, one_torch_thread
 from services.node.engine.cpu_gate import cpu_gate_for
 from services.node.engine.sessions import SessionTable, run_sweeper
+from services.node.head.chain import ChainOpener
 from services.node.head.draft_model import load_draft_model
 from services.node.head.generation import Generator
 from services.node.head.sampling_defaults import SamplingDefaults
@@ -185,8 +186,8 @@ class NodeRuntime:
         if self.membership is not None:
             self.kv_serve = KvServeService(
                 node_id=self.node_id, model_id=self.model_id, auth=self.hop_auth, hop_key=self.hop_key,
-                runner=self.runner,
-                sessions=self.sessions, hops=self.hops, stepper=stepper, metrics=self.metrics,
+                runner=self.runner, sessions=self.sessions,
+                chains=ChainOpener(self.runner, self.sessions, self.hops, stepper), metrics=self.metrics,
                 membership=self.membership, shape=shape, limits=handoff_limits, max_chunk_bytes=s.max_frame_bytes,
                 prefill_chunk_tokens=s.prefill_chunk_tokens, max_prompt_tokens=s.max_prompt_tokens)
         if self.shard.is_head:

@@ -45,7 +45,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
-from typing import Final
+from collections.abc import Sequence
+from typing import Final, Protocol
 
 import orjson
 from pydantic import ValidationError
@@ -75,16 +76,15 @@ from meshwire.route_keys import SigningKey
 from meshwire.sampling_params import SamplingParams
 from services.node.engine.compute import ShardRunner
 from services.node.engine.sessions import SessionRefused, SessionTable, log_tag
-from services.node.head.generation import GenerationFailed, SessionChain
+from services.node.head.failures import GenerationFailed
 from services.node.hop.auth import HopAuth
-from services.node.hop.hop_client import HopClient
-from services.node.hop.route_step import RouteStepper
-from services.node.hop.routing import RouteRefused, verify_hop
+from services.node.hop.routing import RoutedHop, RouteRefused, verify_hop
 from services.node.metrics import NodeMetrics
 from services.node.pd.handoff_limits import HandoffLimits
 from services.node.pd.kv_auth import HandoffAuth, KvRefusal, caller_claim, check_pull_target
 from services.node.pd.kv_transfer import KVTransferError, read_kv
 from services.node.pd.pd_member import PrefillMembership
+from services.node.sampling.sampler import Pick
 
 logger = logging.getLogger(__name__)
 
@@ -103,12 +103,30 @@ def _error(status: int, code: str, message: str, node_id: str) -> Response:
                     media_type=JSON, headers={"Retry-After": "2"} if status == 503 else None)
 
 
+class HeldPrefill(Protocol):
+    """One handoff's session along the prefill route (:class:`services.node.head.chain.SessionChain` is one)."""
+
+    async def step(self, ids: Sequence[int], *, chunk_index: int = 0,
+                   chunk_total: int = 1) -> tuple[Pick, ...] | None:
+        """Run a chunk of the prompt along the route; the first token on the last chunk."""
+
+    async def close(self, failed_node: str | None = None) -> None:
+        """Free the session here and along the route (past ``failed_node`` too)."""
+
+
+class PrefillChains(Protocol):
+    """Opens a handoff's session along the prefill route (:class:`services.node.head.chain.ChainOpener` does)."""
+
+    def open(self, hop: RoutedHop, *, session_id: str, sampling: SamplingParams, reserve: int,
+             hold: str) -> HeldPrefill:
+        """A session ``session_id`` along ``hop``'s route whose every hop holds the prompt's KV for ``hold``."""
+
+
 class KvServeService:
     """The handoff endpoints of one prefill node."""
 
     def __init__(self, *, node_id: str, model_id: str, auth: HopAuth, hop_key: SigningKey, runner: ShardRunner,
-                 sessions: SessionTable,
-                 hops: HopClient, stepper: RouteStepper, metrics: NodeMetrics, membership: PrefillMembership,
+                 sessions: SessionTable, chains: PrefillChains, metrics: NodeMetrics, membership: PrefillMembership,
                  shape: KVShape, limits: HandoffLimits, max_chunk_bytes: int, prefill_chunk_tokens: int,
                  max_prompt_tokens: int) -> None:
         self.node_id = node_id
@@ -118,8 +136,7 @@ class KvServeService:
         self._auth = HandoffAuth(auth=auth)
         self._runner = runner
         self._sessions = sessions
-        self._hops = hops
-        self._stepper = stepper
+        self._chains = chains
         self._metrics = metrics
         self._membership = membership
         self._shape = shape
@@ -180,8 +197,20 @@ class KvServeService:
             self._limits.check_room(self._sessions, len(ids), shard.end - shard.start + 1)
         except SessionRefused as exc:
             raise KvRefusal(503, exc.code, str(exc)) from None
-        chain = SessionChain(runner=self._runner, sessions=self._sessions, hops=self._hops, stepper=self._stepper,
-                             hop=hop, session_id=session_id, sampling=sampling, reserve=len(ids), hold=digest)
+        chain = self._chains.open(hop, session_id=session_id, sampling=sampling, reserve=len(ids), hold=digest)
+        pick = await self._run_prompt(chain, ids)
+        session = self._sessions.get(session_id)
+        if pick is None or session is None:
+            await chain.close()
+            raise KvRefusal(502, "no_token", "the prefill route produced no token")
+        self._sessions.hold(session)
+        self._metrics.handoffs_held.inc()
+        answer = PrefillAnswer(token=pick.token, positions=len(ids), dp_group=place.dp_group, logprobs=pick.logprobs)
+        return Response(answer.model_dump_json(exclude_none=True), media_type=JSON)
+
+    async def _run_prompt(self, chain: HeldPrefill, ids: list[int]) -> Pick | None:
+        """Run the prompt along the prefill route in chunks; the first token. A route that fails (or a request
+        cancelled) closes the session along it."""
         chunks = [ids[i:i + self._chunk] for i in range(0, len(ids), self._chunk)]
         pick = None
         try:
@@ -194,14 +223,7 @@ class KvServeService:
         except BaseException:
             await asyncio.shield(chain.close())
             raise
-        session = self._sessions.get(session_id)
-        if pick is None or session is None:
-            await chain.close()
-            raise KvRefusal(502, "no_token", "the prefill route produced no token")
-        self._sessions.hold(session)
-        self._metrics.handoffs_held.inc()
-        answer = PrefillAnswer(token=pick.token, positions=len(ids), dp_group=place.dp_group, logprobs=pick.logprobs)
-        return Response(answer.model_dump_json(exclude_none=True), media_type=JSON)
+        return pick
 
     # --- POST /kv/pull --------------------------------------------------------------------
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from meshwire import openai as oa
-from services.node.head.generation import Echo, TokenInfo
+from services.node.head.events import Echo, TokenInfo
 from services.node.head.tokens import HeadTokenizer
 
 

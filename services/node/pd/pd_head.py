@@ -9,7 +9,7 @@ hop key (the prefill nodes hold the KV for that route's nodes alone,
 :mod:`services.node.pd.kv_auth`), which runs them through every prefill stage;
 its tail samples the first token, which comes back here and streams at
 once. The decode route then takes the KV over
-(:meth:`services.node.head.generation.SessionChain.adopt`).
+(:meth:`services.node.head.chain.SessionChain.adopt`).
 """
 
 from __future__ import annotations
