@@ -46,7 +46,7 @@ from .choices import ChoicePayloads, several_choices
 from .collect import as_streamed
 from .collect import collect as collected
 from .continuation import ContinuedStream, StreamHistory
-from .key_limits import SCOPE_KEY_ID
+from .key_limits import SCOPE_KEY_ID, LimitsUnavailable, Refused, take_choice_slots
 from .proxy import HeadError, HeadRefused, PrefillOffer, ProxiedResponse, first_byte_timer, open_head
 from .registry import UnknownNode
 from .responses import HTTPError, read_body, require_api_key
@@ -96,6 +96,7 @@ async def _front_door(request: Request, endpoint: Endpoint) -> Response:
         continued = endpoint != "responses"  # chats and completions outlive their head (see .continuation)
         if isinstance(parsed, SamplingRequest) and parsed.choices > 1:
             key_id = request.scope.get(SCOPE_KEY_ID)
+            await _take_choice_slots(state, request, parsed.choices)
             await state.trust.ready()
             shared = state.route_for(model, set())  # one route for every choice: its head prefills the prompt once
             group = secrets.token_hex(GROUP_ID_BYTES)
@@ -119,6 +120,19 @@ async def _front_door(request: Request, endpoint: Endpoint) -> Response:
         raise
     finally:
         state.metrics.requests.labels(endpoint, str(status)).inc()
+
+
+async def _take_choice_slots(state: TrackerState, request: Request, choices: int) -> None:
+    """An ``n > 1`` request runs ``n`` streams: it takes one in-flight slot of its API key per choice (429 when
+    the key has not that many free; see :mod:`.key_limits`)."""
+    try:
+        refused = await take_choice_slots(state.key_limiter, request.scope, choices)
+    except LimitsUnavailable as exc:
+        raise HTTPError(503, str(exc), errors.UNAVAILABLE, errors.STORE_UNAVAILABLE,
+                        headers={"Retry-After": "1"}) from None
+    if isinstance(refused, Refused):
+        raise HTTPError(429, refused.message, errors.RATE_LIMIT, "rate_limit_exceeded",
+                        headers={"Retry-After": str(refused.retry_after_s)})
 
 
 async def _proxy(state: TrackerState, model: str, path: str, body: bytes, *, stream: bool = False,
