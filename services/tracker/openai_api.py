@@ -46,6 +46,7 @@ from .choices import ChoicePayloads, several_choices
 from .collect import as_streamed
 from .collect import collect as collected
 from .continuation import ContinuedStream, StreamHistory
+from .failure_reports import TRACKER, TooManyReports
 from .key_limits import SCOPE_KEY_ID, LimitsUnavailable, Refused, take_choice_slots
 from .proxy import HeadError, HeadRefused, PrefillOffer, ProxiedResponse, first_byte_timer, open_head
 from .registry import UnknownNode
@@ -184,9 +185,12 @@ async def _proxy(state: TrackerState, model: str, path: str, body: bytes, *, str
         logger.warning("route %d for %s: head %s did not answer (%s); %s", attempt + 1, model,
                        route.nodes[0].node_id, outcome.reason,
                        "trying another route" if attempt + 1 < ROUTE_ATTEMPTS else "giving up")
+        culprit = _culprit(route, outcome.culprit)
         if outcome.failed:
-            _report(state, outcome.culprit, outcome.reason)
-        exclude.add(outcome.culprit)
+            # The tracker saw the head fail itself; a hop the head blames is the head's word (see .failure_reports).
+            _report(state, culprit, outcome.reason, reporter=TRACKER if culprit == route.nodes[0].node_id
+                    else route.nodes[0].node_id)
+        exclude.add(culprit)
         if attempt + 1 < ROUTE_ATTEMPTS:
             state.metrics.proxy_retries.inc()
     assert refused is not None
@@ -266,12 +270,27 @@ def _prefill_offer(state: TrackerState, model: str) -> PrefillOffer | None:
     return None if route is None else PrefillOffer(route, state.settings.pd_min_prompt_tokens)
 
 
-def _report(state: TrackerState, node_id: str, reason: str) -> None:
-    """Put a node that failed a front-door request into backoff (if it is still listed)."""
-    try:
-        state.registry.report_failure(node_id, reason, state.now())
-    except UnknownNode:
+def _culprit(route: SignedRoute, blamed: str) -> str:
+    """The node a failed head's answer blames, when it is on the route; else the head (it named a stranger)."""
+    return blamed if blamed in {hop.node_id for hop in route.nodes} else route.nodes[0].node_id
+
+
+def _report(state: TrackerState, node_id: str, reason: str, reporter: str = TRACKER) -> None:
+    """Put a node that failed a front-door request into backoff (if it is still listed), on the terms of
+    :mod:`.failure_reports`: ``reporter`` is :data:`TRACKER` when the tracker saw the failure itself."""
+    now = state.now()
+    if state.registry.state(node_id, now) is None:
         return  # forgotten meanwhile: nothing to back off
+    try:
+        state.failure_gate.count(reporter, now)
+    except TooManyReports:
+        return
+    if state.failure_gate.judge(node_id, reporter, now) != "apply":
+        return
+    try:
+        state.registry.report_failure(node_id, reason, now)
+    except UnknownNode:
+        return
     state.metrics.failure_reports.inc()
 
 

@@ -25,6 +25,7 @@ from meshwire.pd_group import PrefillAssignment
 from meshwire.registry import NodeRegistration
 from meshwire.routes import Route, RouteNode, SignedRoute, issue_signed_route
 
+from .failure_reports import FailureGate
 from .key_limits import KeyLimiter
 from .metrics import TrackerMetrics
 from .pd_routes import PREFILL_ROLE, plan_prefill_route, prefill_group
@@ -56,6 +57,8 @@ class TrackerState:
     """The HTTP client to head nodes; opened and closed by the app's lifespan."""
     key_limiter: KeyLimiter | None = None
     """Counts each API key's requests against its limits (with ``MESHNET_API_KEYS`` set)."""
+    failure_gate: FailureGate = field(default_factory=lambda: FailureGate(window_s=120.0))
+    """Who may put a node in failure backoff, how often, on whose word (:mod:`.failure_reports`)."""
 
     @classmethod
     def create(cls, settings: TrackerSettings, clock: Callable[[], float] = time.monotonic) -> TrackerState:
@@ -71,7 +74,8 @@ class TrackerState:
                    if settings.api_keys else None)
         trust = TrackerTrust(store, secret=settings.secret, route_ttl_s=settings.route_ttl_s,
                              rotate_s=settings.route_key_rotate_s, lead_s=settings.route_key_lead_s)
-        return cls(settings=settings, store=store, metrics=metrics, trust=trust, clock=clock, key_limiter=limiter)
+        return cls(settings=settings, store=store, metrics=metrics, trust=trust, clock=clock, key_limiter=limiter,
+                   failure_gate=FailureGate(window_s=settings.failure_reset_s))
 
     @property
     def registry(self) -> Registry:
