@@ -74,6 +74,9 @@ class StreamHistory:
     """``[DONE]`` went out."""
     usage: dict[str, Any] | None = None
     """The usage chunk's ``usage``, when the stream carried one."""
+    first_token_at: float | None = None
+    last_token_at: float | None = None
+    """When (``time.perf_counter``) the first and the last token ids arrived (the tracker's speed measure)."""
 
 
 class ContinuedStream:
@@ -201,6 +204,10 @@ class ContinuedStream:
                 return DROPPED
             self.history.opened = True
         if progress is not None:
+            if progress.ids:
+                self.history.last_token_at = time.perf_counter()
+                if self.history.first_token_at is None:
+                    self.history.first_token_at = self.history.last_token_at
             self.history.ids.extend(progress.ids)
             if progress.seed is not None and self.history.seed is None:
                 self.history.seed = progress.seed

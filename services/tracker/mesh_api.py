@@ -36,6 +36,7 @@ mesh's layout is public.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import time
@@ -131,6 +132,26 @@ async def require_reader(request: Request, state: TrackerState) -> None:
             raise
 
 
+def _check_model_claim(state: TrackerState, registration: NodeRegistration) -> None:
+    """A join token that binds no model cannot take over a model name other nodes serve (409 ``model_conflict``).
+
+    The name's identity is its layer count as its live nodes agree on it (see
+    :mod:`.registry`); a registration under such a token must report that
+    count while another live node serves the name, so it can neither serve a
+    different model under the name nor outvote the count. A token bound to the
+    model by the operator (``meshnet token create --model M``) is the
+    operator's word and is not held to this.
+    """
+    now = state.now()
+    others = [c for c in state.registry.candidates(registration.model, now) if c.node_id != registration.node_id]
+    count = state.registry.models(now).get(registration.model)
+    if others and count is not None and registration.num_layers != count:
+        raise TokenRefused(409, "model_conflict", f"model {registration.model[:200]!r} is served by other nodes as a "
+                                                  f"{count}-layer model; this node says "
+                                                  f"{registration.num_layers or 'nothing of its layers'}: a join "
+                                                  "token that binds no model cannot take over a model name")
+
+
 def _lease(request: Request) -> str | None:
     lease = request.headers.get(LEASE)
     if lease is not None and (not lease.strip() or len(lease) > limits.MAX_ID_CHARS):
@@ -150,7 +171,9 @@ async def register(request: Request) -> JSONResponse:
         state.metrics.registrations.labels("refused").inc()
         raise _invalid(exc) from None
     try:
-        await state.trust.admit(request.headers.get("authorization"), registration)
+        record = await state.trust.admit(request.headers.get("authorization"), registration)
+        if record is not None and record.model is None:
+            _check_model_claim(state, registration)
     except TokenRefused as exc:
         state.metrics.registrations.labels("refused").inc()
         logger.warning("refused registration of %s from %s: %s", registration.node_id, registration.endpoint, exc)
@@ -250,7 +273,9 @@ async def _mesh_view(request: Request) -> dict[str, Any]:
     await require_reader(request, state)
     now = state.now()
     return {
-        "nodes": [node.model_dump(mode="json") for node in state.registry.snapshot(now)],
+        "nodes": [{**node.model_dump(mode="json"),
+                   **dataclasses.asdict(state.ratings.rating(node.node_id, node.shard_end - node.shard_start + 1))}
+                  for node in state.registry.snapshot(now)],
         "models": [model.model_dump(mode="json") for model in state.registry.coverage(now)],
     }
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import secrets
+import time
 from typing import Final, Literal
 
 import httpx
@@ -162,6 +163,7 @@ async def _proxy(state: TrackerState, model: str, path: str, body: bytes, *, str
         node_ids = [hop.node_id for hop in route.nodes]
         state.registry.begin_request(node_ids)
         elapsed = first_byte_timer()
+        started = time.perf_counter()
         outcome = await open_head(state.http(), route, path, body, state.trust.signing_key(), progress=stream,
                                   prefill=_prefill_offer(state, model), choice_group=choice_group)
         if isinstance(outcome, HeadError):
@@ -178,7 +180,8 @@ async def _proxy(state: TrackerState, model: str, path: str, body: bytes, *, str
                 state.registry.end_request(node_ids)
 
             if stream:
-                return await _continued(state, model, path, body, route, outcome, collect, key_id, raw=raw)
+                return await _continued(state, model, path, body, route, outcome, collect, key_id, raw=raw,
+                                        started=started)
             return ProxiedResponse(outcome, on_broken=on_broken, on_close=on_close)
         state.registry.end_request(node_ids)
         refused = outcome
@@ -210,7 +213,7 @@ async def _proxy_payloads(state: TrackerState, model: str, path: str, body: byte
 
 async def _continued(state: TrackerState, model: str, path: str, body: bytes, route: SignedRoute,
                      upstream: httpx.Response, collect: bool | None, key_id: str | None, *,
-                     raw: bool = False) -> Response | ChoicePayloads:
+                     raw: bool = False, started: float | None = None) -> Response | ChoicePayloads:
     """The head's stream relayed with its history kept, continued on another head if this one dies.
 
     ``raw``: the parsed events and a closer, for :func:`.choices.several_choices`, instead of a response."""
@@ -221,10 +224,13 @@ async def _continued(state: TrackerState, model: str, path: str, body: bytes, ro
         current[:] = [] if new is None else [hop.node_id for hop in new.nodes]
         state.registry.begin_request(current)
 
+    first = [hop.node_id for hop in route.nodes]
+
     def on_close() -> None:
         state.registry.end_request(current)
         if key_id is not None:
             _count_tokens(state, key_id, stream.history)
+        _measure(state, route, first, current, stream.history, started)
 
     def route_for(avoid: set[str]) -> SignedRoute:
         return state.route_for(model, avoid)
@@ -251,6 +257,16 @@ async def _continued(state: TrackerState, model: str, path: str, body: bytes, ro
             on_close()
     return ProxiedResponse(upstream, on_broken=lambda _: None, on_close=on_close,
                            body=stream.events(upstream, route))
+
+
+def _measure(state: TrackerState, route: SignedRoute, first: list[str], current: list[str],
+             history: StreamHistory, started: float | None) -> None:
+    """A stream that ran on one route to its end is a measure of that route's nodes (see :mod:`.ratings`)."""
+    if started is None or first != current or not history.finished or history.first_token_at is None \
+            or history.last_token_at is None:
+        return
+    state.ratings.observe(first, route.num_layers, history.first_token_at - started,
+                          history.last_token_at - started, len(history.ids))
 
 
 def _count_tokens(state: TrackerState, key_id: str, history: StreamHistory) -> None:

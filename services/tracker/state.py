@@ -30,6 +30,7 @@ from .key_limits import KeyLimiter
 from .metrics import TrackerMetrics
 from .pd_routes import PREFILL_ROLE, plan_prefill_route, prefill_group
 from .planner import Candidate, IncompleteCoverage, RouteTooLong, format_ranges, plan_route
+from .ratings import Ratings
 from .registry import Registry, RegistryPolicy, resolve_model_name
 from .responses import HTTPError
 from .settings import TrackerSettings
@@ -57,6 +58,8 @@ class TrackerState:
     """The HTTP client to head nodes; opened and closed by the app's lifespan."""
     key_limiter: KeyLimiter | None = None
     """Counts each API key's requests against its limits (with ``MESHNET_API_KEYS`` set)."""
+    ratings: Ratings = field(default_factory=Ratings)
+    """Each node's speed as measured on the streams this tracker relayed (the planner's speeds, :mod:`.ratings`)."""
     failure_gate: FailureGate = field(default_factory=lambda: FailureGate(window_s=120.0))
     """Who may put a node in failure backoff, how often, on whose word (:mod:`.failure_reports`)."""
 
@@ -113,7 +116,8 @@ class TrackerState:
         if num_layers is None:  # forgotten since it was resolved
             raise self._unknown_model(model, models)
         try:
-            hops = _plan_decode_route(self.registry.candidates(model, now), num_layers, frozenset(exclude))
+            hops = _plan_decode_route(self.ratings.rated(self.registry.candidates(model, now)), num_layers,
+                                      frozenset(exclude))
         except IncompleteCoverage as gap:
             self.metrics.routes.labels("incomplete").inc()
             excluded = f" (excluding {', '.join(sorted(exclude))})" if exclude else ""
