@@ -73,7 +73,7 @@ def mesh(tiny_model_dir: Path) -> Iterator[Mesh]:
         wait_healthy(node)
         model = wait_until_servable(tracker, tiny_model_dir.name)
         deadline = time.monotonic() + WAIT_S
-        while httpx.get(f"http://127.0.0.1:{port}/health").status_code != 200:  # noqa: ASYNC210
+        while httpx.get(f"http://127.0.0.1:{port}/health").status_code != 200:
             assert time.monotonic() < deadline, "the fake head never came up"
             time.sleep(0.1)
         yield Mesh(tracker, model, f"http://127.0.0.1:{port}")
