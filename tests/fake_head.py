@@ -25,14 +25,15 @@ DELAY_S: Final = float(os.environ.get("FAKE_HEAD_DELAY_S", "0.5"))
 served = 0
 
 
-def _event(delta: dict[str, str], ids: list[int], finish: str | None = None) -> bytes:
+def _event(delta: dict[str, str], ids: list[int], finish: str | None = None, seed: int | None = None) -> bytes:
+    progress = {"ids": ids, **({"seed": seed} if seed is not None else {})}
     chunk = {"id": "chatcmpl-fake", "object": "chat.completion.chunk", "created": 0, "model": "fake",
-             "choices": [{"index": 0, "delta": delta, "finish_reason": finish}], "meshnet": {"ids": ids}}
+             "choices": [{"index": 0, "delta": delta, "finish_reason": finish}], "meshnet": progress}
     return b"data: " + orjson.dumps(chunk) + b"\n\n"
 
 
 async def _stream() -> AsyncIterator[bytes]:
-    yield _event({"role": "assistant", "content": ""}, [])
+    yield _event({"role": "assistant", "content": ""}, [], seed=1)
     for index in range(TOKENS):
         await asyncio.sleep(DELAY_S)
         yield _event({"content": "x"}, [5 + index], "length" if index == TOKENS - 1 else None)

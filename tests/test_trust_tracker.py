@@ -18,8 +18,10 @@ from typing import Any, Final
 
 import httpx
 import openai
+import orjson
 import pytest
 
+from services.tracker.settings import ROUTE_TTL_S
 from tests.procs import REPO_ROOT, Service, free_port, service_env, start_service, wait_healthy
 from tests.tiny_mesh import wait_until_servable
 
@@ -73,7 +75,7 @@ def mesh(tiny_model_dir: Path) -> Iterator[Mesh]:
         wait_healthy(node)
         model = wait_until_servable(tracker, tiny_model_dir.name)
         deadline = time.monotonic() + WAIT_S
-        while httpx.get(f"http://127.0.0.1:{port}/health").status_code != 200:
+        while not _up(f"http://127.0.0.1:{port}/health"):
             assert time.monotonic() < deadline, "the fake head never came up"
             time.sleep(0.1)
         yield Mesh(tracker, model, f"http://127.0.0.1:{port}")
@@ -82,6 +84,13 @@ def mesh(tiny_model_dir: Path) -> Iterator[Mesh]:
         tracker.stop()
         fake.terminate()
         fake.wait(10)
+
+
+def _up(url: str) -> bool:
+    try:
+        return httpx.get(url).status_code == 200
+    except httpx.HTTPError:
+        return False
 
 
 def _fake_served(mesh: Mesh) -> int:
@@ -141,3 +150,40 @@ def test_token_bindings_hold_and_an_unbound_token_cannot_take_over_a_model_name(
     refused = register(mesh.tracker, unbound, takeover)
     assert refused.status_code == 409 and refused.json()["error"]["code"] == "model_conflict"
     assert "taker" not in nodes(mesh.tracker)
+
+
+def test_revoking_a_token_moves_a_stream_through_its_node_at_the_next_token_and_bounds_its_routes(
+        mesh: Mesh) -> None:
+    """Finding 11: routes already signed opened sessions for 600 s and open streams ran on after a revocation."""
+    token = issue(mesh.tracker, "a-revoked")
+    claim = {"node_id": "a-revoked", "model": mesh.model, "endpoint": mesh.fake_url, "shard_start": 0,
+             "shard_end": 3, "num_layers": 4, "decode_tokens_per_s": 5000.0}
+    assert register(mesh.tracker, token, claim).status_code == 200
+    signed = httpx.get(f"{mesh.tracker.url}/v1/route", params={"model": mesh.model}).json()
+    assert signed["nodes"][0]["node_id"] == "a-revoked"  # not measured yet: its claim seeds it
+    assert signed["expires_at"] - time.time() <= ROUTE_TTL_S <= 60  # the bound on an issued route
+    body = {"model": mesh.model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 12,
+            "temperature": 0, "stream": True}
+    contents: list[str] = []
+    finishes: list[str] = []
+    with httpx.stream("POST", f"{mesh.tracker.url}/v1/chat/completions", json=body, timeout=WAIT_S) as answer:
+        lines = (line for line in answer.iter_lines() if line.startswith("data: {"))
+        for line in lines:
+            if '"content":"x"' in line:
+                break  # the revoked node's first token reached the client
+        token_id = token.split("_")[1]
+        assert httpx.delete(f"{mesh.tracker.url}/v1/admin/tokens/{token_id}",
+                            headers=_admin(mesh.tracker)).json()["evicted"]
+        for line in lines:
+            assert '"error"' not in line, line
+            event = orjson.loads(line[len("data: "):])
+            for choice in event["choices"]:
+                contents.append(choice["delta"].get("content") or "")
+                if choice.get("finish_reason"):
+                    finishes.append(choice["finish_reason"])
+    assert finishes, "the stream ended without a finish"
+    assert (contents, finishes) != (["x", "x"], ["length"]), "the revoked node answered the rest of the stream"
+    assert "a-revoked" not in [n["node_id"] for n in httpx.get(
+        f"{mesh.tracker.url}/v1/route", params={"model": mesh.model}).json()["nodes"]]
+    assert nodes(mesh.tracker)["a-revoked"]["state"] == "offline"
+    assert register(mesh.tracker, token, claim).status_code == 403  # refused at its next heartbeat

@@ -13,7 +13,9 @@ Routes:
   token, shown this once (the store keeps only its hash).
 - ``GET /v1/admin/tokens`` (admin key): every token, without secrets.
 - ``DELETE /v1/admin/tokens/{token_id}`` (admin key): revoke; the node it
-  binds leaves every route at once and is refused at its next heartbeat.
+  binds leaves every new route at once, every stream this tracker relays
+  through it moves to a route without it at its next token, and it is
+  refused at its next heartbeat (the bounds: README's trust section).
 - ``POST /v1/admin/keys/rotate`` (admin key): publish a new route key now; it
   signs ``MESHNET_ROUTE_KEY_LEAD_S`` later, the old one stays published until
   its routes have expired.
@@ -175,6 +177,7 @@ async def revoke_token(token_id: str, request: Request) -> JSONResponse:
         if record.revoked_at is None:
             record = record.model_copy(update={"revoked_at": time.time()})
             await state.store.put_token(record)
+        state.revoked.add(record.node_id)
         evicted = await state.store.evict(record.node_id, state.now())
     except StoreUnavailable as exc:
         raise store_unavailable(str(exc), state.settings.heartbeat_s) from None

@@ -174,6 +174,8 @@ async def register(request: Request) -> JSONResponse:
         record = await state.trust.admit(request.headers.get("authorization"), registration)
         if record is not None and record.model is None:
             _check_model_claim(state, registration)
+        if record is not None:
+            state.revoked.discard(registration.node_id)  # it holds a valid token again
     except TokenRefused as exc:
         state.metrics.registrations.labels("refused").inc()
         logger.warning("refused registration of %s from %s: %s", registration.node_id, registration.endpoint, exc)

@@ -239,10 +239,14 @@ async def _continued(state: TrackerState, model: str, path: str, body: bytes, ro
         state.metrics.proxy_retries.inc()
         return await open_head(state.http(), new, path, new_body, state.trust.signing_key(), progress=True)
 
+    def cut() -> str | None:  # a node revoked mid-stream: the stream moves to a route without it at once
+        revoked = state.revoked.intersection(current) if state.revoked else None
+        return f"node {min(revoked)}'s join token was revoked" if revoked else None
+
     stream = ContinuedStream(body=body, route_for=route_for, open_head=reopen,
                              on_failed=lambda node_id, reason: _report(state, node_id, reason), on_route=on_route,
                              attempts=state.settings.continue_attempts,
-                             deadline_s=state.settings.continue_deadline_s)
+                             deadline_s=state.settings.continue_deadline_s, cut=cut)
     if raw:
         async def close() -> None:
             await upstream.aclose()

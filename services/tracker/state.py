@@ -58,6 +58,9 @@ class TrackerState:
     """The HTTP client to head nodes; opened and closed by the app's lifespan."""
     key_limiter: KeyLimiter | None = None
     """Counts each API key's requests against its limits (with ``MESHNET_API_KEYS`` set)."""
+    revoked: set[str] = field(default_factory=set)
+    """Node ids whose join token this tracker revoked (until they join again by a valid token): the streams it
+    relays through them leave their route at the next token (see :mod:`.admin_api`)."""
     ratings: Ratings = field(default_factory=Ratings)
     """Each node's speed as measured on the streams this tracker relayed (the planner's speeds, :mod:`.ratings`)."""
     failure_gate: FailureGate = field(default_factory=lambda: FailureGate(window_s=120.0))
