@@ -25,7 +25,9 @@ before it report a node of its choosing (``failed_node`` in a 502). The rules:
 
 The gate is per tracker (in memory): with several trackers on one store, a
 lone reporter gets its one backoff from each tracker it reports to at most.
-Every size is bounded (:data:`MAX_NODES`, :data:`MAX_REPORTERS`).
+Every size is bounded (:data:`MAX_NODES`, :data:`MAX_REPORTERS`). A node is
+judged per registration (:func:`run_of`: its id and lease), so a node that
+restarted starts clean, as its backoff does.
 """
 
 from __future__ import annotations
@@ -33,6 +35,8 @@ from __future__ import annotations
 from collections import OrderedDict, deque
 from dataclasses import dataclass
 from typing import Final, Literal
+
+from .registry import Registry
 
 REPORTS_PER_MINUTE: Final = 30
 """Most failure reports one reporter may make in any 60 s."""
@@ -50,6 +54,11 @@ MAX_REPORTERS: Final = 64
 
 Verdict = Literal["apply", "noted"]
 """``apply``: hand the report to the store (backoff); ``noted``: a lone reporter's repeat, kept out."""
+
+
+def run_of(registry: Registry, node_id: str) -> str:
+    """The key a node's reports are judged under: its id and the lease it is registered with now."""
+    return f"{node_id}\n{registry.lease_of(node_id) or ''}"
 
 
 @dataclass

@@ -54,7 +54,7 @@ from meshwire.registry import NodeRegistration, RegistrationAnswer
 from meshwire.route_keys import KeySet
 from meshwire.routes import RouteError, verify_route
 
-from .failure_reports import ROUTE_GRACE_S, TooManyReports
+from .failure_reports import ROUTE_GRACE_S, TooManyReports, run_of
 from .join_tokens import TokenRefused
 from .registry import MAX_REASON_CHARS, RegistryError, UnknownNode
 from .responses import HTTPError, read_body, require_api_key
@@ -254,7 +254,7 @@ async def report_failure(node_id: str, request: Request) -> JSONResponse:
                         headers={"Retry-After": str(max(math.ceil(exc.retry_after_s), 1))}) from None
     if state.registry.state(node_id, now) is None:
         raise _refused(UnknownNode(f"no node {node_id!r} is registered"))
-    applied = state.failure_gate.judge(node_id, reporter, now) == "apply"
+    applied = state.failure_gate.judge(run_of(state.registry, node_id), reporter, now) == "apply"
     backoff_s = 0.0
     if applied:
         try:

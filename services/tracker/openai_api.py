@@ -47,7 +47,7 @@ from .choices import ChoicePayloads, several_choices
 from .collect import as_streamed
 from .collect import collect as collected
 from .continuation import ContinuedStream, StreamHistory
-from .failure_reports import TRACKER, TooManyReports
+from .failure_reports import TRACKER, TooManyReports, run_of
 from .key_limits import SCOPE_KEY_ID, LimitsUnavailable, Refused, take_choice_slots
 from .proxy import HeadError, HeadRefused, PrefillOffer, ProxiedResponse, first_byte_timer, open_head
 from .registry import UnknownNode
@@ -305,7 +305,7 @@ def _report(state: TrackerState, node_id: str, reason: str, reporter: str = TRAC
         state.failure_gate.count(reporter, now)
     except TooManyReports:
         return
-    if state.failure_gate.judge(node_id, reporter, now) != "apply":
+    if state.failure_gate.judge(run_of(state.registry, node_id), reporter, now) != "apply":
         return
     try:
         state.registry.report_failure(node_id, reason, now)
