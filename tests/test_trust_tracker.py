@@ -20,7 +20,10 @@ import httpx
 import openai
 import orjson
 import pytest
+from websockets.exceptions import InvalidStatus
+from websockets.sync import client as sync_ws
 
+from services.relay.join_tokens import ADMIT_TTL_S
 from services.tracker.settings import ROUTE_TTL_S
 from tests.procs import REPO_ROOT, Service, free_port, service_env, start_service, wait_healthy
 from tests.tiny_mesh import wait_until_servable
@@ -38,6 +41,7 @@ class Mesh:
     tracker: Service
     model: str
     fake_url: str
+    relay: Service
 
 
 def _admin(tracker: Service) -> dict[str, str]:
@@ -71,6 +75,7 @@ def mesh(tiny_model_dir: Path) -> Iterator[Mesh]:
                                   "MESHNET_TRACKER": tracker.url, "MESHNET_NODE_ID": HONEST,
                                   "MESHNET_DTYPE": "float32", "MESHNET_DEVICE": "cpu", "MESHNET_HEARTBEAT_S": "1"},
                          wait_ready=False)
+    relay = start_service("relay", {"MESHNET_TRACKER": tracker.url})
     try:
         wait_healthy(node)
         model = wait_until_servable(tracker, tiny_model_dir.name)
@@ -78,8 +83,9 @@ def mesh(tiny_model_dir: Path) -> Iterator[Mesh]:
         while not _up(f"http://127.0.0.1:{port}/health"):
             assert time.monotonic() < deadline, "the fake head never came up"
             time.sleep(0.1)
-        yield Mesh(tracker, model, f"http://127.0.0.1:{port}")
+        yield Mesh(tracker, model, f"http://127.0.0.1:{port}", relay)
     finally:
+        relay.stop()
         node.stop()
         tracker.stop()
         fake.terminate()
@@ -187,3 +193,26 @@ def test_revoking_a_token_moves_a_stream_through_its_node_at_the_next_token_and_
         f"{mesh.tracker.url}/v1/route", params={"model": mesh.model}).json()["nodes"]]
     assert nodes(mesh.tracker)["a-revoked"]["state"] == "offline"
     assert register(mesh.tracker, token, claim).status_code == 403  # refused at its next heartbeat
+
+
+def _handshake(url: str, credential: str) -> int:
+    """The status the relay answers a peer's WebSocket handshake with (101: accepted)."""
+    try:
+        with sync_ws.connect(url, additional_headers={"Authorization": f"Bearer {credential}"}, open_timeout=30):
+            return 101
+    except InvalidStatus as refused:
+        return refused.response.status_code
+
+
+def test_a_relay_refuses_a_revoked_token_within_its_stated_bound(mesh: Mesh) -> None:
+    """Finding 11: the relay kept admitting a revoked token for its cache lifetime (30 s): now 10 s."""
+    token = issue(mesh.tracker, "relayed-peer")
+    peer = f"ws://127.0.0.1:{mesh.relay.port}/peer/relayed-peer"
+    assert _handshake(peer, token) == 101  # the relay now remembers the tracker's yes
+    assert httpx.delete(f"{mesh.tracker.url}/v1/admin/tokens/{token.split('_')[1]}",
+                        headers=_admin(mesh.tracker)).status_code == 200
+    revoked_at = time.monotonic()
+    while _handshake(peer, token) != 403:
+        assert time.monotonic() - revoked_at <= ADMIT_TTL_S + 5, "the relay still admits the revoked token"
+        time.sleep(0.5)
+    assert ADMIT_TTL_S <= 10
