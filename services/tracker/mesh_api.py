@@ -19,7 +19,9 @@ Routes:
   without the route, 403 ``not_route_head`` / ``not_on_route`` when the
   reporter is not its head or the node is not on it. Answers whether the
   report was ``applied``.
-- ``GET /v1/nodes``: every listed node (state, load, last heartbeat) and each
+- ``GET /v1/nodes``: every listed node (state, load, last heartbeat, and its
+  speed as this tracker measured it: ``measured_tokens_per_s``,
+  ``measured_streams``, ``measured_ttft_s``, see :mod:`.ratings`) and each
   model's coverage.
 - ``GET /v1/mesh``: the same plus the tracker's clocks, for the live page.
 - ``GET /v1/route?model=M&exclude=a,b``: a signed route
