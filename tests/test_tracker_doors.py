@@ -163,8 +163,8 @@ HEAD_ANSWERS: Final[dict[str, tuple[int, str, bytes]]] = {
                b'{"error": {"message": "max_tokens is too large", "type": "invalid_request_error",'
                b' "code": "bad_max_tokens", "param": "max_tokens"}, "internal": "' + LEAKED.encode() + b'"}'),
     "blames": (502, "application/json",
-               b'{"error": {"message": "the next hop failed", "type": "server_error", "code": "hop_failed",'
-               b' "failed_node": "victim-of-a-blame"}}'),
+               b'{"error": {"message": "the next hop failed", "type": "server_error", "code": "hop_failed", '
+               + b'"failed_node": "victim-of-a-blame"}}'),
 }
 """Per endpoint prefix: the status, content type and body the fake head answers."""
 
