@@ -8,7 +8,7 @@ STAMP  := $(VENV)/.setup-done
 TORCH_VERSION := 2.13.0
 SMOLLM_VERSION := 0.1.2
 
-.PHONY: setup test test-fast mesh bench lint clean browser redis compose-smoke soak llama-cpp kernels
+.PHONY: setup test test-fast mesh bench lint clean browser redis netns compose-smoke soak llama-cpp kernels
 
 setup: $(STAMP)
 
@@ -24,6 +24,7 @@ $(STAMP): pyproject.toml Makefile
 	-@$(MAKE) --no-print-directory kernels
 	-@$(MAKE) --no-print-directory browser
 	-@$(MAKE) --no-print-directory redis
+	-@$(MAKE) --no-print-directory netns
 	@touch $(STAMP)
 	@echo ">>> setup done: $$(du -sh $(VENV) | cut -f1) in $(VENV)"
 
@@ -58,6 +59,16 @@ redis:
 	  (apt-get install -y -qq redis-server haproxy >/dev/null 2>&1 || (apt-get update -qq >/dev/null 2>&1 && apt-get install -y -qq redis-server haproxy >/dev/null 2>&1)) \
 	  || echo ">>> redis-server/haproxy could not be installed; the Redis store tests will skip"; \
 	else echo ">>> no apt or not root: the Redis store tests will skip"; fi
+
+# iproute2 (`ip netns`, veth) for the real node-behind-NAT test (tests/test_relay_node.py, root only);
+# best effort (needs apt and root). Under CI=1 a missing `ip` fails that test instead of skipping it.
+netns:
+	@if command -v ip >/dev/null 2>&1; then echo ">>> iproute2 present"; \
+	elif command -v apt-get >/dev/null 2>&1 && [ "$$(id -u)" = 0 ]; then \
+	  echo ">>> installing Debian iproute2 for the network-namespace test"; \
+	  (apt-get install -y -qq iproute2 >/dev/null 2>&1 || (apt-get update -qq >/dev/null 2>&1 && apt-get install -y -qq iproute2 >/dev/null 2>&1)) \
+	  || echo ">>> iproute2 could not be installed; the network-namespace test will skip (fail under CI=1)"; \
+	else echo ">>> no apt or not root: the network-namespace test will skip"; fi
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q -ra

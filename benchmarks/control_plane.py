@@ -16,7 +16,7 @@
   latency on a tracker whose store is Redis, through one tracker and
   alternately through two. Each route and chat on a Redis tracker costs one
   ``MGET`` first (the view's freshness fence, see
-  ``services/tracker/store_redis.py``). Skipped, and said so, where
+  ``services/tracker/store/redis.py``). Skipped, and said so, where
   ``redis-server`` is not installed.
 
 The load generator shares the machine's cores with the service it measures,

@@ -11,6 +11,9 @@ import pytest
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+pytest_plugins = ["pytester"]
+
+
 def pytest_sessionstart(session: pytest.Session) -> None:
     """Build meshnet's quantized-product kernel once before any node starts (a no-op once built): nodes
     started by tests would otherwise each wait on the build inside their start-up time."""
@@ -22,6 +25,15 @@ def pytest_sessionstart(session: pytest.Session) -> None:
         quant_kernel.build()
     except Exception as error:  # noqa: BLE001 - the nodes then use torch's kernel and log why
         logging.getLogger(__name__).warning("meshnet's quantized-product kernel is not built: %s", error)
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """Fail, under ``CI=1``, a test whose installable component is missing (``tests/requirements.py``)."""
+    from tests.requirements import MISSING_ON_CI
+
+    mark = item.get_closest_marker(MISSING_ON_CI)
+    if mark is not None:
+        pytest.fail(str(mark.args[0]))
 
 
 # --- tiny model (owned by the node compute core) -----------------------------------------------------

@@ -1,4 +1,5 @@
-"""meshwire.body_guard in-process: a body in time passes whole, a late one is answered 408, a growing one 413.
+"""meshwire.body_guard in-process: a body in time passes whole, a late one is answered 408, a growing one 413;
+and read_bounded, the one bounded body read every service's handlers use.
 
 The app here reads its body the way the services do (``receive`` until
 ``more_body`` is false); a body that never comes is a ``receive`` that never
@@ -13,7 +14,7 @@ from typing import Any
 import orjson
 import pytest
 
-from meshwire.body_guard import BodyGuard, plain_text
+from meshwire.body_guard import BodyGuard, BodyIncomplete, BodyTooLarge, plain_text, read_bounded
 
 DEADLINE_S = 0.05
 BOUND_S = 30.0
@@ -97,3 +98,57 @@ async def test_a_declared_length_over_the_cap_is_answered_before_anything_is_rea
     scope = {**SCOPE, "headers": [(b"content-length", b"1000")]}
     await BodyGuard(echo, timeout_s=BOUND_S, max_bytes=64)(scope, exchange.receive, exchange.send)
     assert exchange.status == 413 and exchange.chunks == [b"never read"]
+
+
+# --- read_bounded: a handler's own bound ------------------------------------------------------------
+
+class Request:
+    """What read_bounded reads (a Starlette request's ``headers`` and ``receive``), over an :class:`Exchange`."""
+
+    def __init__(self, exchange: Exchange, headers: dict[str, str] | None = None,
+                 disconnect: bool = False) -> None:
+        self.headers = headers or {}
+        self.exchange = exchange
+        self.disconnect = disconnect
+
+    async def receive(self) -> dict[str, Any]:
+        if self.disconnect and not self.exchange.chunks:
+            return {"type": "http.disconnect"}
+        return await self.exchange.receive()
+
+
+async def read(request: Request, max_bytes: int) -> bytes:
+    return await asyncio.wait_for(read_bounded(request, max_bytes), BOUND_S)
+
+
+async def test_a_body_within_the_bound_is_read_whole_from_every_message() -> None:
+    exchange = Exchange([b"ab", b"", b"cd"])
+    assert await read(Request(exchange, {"content-length": "4"}), 4) == b"abcd"
+
+
+async def test_a_declared_length_over_the_bound_is_refused_before_anything_is_read() -> None:
+    exchange = Exchange([b"never read"])
+    with pytest.raises(BodyTooLarge) as refused:
+        await read(Request(exchange, {"content-length": "1000"}), 64)
+    assert (refused.value.declared, refused.value.max_bytes) == (1000, 64)
+    assert exchange.chunks == [b"never read"]
+
+
+async def test_a_body_growing_past_the_bound_is_refused_as_it_passes_and_the_rest_is_not_read() -> None:
+    exchange = Exchange([b"x" * 40, b"x" * 40, b"never read"])
+    with pytest.raises(BodyTooLarge) as refused:
+        await read(Request(exchange), 64)
+    assert refused.value.declared is None
+    assert exchange.chunks == [b"never read"]
+
+
+async def test_an_unreadable_declared_length_is_no_licence_to_read_past_the_bound() -> None:
+    exchange = Exchange([b"x" * 40, b"x" * 40])
+    with pytest.raises(BodyTooLarge):
+        await read(Request(exchange, {"content-length": "lots"}), 64)
+
+
+async def test_a_sender_that_goes_away_mid_body_leaves_it_incomplete() -> None:
+    exchange = Exchange([b"ab"], stall=True)
+    with pytest.raises(BodyIncomplete):
+        await read(Request(exchange, disconnect=True), 64)

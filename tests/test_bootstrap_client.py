@@ -4,9 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import socket
-import threading
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import httpx
@@ -17,7 +15,6 @@ from starlette.types import Receive, Scope, Send
 
 from meshwire.bootstrap_client import (
     AsyncBootstrapClient,
-    BootstrapClient,
     BootstrapError,
     BootstrapRefused,
     BootstrapUnavailable,
@@ -52,18 +49,18 @@ def prefill_rank(engine_rank: int, port: int = 7000) -> RankRegistration:
     return RankRegistration(world_size=4, dp_size=2, rank_ip="10.0.0.1", rank_port=port, engine_rank=engine_rank)
 
 
-class CountingTransport(httpx.HTTPTransport):
-    """A real transport that counts the attempts made through it."""
+class AttemptCountingTransport(httpx.AsyncHTTPTransport):
+    """A real async transport that counts the attempts made through it, answered or failed."""
 
     def __init__(self) -> None:
         super().__init__()
         self.attempts = 0
-        self.attempted = threading.Event()
+        self.attempted = asyncio.Event()
 
-    def handle_request(self, request: httpx.Request) -> httpx.Response:
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
         self.attempts += 1
         try:
-            return super().handle_request(request)
+            return await super().handle_async_request(request)
         finally:
             self.attempted.set()
 
@@ -88,73 +85,76 @@ async def answers_seen(transport: AsyncCountingTransport, count: int) -> None:
 
 # --- the three calls --------------------------------------------------------------------------------
 
-def test_a_prefill_rank_registers_and_a_decode_rank_finds_it(server: BootstrapServer) -> None:
-    with BootstrapClient(server.url) as bootstrap:
-        assert bootstrap.health()
-        assert not bootstrap.get_sizes().registered
-        bootstrap.register_rank(prefill_rank(3, port=7003))
-        assert bootstrap.get_sizes() == PrefillInfo(prefill_tp_size=4, prefill_dp_size=2, prefill_pp_size=1)
-        assert bootstrap.lookup_rank(engine_rank=1, dp_group=1) == RankAddress(rank_ip="10.0.0.1", rank_port=7003)
+async def test_a_prefill_rank_registers_and_a_decode_rank_finds_it(server: BootstrapServer) -> None:
+    async with AsyncBootstrapClient(server.url) as bootstrap:
+        assert await bootstrap.health()
+        assert not (await bootstrap.get_sizes()).registered
+        await bootstrap.register_rank(prefill_rank(3, port=7003))
+        assert await bootstrap.get_sizes() == PrefillInfo(prefill_tp_size=4, prefill_dp_size=2, prefill_pp_size=1)
+        assert await bootstrap.lookup_rank(engine_rank=1, dp_group=1) == RankAddress(rank_ip="10.0.0.1",
+                                                                                     rank_port=7003)
 
 
-def test_a_cache_node_registers_its_layout_through_the_client() -> None:
-    with BootstrapServer(settings(registry="cache-layouts")) as server, BootstrapClient(server.url) as bootstrap:
-        bootstrap.register_rank(RankRegistration(
-            world_size=4, dp_size=2, rank_ip="10.0.0.1", rank_port=7000, engine_rank=0,
-            pp_size=2, cache_layout=layout(), cache_fields_by_stage=STAGES))
-        info = bootstrap.get_sizes()
+async def test_a_cache_node_registers_its_layout_through_the_client() -> None:
+    with BootstrapServer(settings(registry="cache-layouts")) as server:
+        async with AsyncBootstrapClient(server.url) as bootstrap:
+            await bootstrap.register_rank(RankRegistration(
+                world_size=4, dp_size=2, rank_ip="10.0.0.1", rank_port=7000, engine_rank=0,
+                pp_size=2, cache_layout=layout(), cache_fields_by_stage=STAGES))
+            info = await bootstrap.get_sizes()
     assert info.cache_layout == layout()
     assert info.cache_fields_by_stage == (("layer.0.kv",), ("layer.1.kv",))
     assert info.prefill_pp_size == 2
 
 
-def test_a_refusal_raises_with_the_service_s_text() -> None:
-    with BootstrapServer(settings(registry="cache-layouts")) as server, BootstrapClient(server.url) as bootstrap, \
-            pytest.raises(BootstrapRefused) as refused:
-        bootstrap.register_rank(prefill_rank(0))
+async def test_a_refusal_raises_with_the_service_s_text() -> None:
+    with BootstrapServer(settings(registry="cache-layouts")) as server:
+        async with AsyncBootstrapClient(server.url) as bootstrap:
+            with pytest.raises(BootstrapRefused) as refused:
+                await bootstrap.register_rank(prefill_rank(0))
     assert (refused.value.status, refused.value.message) == (500, "CachePD bootstrap layout must be a string")
 
 
-def test_a_rank_not_registered_raises_at_once_without_waiting(server: BootstrapServer) -> None:
-    with BootstrapClient(server.url) as bootstrap, pytest.raises(RankNotRegistered):
-        bootstrap.lookup_rank(engine_rank=0, dp_group=5)
+async def test_a_rank_not_registered_raises_at_once_without_waiting(server: BootstrapServer) -> None:
+    async with AsyncBootstrapClient(server.url) as bootstrap:
+        with pytest.raises(RankNotRegistered):
+            await bootstrap.lookup_rank(engine_rank=0, dp_group=5)
 
 
 # --- retries and timeouts ---------------------------------------------------------------------------
 
-def test_an_unreachable_service_is_tried_as_often_as_the_policy_says() -> None:
-    transport = CountingTransport()
-    with BootstrapClient(f"http://127.0.0.1:{free_port()}", retry=FAST_RETRY, transport=transport) as bootstrap, \
-            pytest.raises(BootstrapUnavailable, match="failed 4 attempts"):
-        bootstrap.get_sizes()
+async def test_an_unreachable_service_is_tried_as_often_as_the_policy_says() -> None:
+    transport = AttemptCountingTransport()
+    async with AsyncBootstrapClient(f"http://127.0.0.1:{free_port()}", retry=FAST_RETRY,
+                                    transport=transport) as bootstrap:
+        with pytest.raises(BootstrapUnavailable, match="failed 4 attempts"):
+            await bootstrap.get_sizes()
     assert transport.attempts == 4
 
 
-def test_a_registration_retries_until_the_service_comes_up() -> None:
+async def test_a_registration_retries_until_the_service_comes_up() -> None:
     port = free_port()
-    transport = CountingTransport()
-
-    def register() -> None:
-        with BootstrapClient(f"http://127.0.0.1:{port}", retry=PATIENT_RETRY, transport=transport) as client:
-            client.register_rank(prefill_rank(0))
-
-    with ThreadPoolExecutor(max_workers=1) as worker:
-        registered = worker.submit(register)
-        assert transport.attempted.wait(WAIT_S)  # a first attempt has failed: nothing listens yet
+    transport = AttemptCountingTransport()
+    async with AsyncBootstrapClient(f"http://127.0.0.1:{port}", retry=PATIENT_RETRY,
+                                    transport=transport) as client:
+        registered = asyncio.ensure_future(client.register_rank(prefill_rank(0)))
+        await asyncio.wait_for(transport.attempted.wait(), WAIT_S)  # a first attempt has failed: nothing listens
+        assert not registered.done()
         with BootstrapServer(BootstrapSettings(host="127.0.0.1", port=port, access_log=False)) as server:
-            registered.result(timeout=WAIT_S)
+            await asyncio.wait_for(registered, WAIT_S)
             assert server.app.state.registry.registered_ranks == 1
     assert transport.attempts >= 2
 
 
-def test_a_service_that_never_answers_times_out_and_is_unavailable() -> None:
+async def test_a_service_that_never_answers_times_out_and_is_unavailable() -> None:
     with socket.socket() as silent:
         silent.bind(("127.0.0.1", 0))
         silent.listen()  # connections are accepted by the kernel, and never answered
         url = f"http://127.0.0.1:{silent.getsockname()[1]}"
-        with BootstrapClient(url, timeout_s=0.2, retry=RetryPolicy(attempts=2, backoff_s=0.0)) as bootstrap, \
-                pytest.raises(BootstrapUnavailable, match="Timeout"):
-            bootstrap.get_sizes()
+        async with AsyncBootstrapClient(url, timeout_s=0.2,
+                                        retry=RetryPolicy(attempts=2, backoff_s=0.0)) as bootstrap:
+            with pytest.raises(BootstrapUnavailable, match="Timeout"):
+                await bootstrap.get_sizes()
 
 
 class BusyFirst:

@@ -17,6 +17,7 @@ import torch
 from services.node.model.kv_cache import GrowingLayer
 from services.node.model.quant import quant_kernel
 from services.node.model.shard import Shard, ShardCache, load_shard
+from tests.requirements import needs
 
 CPU: Final = torch.device("cpu")
 PROMPT_LENGTHS: Final = (3, 9, 1, 17, 5)
@@ -29,8 +30,11 @@ bfloat16, 2^-8, at most)."""
 KV_RTOL: Final = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
 """The same for the cached keys and values, in the cache's own format (one rounding of it apart at most)."""
 
-pytestmark = pytest.mark.skipif(not quant_kernel.decode_rows_ready(),
-                                reason="meshnet's native kernel is not built here, or the CPU lacks AVX-512")
+pytestmark = [
+    needs(quant_kernel.available(), "meshnet's native kernel did not build here (a C++ compiler: `make kernels`)"),
+    pytest.mark.skipif(quant_kernel.available() and not quant_kernel.decode_rows_ready(),
+                       reason="this CPU lacks AVX-512, which the native decode rows need"),
+]
 
 
 def _relative(a: torch.Tensor, b: torch.Tensor) -> float:

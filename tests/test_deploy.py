@@ -118,10 +118,22 @@ def test_no_service_leaves_an_anonymous_volume() -> None:
             assert ":" in mount and source in named, f"{name} mounts {mount!r}: not a named volume"
 
 
+LOOPBACK_ONLY = {"bootstrap"}
+"""Services published on the host's loopback alone: the bootstrap registry's wire takes anonymous registrations."""
+
+
 def test_every_published_port_follows_the_publish_address() -> None:
     for name, service in _services().items():
+        if name in LOOPBACK_ONLY:
+            continue
         for port in service.get("ports", []):
             assert port.startswith("${MESHNET_PUBLISH_ADDR:-0.0.0.0}:${MESHNET_PUBLISH_"), f"{name}: {port}"
+
+
+def test_the_bootstrap_registry_is_published_on_loopback_only() -> None:
+    for name in LOOPBACK_ONLY:
+        ports = _services()[name].get("ports", [])
+        assert all(port.startswith("127.0.0.1:") for port in ports), f"{name}: {ports}"
 
 
 def test_the_build_context_holds_what_the_dockerfile_copies_and_not_the_venv() -> None:

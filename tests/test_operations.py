@@ -37,6 +37,13 @@ def metric_names(service: Service) -> set[str]:
     return {sample.name for family in text_string_to_metric_families(answer.text) for sample in family.samples}
 
 
+def metric_total(service: Service, name: str) -> float:
+    """The sum of every sample called ``name`` (all its labels), or 0 where it has none yet."""
+    answer = httpx.get(f"{service.url}/metrics", timeout=5)
+    return sum(sample.value for family in text_string_to_metric_families(answer.text)
+               for sample in family.samples if sample.name == name)
+
+
 @pytest.fixture(scope="module")
 def mesh(tiny_model_dir: Path) -> Iterator[dict[str, Service]]:
     """A tracker, a relay, a bootstrap registry and one whole-model node, the node logging JSON."""
@@ -76,35 +83,59 @@ def test_every_service_answers_metrics_in_prometheus_text_format(mesh: dict[str,
 
 
 def test_node_metrics_count_sessions_kv_and_tokens(mesh: dict[str, Service]) -> None:
-    assert chat(mesh["tracker"]).status_code == 200
-    names = metric_names(mesh["node"])
+    node = mesh["node"]
+    generated = metric_total(node, "meshnet_node_tokens_generated_total")
+    answer = chat(mesh["tracker"])
+    assert answer.status_code == 200
+    names = metric_names(node)
     for expected in ("meshnet_node_sessions", "meshnet_node_kv_tokens_free", "meshnet_node_kv_tokens_used",
                      "meshnet_node_tokens_generated_total", "meshnet_node_forward_seconds_count"):
         assert expected in names, f"{expected} missing from the node's metrics"
+    completion = answer.json()["usage"]["completion_tokens"]
+    assert completion > 0
+    assert metric_total(node, "meshnet_node_tokens_generated_total") - generated == completion
+    wait_for(lambda: metric_total(node, "meshnet_node_sessions") == 0, REGISTER_TIMEOUT_S, "the session to close")
+    assert metric_total(node, "meshnet_node_kv_tokens_used") == 0
+    assert metric_total(node, "meshnet_node_kv_tokens_free") > 0
 
 
 def test_tracker_metrics_count_requests_and_route_decisions(mesh: dict[str, Service]) -> None:
-    assert chat(mesh["tracker"]).status_code == 200
-    names = metric_names(mesh["tracker"])
+    tracker = mesh["tracker"]
+    models = model_id(tracker)  # a request of its own, before the counts are read
+    routes = metric_total(tracker, "meshnet_tracker_routes_total")
+    requests = metric_total(tracker, "meshnet_tracker_requests_total")
+    assert models and chat(tracker).status_code == 200
+    names = metric_names(tracker)
     assert "meshnet_tracker_routes_total" in names
     assert "meshnet_tracker_requests_total" in names
+    assert metric_total(tracker, "meshnet_tracker_routes_total") - routes == 1  # one chat, one route
+    assert metric_total(tracker, "meshnet_tracker_requests_total") > requests
 
 
 def test_relay_metrics_count_peers_and_bytes(mesh: dict[str, Service]) -> None:
     relay_addr = next(n["relay_addr"] for n in httpx.get(f"{mesh['tracker'].url}/v1/nodes").json()["nodes"]
                       if n["node_id"] == "ops-node")
+    carried = sum(metric_total(mesh["relay"], name) for name in metric_names(mesh["relay"])
+                  if name.startswith("meshnet_relay_bytes"))
     with connect(relay_addr, open_timeout=10) as ws:  # the reference envelope, through the relay to the node
         ws.send(orjson.dumps({"request_id": "1", "method": "GET", "path": "/health", "headers": {},
                               "body_base64": ""}).decode())
         assert orjson.loads(ws.recv(timeout=10))["status"] == 200
     names = metric_names(mesh["relay"])
     assert "meshnet_relay_peers" in names
-    assert any(name.startswith("meshnet_relay_bytes") for name in names)
+    assert metric_total(mesh["relay"], "meshnet_relay_peers") == 1  # the node, holding its link
+    bytes_names = [name for name in names if name.startswith("meshnet_relay_bytes")]
+    assert bytes_names
+    assert sum(metric_total(mesh["relay"], name) for name in bytes_names) > carried
 
 
 def test_bootstrap_metrics_count_requests(mesh: dict[str, Service]) -> None:
-    httpx.get(f"{mesh['bootstrap'].url}/health")
-    assert any(name.startswith("meshnet_bootstrap_requests") for name in metric_names(mesh["bootstrap"]))
+    names = [name for name in metric_names(mesh["bootstrap"]) if name.startswith("meshnet_bootstrap_requests")]
+    before = sum(metric_total(mesh["bootstrap"], name) for name in names if name.endswith("_total"))
+    assert httpx.get(f"{mesh['bootstrap'].url}/health").status_code == 200
+    names = [name for name in metric_names(mesh["bootstrap"]) if name.startswith("meshnet_bootstrap_requests")]
+    assert names
+    assert sum(metric_total(mesh["bootstrap"], name) for name in names if name.endswith("_total")) > before
 
 
 def test_json_logs_are_one_object_per_line(mesh: dict[str, Service]) -> None:

@@ -15,6 +15,7 @@ as the nodes of a decode route of its own (``tests.pd_mesh.decode_route``).
 
 from __future__ import annotations
 
+import socket
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -28,12 +29,21 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from meshwire import headers as h
-from meshwire.kv_handoff import DECODE_ROUTE, KV_CHUNK_POSITIONS, KV_LAYERS, PREFILL_PATH, PULL_PATH
+from meshwire.kv_box import BOX, Opener
+from meshwire.kv_handoff import (
+    DECODE_ROUTE,
+    KV_CHUNK_POSITIONS,
+    KV_LAYERS,
+    KV_SOURCE,
+    PREFILL_PATH,
+    PULL_PATH,
+)
+from meshwire.rank_proof import sign_registration
 from meshwire.route_keys import SigningKey
 from meshwire.routes import Route, RouteNode, issue_signed_route
 from services.node.pd.kv_pull import LAYOUT_CACHE_S
 from tests.pd_mesh import AUTH, PD_MIN_PROMPT_TOKENS, PdMesh, decode_route, signed, start_pd_mesh, wait_for
-from tests.procs import TEST_ROUTE_KEY, free_port, node_hop_key, start_service, wait_healthy
+from tests.procs import TEST_ROUTE_KEY, node_hop_key, start_service, wait_healthy
 
 LONG = [{"role": "user", "content": "Tell me a long story about the river and the old mill by the water."}]
 """Well over :data:`PD_MIN_PROMPT_TOKENS` tokens with the chat template."""
@@ -233,7 +243,12 @@ def test_the_kv_endpoints_refuse_unsigned_callers_and_the_mesh_secret_is_no_cred
 def test_a_pull_of_a_handoff_nobody_holds_is_a_404_and_bad_headers_a_400(mesh: PdMesh) -> None:
     url = f"{mesh.url(mesh.extra['prefill'][0])}{PULL_PATH}"
     headers = {h.ROUTE: decode_route(mesh, TEST_DECODE), h.SESSION: "s-nobody", KV_LAYERS: "0-0",
-               h.CHUNK_INDEX: "0", KV_CHUNK_POSITIONS: "16"}
+               h.CHUNK_INDEX: "0", KV_CHUNK_POSITIONS: "16", KV_SOURCE: mesh.extra["prefill"][0],
+               BOX: Opener().public_text}
+    elsewhere = httpx.post(url, headers=signed({**headers, KV_SOURCE: "another-node"}, "td", PULL_PATH))
+    assert elsewhere.status_code == 403 and elsewhere.json()["error"]["code"] == "wrong_node", elsewhere.text
+    unsealable = httpx.post(url, headers=signed({**headers, BOX: "not-a-key"}, "td", PULL_PATH))
+    assert unsealable.status_code == 400, unsealable.text
     missing = httpx.post(url, headers=signed(headers, "td", PULL_PATH))
     assert missing.status_code == 404 and missing.json()["error"]["code"] == "unknown_handoff"
     assert httpx.post(url, headers=signed({**headers, KV_CHUNK_POSITIONS: "17"}, "td", PULL_PATH)).status_code == 400
@@ -287,30 +302,43 @@ def test_a_prefill_is_asked_by_the_decode_routes_head_once(mesh: PdMesh) -> None
 # --- faults ---------------------------------------------------------------------------------------------------
 
 
-def test_a_prefill_stage_unreachable_when_decode_pulls_falls_back_and_the_answer_is_exact(
+def test_a_hijacked_registry_slot_is_refused_and_never_pulled_from_and_the_handoff_still_works(
         mesh: PdMesh, reference: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> None:
-    """The registry names a dead address for the last stage (its node gone after it registered): the prefill
-    route still answers the first token, the pull from that stage fails, the decode route prefills itself."""
+    """Issue 34's attack: point the last stage's registry slot at a listener. Unsigned, the prefill node's
+    signed slot refuses it (403). Even forced there with the mesh secret (a registry an attacker controls), the
+    decode nodes pull from the endpoints the tracker's signed prefill route names, so the listener hears
+    nothing, the handoff is taken, and the answer is exact."""
     last_stage = len(mesh.extra["prefill"]) - 1
     name = mesh.extra["prefill"][last_stage]
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(8)
+    listener.setblocking(False)
     place = httpx.get(f"{mesh.url(name)}/health").json()["prefill_group"]
-    registration = {"role": "Prefill", "world_size": place["world_size"], "dp_size": place["dp_size"],
-                    "rank_ip": "127.0.0.1", "rank_port": free_port(), "engine_rank": place["engine_rank"]}
     sizes = httpx.get(f"{mesh.bootstrap.url}/route", params={"engine_rank": -1, "target_dp_group": -1}).json()
-    registration.update(pp_size=sizes["prefill_pp_size"], cache_layout=sizes["cache_layout"],
-                        cache_fields_by_stage=sizes["cache_fields_by_stage"])
-    assert httpx.put(f"{mesh.bootstrap.url}/route", json=registration).status_code == 200
+    registration = {"role": "Prefill", "world_size": place["world_size"], "dp_size": place["dp_size"],
+                    "rank_ip": "127.0.0.1", "rank_port": listener.getsockname()[1],
+                    "engine_rank": place["engine_rank"], "pp_size": sizes["prefill_pp_size"],
+                    "cache_layout": sizes["cache_layout"], "cache_fields_by_stage": sizes["cache_fields_by_stage"]}
+    assert httpx.put(f"{mesh.bootstrap.url}/route", json=registration).status_code == 403
+    assert httpx.put(f"{mesh.bootstrap.url}/route", json=registration, headers=AUTH).status_code == 200
     try:
         want_text, want_tokens, _ = expected(reference, tokenizer, LONG, SEEDED)
         before = counters(mesh)
         assert chat(mesh, LONG, SEEDED) == (want_text, want_tokens)
         after = counters(mesh)
         head = mesh.extra["decode"][0]
-        assert delta(after, before, head, "fallback") == 1 and delta(after, before, head, "handoff") == 0
-        assert mesh.metric(head, "meshnet_node_pd_fallbacks_total", reason="prefill_unreachable") >= 1
+        assert delta(after, before, head, "handoff") == 1 and delta(after, before, head, "fallback") == 0
+        with pytest.raises(BlockingIOError):
+            listener.accept()
     finally:
-        registration["rank_port"] = mesh.nodes[name].port
-        assert httpx.put(f"{mesh.bootstrap.url}/route", json=registration).status_code == 200
+        listener.close()
+        registration["rank_port"] = mesh.nodes[name].port  # back, held by the node's own key again
+        raw = orjson.dumps(registration)
+        restored = httpx.put(f"{mesh.bootstrap.url}/route", content=raw,
+                             headers={"content-type": "application/json",
+                                      **sign_registration(node_hop_key(name), name, raw), **AUTH})
+        assert restored.status_code == 200
 
 
 def test_a_registry_holding_another_layout_is_refused_with_its_reason_and_the_decode_route_prefills(

@@ -25,7 +25,16 @@ import pytest
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from meshwire import headers as h
-from meshwire.kv_handoff import DECODE_ROUTE, KV_CHUNK_POSITIONS, KV_LAYERS, PREFILL_PATH, PULL_PATH
+from meshwire.kv_box import BOX, TAG_BYTES, BoxProblem, Opener
+from meshwire.kv_handoff import (
+    DECODE_ROUTE,
+    KV_CHUNK_POSITIONS,
+    KV_LAYERS,
+    KV_SOURCE,
+    PREFILL_PATH,
+    PULL_PATH,
+    pull_answer_problem,
+)
 from meshwire.route_keys import SigningKey
 from meshwire.routes import Route, RouteNode, issue_signed_route
 from tests.pd_mesh import AUTH, PD_MIN_PROMPT_TOKENS, PdMesh, decode_route, signed, start_pd_mesh, wait_for
@@ -115,9 +124,9 @@ def hold(mesh: PdMesh, session: str, route: str, head: str) -> None:
 
 
 def pull(mesh: PdMesh, session: str, route: str, signer: str, layers: str,
-         key: SigningKey | None = None) -> httpx.Response:
+         key: SigningKey | None = None, source: str = "p") -> httpx.Response:
     headers = {h.ROUTE: route, h.SESSION: session, KV_LAYERS: layers, h.CHUNK_INDEX: "0",
-               KV_CHUNK_POSITIONS: ONE_CHUNK}
+               KV_CHUNK_POSITIONS: ONE_CHUNK, KV_SOURCE: source, BOX: Opener().public_text}
     return httpx.post(f"{mesh.url('p')}{PULL_PATH}", headers=signed(headers, signer, PULL_PATH, key=key),
                       timeout=30)
 
@@ -134,8 +143,9 @@ def test_a_pull_the_decode_route_does_not_allow_is_refused_and_nothing_is_served
     hold(mesh, "s-theirs", theirs, "y0")
     before = served(mesh)
     url = f"{mesh.url('p')}{PULL_PATH}"
+    puller_box = Opener()
     unsigned = {h.ROUTE: mine, h.SESSION: "s-mine", KV_LAYERS: "0-1", h.CHUNK_INDEX: "0",
-                KV_CHUNK_POSITIONS: ONE_CHUNK}
+                KV_CHUNK_POSITIONS: ONE_CHUNK, KV_SOURCE: "p", BOX: puller_box.public_text}
     assert httpx.post(url, headers=unsigned).status_code == 401
     assert httpx.post(url, headers={**unsigned, **AUTH}).status_code == 401
     untrusted = issue_signed_route(Route(model=mesh.model, num_layers=4, nodes=(RouteNode(
@@ -148,6 +158,7 @@ def test_a_pull_the_decode_route_does_not_allow_is_refused_and_nothing_is_served
         "another handoff's request id": (pull(mesh, "s-theirs", mine, "x0", "0-1"), "bad_route"),
         "another decode route": (pull(mesh, "s-mine", theirs, "y0", "0-3"), "bad_route"),
         "a route the tracker did not sign": (pull(mesh, "s-mine", untrusted, "x0", "0-1"), "bad_route"),
+        "a pull meant for another prefill node": (pull(mesh, "s-mine", mine, "x0", "0-1", source="q"), "wrong_node"),
     }
     for why, (answer, code) in forged.items():
         assert answer.status_code == 403 and answer.json()["error"]["code"] == code, (why, answer.text)
@@ -156,9 +167,18 @@ def test_a_pull_the_decode_route_does_not_allow_is_refused_and_nothing_is_served
     once = signed(unsigned, "x0", PULL_PATH)
     first = httpx.post(url, headers=once, timeout=30)
     assert first.status_code == 200, first.text
+    p_key = node_hop_key("p").private.public_key()  # the answer is p's, to x0, for this very pull
+    assert pull_answer_problem(p_key, "p", first.headers, first.content, requester="x0",
+                               request_proof=once["X-Meshnet-Proof"]) is None
+    assert pull_answer_problem(p_key, "p", first.headers, first.content, requester="x1",
+                               request_proof=once["X-Meshnet-Proof"]) is not None
+    opened = puller_box.open(first.headers[BOX], first.content, once["X-Meshnet-Proof"])  # x0 reads the KV
+    assert len(opened) == len(first.content) - TAG_BYTES
+    with pytest.raises(BoxProblem):  # whoever replays x0's captured pull gets bytes only x0 can open
+        Opener().open(first.headers[BOX], first.content, once["X-Meshnet-Proof"])
     replayed = httpx.post(url, headers=once, timeout=30)
     assert replayed.status_code == 403 and replayed.json()["error"]["code"] == "replayed", replayed.text
-    assert served(mesh) == before + len(first.content)
+    assert served(mesh) == before + len(first.content) - TAG_BYTES  # the KV bytes, sealed with a 16-byte tag
 
     assert pull(mesh, "s-mine", mine, "x1", "2-3").status_code == 200
     assert pull(mesh, "s-theirs", theirs, "y0", "0-3").status_code == 200

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import socket
 from collections.abc import Iterator
+from typing import Any
 
 import httpx
 import pytest
@@ -13,6 +14,7 @@ import torch
 
 from meshwire.forward_step import DataRequest, StepInfo, parse_forward
 from meshwire.frames import FrameError, encode_frame
+from meshwire.kv_box import BoxProblem, Opener, check_box, seal
 from meshwire.kv_handoff import (
     PAGE_TOKENS,
     HandoffSource,
@@ -22,14 +24,19 @@ from meshwire.kv_handoff import (
     layout_difference,
     layout_wire,
     placement_layers,
+    pull_answer_problem,
     route_digest,
+    sign_pull_answer,
     stage_placement,
 )
+from meshwire.limits import MAX_HEADER_VALUE_CHARS
 from meshwire.pd_group import PrefillMember, plan_prefill_group
 from meshwire.registry import RegistrationAnswer
-from meshwire.route_keys import SigningKey
+from meshwire.route_keys import KeySet, SigningKey
+from meshwire.routes import Route, RouteNode, issue_signed_route
 from services.bootstrap.layout import check_placement_covers, parse_layout_wire
 from services.node.engine.sessions import SessionRefused, SessionTable
+from services.node.hop.trust import RouteTrust
 from services.node.pd.handoff_limits import HandoffLimits
 from services.node.pd.kv_pull import HandoffFailed, KvPuller
 from services.node.pd.pd_member import PrefillMembership, rank_address
@@ -39,8 +46,23 @@ from services.tracker.state import _plan_decode_route
 from tests.procs import Service, start_service
 
 HOP_KEY = SigningKey.generate()
+ROUTE_KEY = SigningKey.generate()
+"""The test's tracker key: the pullers below trust it."""
 F32 = KVShape(num_layers=4, kv_heads=2, head_dim=16, dtype="float32", itemsize=4, max_positions=4096)
 BF16 = KVShape(num_layers=4, kv_heads=2, head_dim=16, dtype="bfloat16", itemsize=2, max_positions=4096)
+
+
+def puller(bootstrap_url: str, shape: KVShape, timeout_s: float) -> KvPuller:
+    """A decode node's puller (node ``d``) that trusts routes signed with :data:`ROUTE_KEY` for model ``m``."""
+    return KvPuller(node_id="d", hop_key=HOP_KEY, trust=RouteTrust(KeySet.of([ROUTE_KEY]), None), model_id="m",
+                    bootstrap_url=bootstrap_url, shape=shape, max_chunk_bytes=1 << 20, timeout_s=timeout_s)
+
+
+def prefill_route(endpoint: str, key: SigningKey = ROUTE_KEY, model: str = "m") -> str:
+    """A signed prefill route of one prefill node ``p`` (every layer) at ``endpoint``."""
+    node = RouteNode(node_id="p", endpoint=endpoint, shard_start=0, shard_end=3,
+                     hop_key=SigningKey.generate().public_text)
+    return issue_signed_route(Route(model=model, nodes=(node,), num_layers=4), key).token
 
 
 # --- the prefill group ------------------------------------------------------------------------------------------
@@ -156,8 +178,10 @@ def test_prefill_nodes_register_their_group_and_a_node_of_another_layout_is_refu
     assert group is not None
 
     async def scenario() -> tuple[PrefillMembership, PrefillMembership]:
-        good = PrefillMembership(bootstrap_url=bootstrap.url, public_url="http://127.0.0.1:7001", shape=F32)
-        bad = PrefillMembership(bootstrap_url=bootstrap.url, public_url="http://127.0.0.1:7002", shape=BF16)
+        good = PrefillMembership(bootstrap_url=bootstrap.url, public_url="http://127.0.0.1:7001", shape=F32,
+                                 node_id="p0", hop_key=SigningKey.generate())
+        bad = PrefillMembership(bootstrap_url=bootstrap.url, public_url="http://127.0.0.1:7002", shape=BF16,
+                                node_id="p1", hop_key=SigningKey.generate())
         for member, node in ((good, "p0"), (bad, "p1")):
             member.on_answer(RegistrationAnswer(lease="l", heartbeat_s=1, ttl_s=2,
                                                 prefill_group=group.assignment(node)))
@@ -178,10 +202,8 @@ def test_prefill_nodes_register_their_group_and_a_node_of_another_layout_is_refu
     assert httpx.get(f"{bootstrap.url}/route", params={"engine_rank": 1, "target_dp_group": 0}).status_code == 500
 
     async def problems() -> tuple[HandoffFailed | None, HandoffFailed | None]:
-        same = KvPuller(node_id="d", hop_key=HOP_KEY, bootstrap_url=bootstrap.url, shape=F32,
-                        max_chunk_bytes=1 << 20, timeout_s=5)
-        other = KvPuller(node_id="d", hop_key=HOP_KEY, bootstrap_url=bootstrap.url, shape=BF16,
-                         max_chunk_bytes=1 << 20, timeout_s=5)
+        same = puller(bootstrap.url, F32, timeout_s=5)
+        other = puller(bootstrap.url, BF16, timeout_s=5)
         out = (await same.layout_problem(), await other.layout_problem())
         await same.aclose()
         await other.aclose()
@@ -199,27 +221,23 @@ def test_a_rank_address_is_the_host_and_port_the_node_is_reached_at() -> None:
 
 
 def test_a_pull_from_a_prefill_node_that_never_answers_times_out_as_a_handoff_failure(bootstrap: Service) -> None:
-    """A rank that accepts the connection and never answers: the pull gives up after its timeout (the decode
-    route then prefills itself). Runs after the registration test, whose layout and placement it reuses."""
+    """A prefill node (named by the signed prefill route) that accepts the connection and never answers: the pull
+    gives up after its timeout (the decode route then prefills itself). Runs after the registration test, whose
+    layout it reuses."""
     silent = socket.socket()
     silent.bind(("127.0.0.1", 0))
     silent.listen(8)
     port = silent.getsockname()[1]
-    sizes = httpx.get(f"{bootstrap.url}/route", params={"engine_rank": -1, "target_dp_group": -1}).json()
-    registration = {"role": "Prefill", "world_size": 2, "dp_size": 1, "rank_ip": "127.0.0.1", "rank_port": port,
-                    "engine_rank": 0, "pp_size": sizes["prefill_pp_size"], "cache_layout": sizes["cache_layout"],
-                    "cache_fields_by_stage": sizes["cache_fields_by_stage"]}
-    assert httpx.put(f"{bootstrap.url}/route", json=registration).status_code == 200
 
     async def pull() -> HandoffFailed:
-        puller = KvPuller(node_id="d", hop_key=HOP_KEY, bootstrap_url=bootstrap.url, shape=F32,
-                          max_chunk_bytes=1 << 20, timeout_s=1.0)
+        pulling = puller(bootstrap.url, F32, timeout_s=1.0)
         try:
-            await puller.pull_into(None, HandoffSource("s-x", 0, 40), 0, 1, "cpu", "a.route")  # type: ignore[arg-type]
+            source = HandoffSource("s-x", 0, 40, route=prefill_route(f"http://127.0.0.1:{port}"))
+            await pulling.pull_into(None, source, 0, 1, "cpu", "a.route")  # type: ignore[arg-type]
         except HandoffFailed as exc:
             return exc
         finally:
-            await puller.aclose()
+            await pulling.aclose()
         raise AssertionError("the pull did not fail")
 
     try:
@@ -227,6 +245,70 @@ def test_a_pull_from_a_prefill_node_that_never_answers_times_out_as_a_handoff_fa
     finally:
         silent.close()
     assert failure.reason == "timeout"
+
+
+@pytest.mark.parametrize(("route", "why"), [
+    (None, "names no signed prefill route"),
+    ("not.a.route", "prefill route is refused"),
+    (lambda: prefill_route("http://169.254.169.254:80"), "cloud metadata address"),
+    (lambda: prefill_route("http://[fe80::1]:8000"), "link-local"),
+    (lambda: prefill_route("http://127.0.0.1:9", key=SigningKey.generate()), "prefill route is refused"),
+    (lambda: prefill_route("http://127.0.0.1:9", model="another"), "is for another"),
+], ids=["no-route", "garbage", "metadata", "link-local", "forged", "other-model"])
+def test_a_handoff_whose_prefill_route_is_missing_forged_or_names_a_forbidden_address_is_not_pulled(
+        bootstrap: Service, route: Any, why: str) -> None:
+    """The decode side pulls only from an endpoint the tracker's signed prefill route names, never a metadata or
+    link-local one (an SSRF), and no pull is made at all otherwise."""
+    token = route() if callable(route) else route
+
+    async def pull() -> HandoffFailed:
+        pulling = puller(bootstrap.url, F32, timeout_s=5.0)
+        try:
+            await pulling.pull_into(None, HandoffSource("s-x", 0, 40, route=token), 0, 1,  # type: ignore[arg-type]
+                                    "cpu", "a.route")
+        except HandoffFailed as exc:
+            return exc
+        finally:
+            await pulling.aclose()
+        raise AssertionError("the pull did not fail")
+
+    failure = asyncio.run(pull())
+    assert failure.reason == "bad_route" and why in str(failure), str(failure)
+
+
+def test_a_pull_answer_verifies_only_as_the_named_nodes_answer_to_that_very_pull() -> None:
+    """Signed by the prefill node over the chunk, the puller and the pull's proof: another key, another signer,
+    another puller, another pull (a replayed old answer) or altered bytes or headers do not verify."""
+    prefill_key = SigningKey.generate()
+    headers, body = encode_frame(torch.arange(8, dtype=torch.float32).reshape(1, 2, 4), session="s-a")
+    headers = {**headers, "X-Meshnet-KV-Positions": "2"}
+    answer = {**headers, **sign_pull_answer(prefill_key, "p", headers, body, requester="d", request_proof="1.proof")}
+    public = prefill_key.private.public_key()
+
+    def problem(**change: Any) -> str | None:
+        args: dict[str, Any] = {"key": public, "signer": "p", "headers": answer, "body": body, "requester": "d",
+                                "request_proof": "1.proof", **change}
+        return pull_answer_problem(args.pop("key"), args.pop("signer"), args.pop("headers"), args.pop("body"),
+                                   **args)
+
+    assert problem() is None
+    assert problem(key=SigningKey.generate().private.public_key()) is not None
+    assert problem(signer="q") is not None
+    assert problem(requester="e") is not None, "an answer made for another decode node"
+    assert problem(request_proof="2.proof") is not None, "an old answer replayed to a new pull"
+    assert problem(body=body[:-1] + b"x") is not None
+    assert problem(headers={**answer, "X-Meshnet-KV-Positions": "3"}) is not None
+    assert problem(headers=headers) is not None, "an unsigned answer"
+
+
+def test_handoff_routes_go_along_a_frame_and_read_back() -> None:
+    source = HandoffSource(session="s-abc", dp_group=1, positions=77, route="a.prefill.route")
+    info = StepInfo(route_token="r.t", hop_index=1, start_layer=2, step=0, position_offset=77, handoff=source)
+    headers, _ = encode_frame(torch.zeros(1, 1, 8), session="s-new", extra=info.headers())
+    parsed = parse_forward(headers)
+    assert isinstance(parsed, DataRequest) and parsed.info.handoff == source
+    with pytest.raises(FrameError):
+        HandoffSource.parse(source.header(), route="x" * (MAX_HEADER_VALUE_CHARS + 1))
 
 
 # --- the held handoffs on a prefill node ----------------------------------------------------------------------------
@@ -266,3 +348,14 @@ def test_held_handoffs_are_counted_bounded_and_freed_by_the_sweeper_after_their_
     now[0] += 0.2
     table.sweep()
     assert "s-a" not in table and expired == [1] and table.handoffs == 0
+
+
+def test_a_chunk_sealed_to_a_pulls_key_opens_only_with_that_key_and_that_pulls_proof() -> None:
+    puller = Opener()
+    box, sealed = seal(puller.public_text, b"kv bytes" * 100, "1.proof")
+    assert puller.open(box, sealed, "1.proof") == b"kv bytes" * 100
+    for opener, context in ((Opener(), "1.proof"), (puller, "2.proof")):
+        with pytest.raises(BoxProblem):
+            opener.open(box, sealed, context)
+    with pytest.raises(BoxProblem):
+        check_box("not-a-key")

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import httpx
+import openai
 import pytest
 import torch
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
@@ -22,7 +24,9 @@ from services.node.model.model_source import ResolvedModel, resolve_model
 from services.node.model.quant.packed import QUANTIZED_DTYPE
 from services.node.model.quant.quant_load import resolve_format
 from services.node.model.shard import Shard, load_shard
+from tests.procs import Service, start_service, wait_healthy
 from tests.test_quant import _float_reference
+from tests.tiny_mesh import wait_until_servable
 
 pytestmark = pytest.mark.slow
 
@@ -32,6 +36,8 @@ MAX_NODE_WEIGHT_BYTES = 70_000_000
 LOGITS_RTOL = 0.05
 """int4 logits against the rounding-matched float reference, relative to the logits' magnitude."""
 ANSWER_TOKENS = 8
+REAL_MODEL_READY_S = 600.0
+"""How long two nodes may take to load the default model (its first conversion included) on a loaded machine."""
 MIN_AGREEING = 18
 PROMPTS = (
     "What is the capital of France?", "What is the capital of Japan?", "What is 2 + 2?",
@@ -139,3 +145,46 @@ def test_a_float_shard_keeps_its_own_kv_format_and_says_so(model: ResolvedModel,
         shard = load_shard(model.path, 0, 1, torch.float32, CPU, "float", None, "float16")
     assert shard.kv_dtype in (None, torch.float32)
     assert "--kv-dtype float16 applies to quantized weights only" in caplog.text
+
+
+MESH_AGREEING = 19
+"""The README's stated share for the int4 mesh served by real nodes: 19 of 20 prompts at 8 tokens."""
+
+
+def test_a_real_two_node_int4_mesh_answers_as_the_float_mesh_on_the_stated_share_of_prompts(
+        model: ResolvedModel, tokenizer: PreTrainedTokenizerBase) -> None:
+    """Two ``meshnet node`` processes serving the default GGUF as it ships (``--weights auto``: int4, the native
+    kernel where it builds), behind a tracker, asked through the OpenAI API: greedy answers equal the float32
+    shards' on the README's 19 of 20 prompts, and France's capital is Paris."""
+    float_mesh = [load_shard(model.path, 0, 14, torch.float32, CPU), load_shard(model.path, 15, 29, torch.float32, CPU)]
+    eos = set(tokenizer.all_special_ids)
+    expected = []
+    for question in PROMPTS:
+        ids = greedy(float_mesh, prompt_ids(tokenizer, question), ANSWER_TOKENS)
+        ended = next((i for i, token in enumerate(ids) if token in eos), len(ids))
+        expected.append(tokenizer.decode(ids[:ended], skip_special_tokens=True))
+    del float_mesh
+    services: list[Service] = []
+    try:
+        tracker = start_service("tracker", {"MESHNET_HEARTBEAT_S": "1"})
+        services.append(tracker)
+        for node_id, layers in (("int4-front", "0-14"), ("int4-back", "15-29")):
+            services.append(start_service("node", {
+                "MESHNET_LAYERS": layers, "MESHNET_TRACKER": tracker.url, "MESHNET_NODE_ID": node_id,
+                "MESHNET_DEVICE": "cpu", "MESHNET_HEARTBEAT_S": "1"}, wait_ready=False))
+        for node in services[1:]:
+            wait_healthy(node, REAL_MODEL_READY_S)
+        registered = {n["node_id"]: n for n in httpx.get(f"{tracker.url}/v1/nodes", timeout=30).json()["nodes"]}
+        assert {registered[name]["weights"] for name in ("int4-front", "int4-back")} == {"int4"}, registered
+        client = openai.OpenAI(base_url=f"{tracker.url}/v1", api_key="unused", max_retries=0, timeout=300)
+        name = wait_until_servable(tracker, "SmolLM2-135M-Instruct")
+        answers = [client.chat.completions.create(model=name, messages=[{"role": "user", "content": question}],
+                                                  max_tokens=ANSWER_TOKENS, temperature=0).choices[0].message.content
+                   for question in PROMPTS]
+    finally:
+        for service in reversed(services):
+            service.stop()
+    disagreeing = [(PROMPTS[i], want, got) for i, (want, got) in enumerate(zip(expected, answers, strict=True))
+                   if want != got]
+    assert len(PROMPTS) - len(disagreeing) >= MESH_AGREEING, disagreeing
+    assert "Paris" in answers[0]

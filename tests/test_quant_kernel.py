@@ -33,8 +33,9 @@ from services.node.model.quant.packed import (
     _native_integers,
     groups_of,
 )
+from tests.requirements import needs
 
-pytestmark = pytest.mark.skipif(not quant_kernel.available(), reason="the native kernel did not build here")
+pytestmark = needs(quant_kernel.available(), "meshnet's native kernel did not build here (a C++ compiler: `make kernels`)")
 
 UNIT = 2.0 ** -24
 SHAPES = ((960, 576), (576, 576), (3072, 576), (576, 1536))

@@ -47,6 +47,7 @@ from tests.procs import (
     pinned_node_env,
     start_service,
 )
+from tests.requirements import require
 
 pytestmark = pytest.mark.root
 
@@ -81,8 +82,7 @@ def namespace() -> Iterator[Namespace]:
     """A fresh namespace with loopback up and a /30 veth link to the host; always removed."""
     if os.geteuid() != 0:
         pytest.skip("needs root to create a network namespace (ip netns); CI runs as root")
-    if shutil.which("ip") is None:
-        pytest.skip("the `ip` command (iproute2) is not installed")
+    require(shutil.which("ip") is not None, "the `ip` command (iproute2) is not installed")
     tag = uuid.uuid4().hex[:6]
     name, veth_host, veth_inside = f"meshnet-{tag}", f"mn{tag}h", f"mn{tag}n"
     block = random.randrange(1, 1 << 14)  # a /30 inside 10.200.0.0/16

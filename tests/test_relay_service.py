@@ -27,7 +27,10 @@ from tests.procs import TEST_SECRET, Service, free_port, start_service
 
 MAX_MESSAGE_BYTES = 64 * 1024
 MAX_INFLIGHT = 8
-PROBE_S = 0.5
+PROBE_S = 5.0
+"""How long the relay waits for a holder's pong before handing its id to a new connection. Long enough that a
+live holder on a loaded machine always answers in time (a live peer wrongly replaced would fail the takeover
+tests); the dead-holder test waits this long once."""
 WAIT_S = 20.0
 """Deadline for things that should happen at once; reaching it fails the test, it is not a timing claim."""
 RELAY_ENV = {

@@ -11,8 +11,9 @@ import pytest
 import torch
 
 from services.node.model.quant import quant_kernel
+from tests.requirements import needs
 
-pytestmark = pytest.mark.skipif(not quant_kernel.available(), reason="the native kernel did not build here")
+pytestmark = needs(quant_kernel.available(), "meshnet's native kernel did not build here (a C++ compiler: `make kernels`)")
 
 FLOAT32_BOUND = 2e-6
 """Largest difference from float64 attention allowed (values of order one, softmax weights summing to one)."""

@@ -20,12 +20,15 @@ import httpx
 import orjson
 import pytest
 
+from meshwire.slow_clients import MAX_HEAD_BYTES
 from tests.procs import Service, ServiceKind, running, start_service
 
 SHORT_DEADLINE_S = 1.0
 """The services' head and body deadlines here."""
 WAIT_BOUND_S = 30.0
 """How long a test waits for a cut that the setting makes due within ``SHORT_DEADLINE_S``."""
+UNDER_BOUND_LOOK_S = 1.0
+"""How long a test looks for a cut that must not happen (any length is correct)."""
 PER_ADDRESS = 4
 HALF_HEAD = b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Never-Done: "
 OTHER_ADDRESS = "127.0.0.2"
@@ -107,6 +110,31 @@ def test_a_client_that_never_finishes_its_head_is_cut_while_health_answers(quick
     assert closed, f"{quick_cut.kind} kept a half-sent head open for {WAIT_BOUND_S} s"
     assert quick_cut.alive()
     assert _health_from(quick_cut, "127.0.0.1") == 200
+
+
+def test_a_head_that_grows_past_64_kib_without_ending_is_answered_431_and_cut(patient_tracker: Service) -> None:
+    """The head deadline is far away here: only the size bound can cut this connection, and it must, before the
+    service holds more than :data:`MAX_HEAD_BYTES` of an unfinished head (httptools sets no bound of its own)."""
+    sock = _half_open(patient_tracker)
+    with contextlib.closing(sock):
+        sent = len(HALF_HEAD)
+        with contextlib.suppress(BrokenPipeError, ConnectionResetError):
+            while sent <= MAX_HEAD_BYTES + 4096:  # one header value that never ends: no CRLF CRLF, ever
+                sock.sendall(b"a" * 4096)
+                sent += 4096
+        closed, received = _closed_by_server(sock, WAIT_BOUND_S)
+    assert closed, "the service kept reading an unfinished head past its size bound"
+    assert received.startswith(b"HTTP/1.1 431 "), received[:80]
+    assert patient_tracker.alive()
+    assert _health_from(patient_tracker, "127.0.0.1") == 200
+
+
+def test_a_head_under_the_bound_is_not_cut_by_its_size(patient_tracker: Service) -> None:
+    sock = _half_open(patient_tracker)
+    with contextlib.closing(sock):
+        sock.sendall(b"a" * (MAX_HEAD_BYTES - len(HALF_HEAD) - 1024))
+        closed, received = _closed_by_server(sock, UNDER_BOUND_LOOK_S)  # any length is correct: nothing may come
+    assert not closed and received == b"", received[:80]
 
 
 def test_a_body_that_does_not_arrive_in_time_is_answered_408(quick_cut: Service) -> None:

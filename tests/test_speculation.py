@@ -120,8 +120,10 @@ def test_greedy_output_with_speculation_equals_output_without_and_transformers(
                 model=model_name, messages=messages, max_tokens=48, temperature=0)
             answers[head] = answer.choices[0].message.content
         assert answers["spec"] == answers["plain"] == expected
-    assert metric(nodes["spec"], "meshnet_node_drafted_tokens_total") > drafted_before
-    assert metric(nodes["spec"], "meshnet_node_accepted_tokens_total") >= accepted_before
+    drafted = metric(nodes["spec"], "meshnet_node_drafted_tokens_total") - drafted_before
+    accepted = metric(nodes["spec"], "meshnet_node_accepted_tokens_total") - accepted_before
+    assert drafted > 0
+    assert 0 < accepted <= drafted  # the copy prompt's answer repeats it: greedy drafts from it are taken
     assert metric(nodes["plain"], "meshnet_node_drafted_tokens_total") == 0
 
 

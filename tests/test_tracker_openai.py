@@ -18,6 +18,7 @@ from meshwire.route_keys import SigningKey
 from meshwire.routes import Route, RouteNode, sign_route
 from tests.procs import Service
 from tests.tiny_mesh import tiny_mesh
+from tests.tiny_model import MAX_POSITIONS
 
 PROMPT = [{"role": "user", "content": "Where does the river run?"}]
 MAX_TOKENS = 12
@@ -162,6 +163,23 @@ def test_a_route_header_sent_by_the_client_has_no_effect(client: openai.OpenAI, 
 def test_an_unknown_model_is_404_even_with_a_mesh_running(client: openai.OpenAI) -> None:
     with pytest.raises(openai.NotFoundError):
         client.chat.completions.create(model="gpt-4", messages=PROMPT)
+
+
+def test_a_prompt_longer_than_the_models_context_is_400_context_length_exceeded(client: openai.OpenAI,
+                                                                                model_name: str) -> None:
+    """The tiny model's context (4,096 positions) is below the node's prompt limit (8,192 tokens): the model's
+    own context is what bounds the prompt, and the refusal names it."""
+    long_text = " ".join(f"w{i}" for i in range(MAX_POSITIONS))  # several tokens a word: past the context
+    with pytest.raises(openai.BadRequestError) as error:
+        client.completions.create(model=model_name, prompt=long_text, max_tokens=1, temperature=0)
+    body = error.value.body
+    assert isinstance(body, dict) and body.get("code") == "context_length_exceeded", body
+    assert f"limit of {MAX_POSITIONS - 1}" in str(body.get("message")), body
+    with pytest.raises(openai.BadRequestError) as chat_error:
+        client.chat.completions.create(model=model_name, messages=[{"role": "user", "content": long_text}],
+                                       max_tokens=1, temperature=0)
+    assert chat_error.value.code == "context_length_exceeded"
+    assert chat_error.value.param == "messages"
 
 
 def test_invalid_parameters_are_400_before_any_node_is_asked(client: openai.OpenAI, model_name: str) -> None:

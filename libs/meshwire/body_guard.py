@@ -22,14 +22,21 @@ its reference).
 
 The request head has its own deadline, in the server
 (:mod:`meshwire.slow_clients`).
+
+:func:`read_bounded` is the one way a handler reads a body with a bound of its
+own (a frame's announced size, an API's ``max_body_bytes``): a
+``Content-Length`` over the bound is refused before anything is read, a body
+growing past it as soon as the count passes it (:class:`BodyTooLarge`), and a
+sender that goes away mid-body is :class:`BodyIncomplete`. Each service turns
+those into its own answer.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable, MutableMapping
-from typing import Any, Final
+from collections.abc import Awaitable, Callable, Mapping, MutableMapping
+from typing import Any, Final, Protocol
 
 import orjson
 
@@ -48,6 +55,30 @@ Render = Callable[[int, str], tuple[bytes, bytes]]
 REQUEST_TIMEOUT: Final = 408
 PAYLOAD_TOO_LARGE: Final = 413
 _CODES: Final = {REQUEST_TIMEOUT: "body_timeout", PAYLOAD_TOO_LARGE: "body_too_large"}
+
+
+class BodyTooLarge(Exception):
+    """A body longer than the bound it was read with: its ``Content-Length`` said so (``declared``), or it grew
+    past the bound as it arrived (``declared`` is ``None``)."""
+
+    def __init__(self, max_bytes: int, declared: int | None = None) -> None:
+        super().__init__(f"body is longer than {max_bytes} bytes")
+        self.max_bytes = max_bytes
+        self.declared = declared
+
+
+class BodyIncomplete(Exception):
+    """The sender went away before the body was complete."""
+
+
+class BodySource(Protocol):
+    """What :func:`read_bounded` reads: a request's headers and its ASGI ``receive`` (a Starlette ``Request``)."""
+
+    @property
+    def headers(self) -> Mapping[str, str]: ...
+
+    @property
+    def receive(self) -> Receive: ...
 
 
 class BodyDeadlinePassed(Exception):
@@ -73,9 +104,40 @@ def declared_length(scope: Scope) -> int | None:
     """The request's ``Content-Length``, or ``None`` when it has none or an unreadable one."""
     for name, value in scope.get("headers", ()):
         if name.lower() == b"content-length":
-            text = value.decode("latin-1").strip()
-            return int(text) if text.isdigit() else None
+            return _length(value.decode("latin-1"))
     return None
+
+
+def _length(text: str | None) -> int | None:
+    """A ``Content-Length`` value as a number; ``None`` when absent or unreadable (the server vets it, and the
+    running count bounds the read whatever it says)."""
+    if text is None:
+        return None
+    text = text.strip()
+    return int(text) if text.isdigit() else None
+
+
+async def read_bounded(request: BodySource, max_bytes: int) -> bytes:
+    """The body of ``request``, read message by message through its ``receive``.
+
+    :class:`BodyTooLarge` when its ``Content-Length`` is over ``max_bytes`` (nothing is read), or as soon as
+    what arrives passes ``max_bytes``; :class:`BodyIncomplete` when the sender goes away first.
+    """
+    declared = _length(request.headers.get("content-length"))
+    if declared is not None and declared > max_bytes:
+        raise BodyTooLarge(max_bytes, declared)
+    body = bytearray()
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            raise BodyIncomplete("the sender went away before the body was complete")
+        if message["type"] != "http.request":
+            continue
+        body += message.get("body", b"")
+        if len(body) > max_bytes:
+            raise BodyTooLarge(max_bytes)
+        if not message.get("more_body", False):
+            return bytes(body)
 
 
 class BodyGuard:

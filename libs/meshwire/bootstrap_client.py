@@ -2,8 +2,8 @@
 
 A prefill (data-source) rank registers its control address::
 
-    with BootstrapClient("http://bootstrap:8998") as bootstrap:
-        bootstrap.register_rank(RankRegistration(
+    async with AsyncBootstrapClient("http://bootstrap:8998") as bootstrap:
+        await bootstrap.register_rank(RankRegistration(
             world_size=4, dp_size=2, rank_ip="10.0.0.1", rank_port=7003, engine_rank=3))
 
 and a decode rank reads the prefill node's sizes and looks a rank up, waiting
@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Annotated, Any, Final, Literal, Self, TypeVar
 
@@ -170,6 +170,24 @@ class _Answer:
         return self.body.decode("utf-8", errors="replace")
 
 
+class _Patience:
+    """How long a look-up waits for a registration: ``wait_s`` from now, pausing longer after each miss
+    (from the policy's first pause up to its longest)."""
+
+    def __init__(self, retry: RetryPolicy, wait_s: float) -> None:
+        self._deadline = time.monotonic() + wait_s
+        self._pause = retry.backoff_s
+        self._max_pause = retry.max_backoff_s
+
+    def spent(self) -> bool:
+        """Whether the wait is over: one more miss is the answer."""
+        return time.monotonic() >= self._deadline
+
+    async def pause(self) -> None:
+        await asyncio.sleep(self._pause)
+        self._pause = min(self._max_pause, self._pause * 2)
+
+
 def _lookup_params(engine_rank: int, dp_group: int) -> dict[str, int]:
     return {"engine_rank": engine_rank, "target_dp_group": dp_group}
 
@@ -195,95 +213,12 @@ def _too_large() -> BootstrapError:
     return BootstrapError(f"the bootstrap answer is over {MAX_ANSWER_BYTES} bytes")
 
 
-class BootstrapClient:
-    """A blocking client of one bootstrap service (one connection pool; close it, or use ``with``)."""
-
-    def __init__(self, base_url: str, *, timeout_s: float = DEFAULT_TIMEOUT_S,
-                 retry: RetryPolicy = RetryPolicy(), transport: httpx.BaseTransport | None = None,
-                 tls_ca: str | None = None) -> None:
-        """``tls_ca`` verifies an ``https://`` service (``MESHNET_TLS_CA``; default: the system's roots)."""
-        self.base_url = base_url.rstrip("/")
-        self.retry = retry
-        self._http = httpx.Client(base_url=self.base_url, timeout=timeout_s, transport=transport,
-                                  verify=tls.httpx_verify(tls_ca))
-
-    def health(self) -> bool:
-        """Whether the service answers ``GET /health`` with 200, in one attempt."""
-        try:
-            return self._http.get(HEALTH_PATH).status_code == 200
-        except httpx.HTTPError:
-            return False
-
-    def register_rank(self, registration: RankRegistration) -> None:
-        """Register a source rank; :class:`BootstrapRefused` with the service's text when refused."""
-        _check_ok(self._call("PUT", content=registration.wire(),
-                             headers={"content-type": "application/json"}))
-
-    def get_sizes(self, *, wait_s: float = 0.0) -> PrefillInfo:
-        """The node's sizes; with ``wait_s``, wait that long for a first registration."""
-        deadline = time.monotonic() + wait_s
-        pause = self.retry.backoff_s
-        while True:
-            info = _parse(PrefillInfo, self._call("GET", params=_lookup_params(SIZES_QUERY, SIZES_QUERY)))
-            if info.registered or time.monotonic() >= deadline:
-                return info
-            time.sleep(pause)
-            pause = min(self.retry.max_backoff_s, pause * 2)
-
-    def lookup_rank(self, engine_rank: int, dp_group: int, *, wait_s: float = 0.0) -> RankAddress:
-        """The address of TP rank ``engine_rank`` of DP group ``dp_group``.
-
-        Raises :class:`RankNotRegistered` when none is registered there, after
-        waiting up to ``wait_s`` for one.
-        """
-        deadline = time.monotonic() + wait_s
-        pause = self.retry.backoff_s
-        while True:
-            try:
-                return _parse(RankAddress, self._call("GET", params=_lookup_params(engine_rank, dp_group)))
-            except RankNotRegistered:
-                if time.monotonic() >= deadline:
-                    raise
-            time.sleep(pause)
-            pause = min(self.retry.max_backoff_s, pause * 2)
-
-    def _call(self, method: str, **request: Any) -> _Answer:
-        failure: Exception | None = None
-        for pause in self.retry.pauses():
-            time.sleep(pause)
-            try:
-                answer = self._attempt(method, **request)
-            except httpx.TransportError as error:
-                failure = error
-                continue
-            if answer.status not in RETRY_STATUSES:
-                return answer
-            failure = BootstrapRefused(answer.status, answer.text())
-        raise BootstrapUnavailable(
-            f"bootstrap at {self.base_url} failed {self.retry.attempts} attempts: {failure!r}") from failure
-
-    def _attempt(self, method: str, **request: Any) -> _Answer:
-        with self._http.stream(method, ROUTE_PATH, **request) as response:
-            body = bytearray()
-            for chunk in response.iter_bytes():
-                body += chunk
-                if len(body) > MAX_ANSWER_BYTES:
-                    raise _too_large()
-            return _Answer(response.status_code, bytes(body))
-
-    def close(self) -> None:
-        """Close the connection pool."""
-        self._http.close()
-
-    def __enter__(self) -> Self:
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.close()
-
-
 class AsyncBootstrapClient:
-    """The asyncio twin of :class:`BootstrapClient`, method for method."""
+    """A client of one bootstrap service (one connection pool; close it, or use ``async with``).
+
+    The one client: its callers (the node's PD member and KV pull) run in an event loop. A
+    blocking caller runs one call with ``asyncio.run``.
+    """
 
     def __init__(self, base_url: str, *, timeout_s: float = DEFAULT_TIMEOUT_S,
                  retry: RetryPolicy = RetryPolicy(),
@@ -301,22 +236,23 @@ class AsyncBootstrapClient:
         except httpx.HTTPError:
             return False
 
-    async def register_rank(self, registration: RankRegistration) -> None:
-        """Register a source rank; :class:`BootstrapRefused` with the service's text when refused."""
-        _check_ok(await self._call("PUT", content=registration.wire(),
-                                   headers={"content-type": "application/json"}))
+    async def register_rank(self, registration: RankRegistration,
+                            sign: Callable[[bytes], Mapping[str, str]] | None = None) -> None:
+        """Register a source rank (``sign``: the headers that sign its body, :mod:`meshwire.rank_proof`);
+        :class:`BootstrapRefused` with the service's text when refused."""
+        body = registration.wire()
+        _check_ok(await self._call("PUT", content=body,
+                                   headers={"content-type": "application/json", **(sign(body) if sign else {})}))
 
     async def get_sizes(self, *, wait_s: float = 0.0) -> PrefillInfo:
         """The node's sizes; with ``wait_s``, wait that long for a first registration."""
-        deadline = time.monotonic() + wait_s
-        pause = self.retry.backoff_s
+        patience = _Patience(self.retry, wait_s)
         while True:
             answer = await self._call("GET", params=_lookup_params(SIZES_QUERY, SIZES_QUERY))
             info = _parse(PrefillInfo, answer)
-            if info.registered or time.monotonic() >= deadline:
+            if info.registered or patience.spent():
                 return info
-            await asyncio.sleep(pause)
-            pause = min(self.retry.max_backoff_s, pause * 2)
+            await patience.pause()
 
     async def lookup_rank(self, engine_rank: int, dp_group: int, *, wait_s: float = 0.0) -> RankAddress:
         """The address of TP rank ``engine_rank`` of DP group ``dp_group``.
@@ -324,17 +260,15 @@ class AsyncBootstrapClient:
         Raises :class:`RankNotRegistered` when none is registered there, after
         waiting up to ``wait_s`` for one.
         """
-        deadline = time.monotonic() + wait_s
-        pause = self.retry.backoff_s
+        patience = _Patience(self.retry, wait_s)
         while True:
             try:
                 answer = await self._call("GET", params=_lookup_params(engine_rank, dp_group))
                 return _parse(RankAddress, answer)
             except RankNotRegistered:
-                if time.monotonic() >= deadline:
+                if patience.spent():
                     raise
-            await asyncio.sleep(pause)
-            pause = min(self.retry.max_backoff_s, pause * 2)
+            await patience.pause()
 
     async def _call(self, method: str, **request: Any) -> _Answer:
         failure: Exception | None = None

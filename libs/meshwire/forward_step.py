@@ -42,7 +42,7 @@ from meshwire.frames import (
     parse_int_list,
     parse_position_ids,
 )
-from meshwire.kv_handoff import HANDOFF_FROM, HOLD, HandoffSource, parse_digest
+from meshwire.kv_handoff import HANDOFF_FROM, HANDOFF_ROUTE, HOLD, HandoffSource, parse_digest
 from meshwire.limits import MAX_HEADER_VALUE_CHARS, MAX_LAYERS, MAX_ROUTE_HOPS
 from meshwire.sampling_params import MAX_REPLAY_IDS_PER_FRAME, MAX_TOP_LOGPROBS, SamplingParams, TokenLogprobs
 
@@ -167,6 +167,8 @@ class StepInfo:
             out[HOLD] = self.hold
         if self.handoff is not None:
             out[HANDOFF_FROM] = self.handoff.header()
+            if self.handoff.route is not None:
+                out[HANDOFF_ROUTE] = self.handoff.route
         if self.draft is not None:
             out[h.DRAFT] = format_int_list(self.draft)
         if self.fork is not None:
@@ -300,7 +302,7 @@ def _step_info(headers: Mapping[str, str], address: HopAddress, tokens: int) -> 
         sample_ids=None if sample_ids is None else decode_ids(sample_ids, tokens),
         score=None if score is None else Scoring.parse(score, tokens),
         hold=None if hold is None else parse_digest(hold),
-        handoff=None if handoff is None else HandoffSource.parse(handoff),
+        handoff=None if handoff is None else HandoffSource.parse(handoff, get_header(headers, HANDOFF_ROUTE)),
         draft=draft,
         fork=None if fork is None else ForkSource.parse(fork),
     )

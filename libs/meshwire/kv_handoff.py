@@ -32,6 +32,19 @@ names at layers covering those pulled, and only for the handoff made for that
 route (its digest, :func:`route_digest`, is what the prefill hops hold it
 under). A replayed pull is refused (each proof is answered once).
 
+The decode side trusts no address it cannot verify. The first decode frame
+carries the signed prefill route itself (:data:`HANDOFF_ROUTE`); a decode hop
+pulls each layer from the endpoint that route names for the prefill node
+holding it (never from an address the bootstrap registry hands out, which
+anyone could have registered), names that node in the pull
+(:data:`KV_SOURCE`, signed, so a pull is good for that node alone), and
+accepts a chunk only when its answer is signed with that node's hop key over
+the chunk's headers and bytes, the puller's id and the pull's own proof
+(:func:`sign_pull_answer`, :func:`pull_answer_problem`): an answer made for
+another pull, another decode node or an older request does not verify.
+The chunk is sealed to a fresh key the pull carries (:mod:`meshwire.kv_box`),
+so a pull replayed by anyone else yields nothing they can read.
+
 The cache layout is the bootstrap registry's ``cache-layouts`` wire form
 (``reference/bootstrap-spec.md``): one group ``kv`` of pages of
 :data:`PAGE_TOKENS` positions, one plane, one field per layer
@@ -45,15 +58,19 @@ from __future__ import annotations
 import hashlib
 import math
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Annotated, Any, Final
 
 import orjson
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 from pydantic import BaseModel, Field
 
 from meshwire.fields import STRICT_MODEL
 from meshwire.frames import FrameError, check_session_id
+from meshwire.hop_proof import PROOF, SIGNER, ProofProblem, check_claim, read_claim, sign_request
+from meshwire.limits import MAX_HEADER_VALUE_CHARS
+from meshwire.route_keys import SigningKey
 from meshwire.sampling_params import TokenLogprobs
 
 PREFILL_PATH: Final = "/kv/prefill"
@@ -74,6 +91,17 @@ KV_CHUNK_POSITIONS: Final = "X-Meshnet-KV-Chunk-Positions"
 """On a pull: positions per chunk (whole pages); chunk ``i`` is positions ``i*P..(i+1)*P-1``."""
 KV_POSITIONS: Final = "X-Meshnet-KV-Positions"
 """On a pull's answer: the positions held in all (the chunks together)."""
+HANDOFF_ROUTE: Final = "X-Meshnet-Handoff-Route"
+"""On a decode route's first frame, beside :data:`HANDOFF_FROM`: the signed prefill route that ran the prompt.
+It names each prefill node's endpoint, layers and hop key: where to pull from, and whose signature the KV bears."""
+KV_SOURCE: Final = "X-Meshnet-KV-Source"
+"""On a pull (signed with it): the node id of the prefill node it is meant for; any other node refuses it."""
+PULL_ANSWER_PATH: Final = "/kv/pull#answer"
+"""The path a pull answer's signature is made over (never a request path, so a request proof is never an
+answer's, nor the other way round)."""
+KV_REQUESTER: Final = "x-meshnet-kv-requester"
+KV_REQUEST_PROOF: Final = "x-meshnet-kv-request-proof"
+"""Covered by a pull answer's signature without travelling: the puller's id and its request's proof."""
 
 HANDOFF_FAILED: Final = "handoff_failed"
 """The 409 code of a decode hop that could not take a handoff's KV over: the head prefills itself."""
@@ -97,25 +125,70 @@ _FIELD = re.compile(r"^layer\.(\d{1,5})\.kv$")
 
 @dataclass(frozen=True)
 class HandoffSource:
-    """Where a decode route's prompt KV is held: the prefill route's session, its DP group, its length."""
+    """Where a decode route's prompt KV is held: the prefill route's session, its DP group, its length, and the
+    signed prefill route that holds it (:data:`HANDOFF_ROUTE`; ``None`` from a sender that did not say, whose
+    handoff a decode node then refuses)."""
 
     session: str
     dp_group: int
     positions: int
+    route: str | None = None
 
     def header(self) -> str:
         return f"dp={self.dp_group};n={self.positions};s={self.session}"
 
     @classmethod
-    def parse(cls, value: str) -> HandoffSource:
-        """Read :data:`HANDOFF_FROM`; :class:`FrameError` (``bad_header``) when it is not one."""
+    def parse(cls, value: str, route: str | None = None) -> HandoffSource:
+        """Read :data:`HANDOFF_FROM` (and :data:`HANDOFF_ROUTE`); :class:`FrameError` (``bad_header``) when it is
+        not one."""
         match = _HANDOFF.match(value.strip())
         if match is None:
             raise FrameError("bad_header", f"{HANDOFF_FROM} must be 'dp=G;n=N;s=SESSION'")
         positions = int(match.group(2))
         if positions < 1:
             raise FrameError("bad_header", f"{HANDOFF_FROM} holds no positions")
-        return cls(session=check_session_id(match.group(3)), dp_group=int(match.group(1)), positions=positions)
+        if route is not None and not 0 < len(route.strip()) <= MAX_HEADER_VALUE_CHARS:
+            raise FrameError("bad_header", f"{HANDOFF_ROUTE} must be a signed route of at most "
+                                           f"{MAX_HEADER_VALUE_CHARS} characters")
+        return cls(session=check_session_id(match.group(3)), dp_group=int(match.group(1)), positions=positions,
+                   route=None if route is None else route.strip())
+
+
+# --- the signed pull answer ----------------------------------------------------------------------
+
+
+def _answer_fields(headers: Mapping[str, str], requester: str, request_proof: str) -> dict[str, str]:
+    """The headers a pull answer's signature covers: its own ``X-Meshnet-*`` ones (not the proof) and the
+    request it answers."""
+    fields = {name.lower(): value for name, value in headers.items()
+              if name.lower().startswith("x-meshnet-") and name.lower() not in (SIGNER.lower(), PROOF.lower(),
+                                                                                 KV_REQUESTER, KV_REQUEST_PROOF)}
+    fields[KV_REQUESTER] = requester
+    fields[KV_REQUEST_PROOF] = request_proof
+    return fields
+
+
+def sign_pull_answer(key: SigningKey, signer: str, headers: Mapping[str, str], body: bytes, *, requester: str,
+                     request_proof: str) -> dict[str, str]:
+    """The proof headers of a pull answer: ``signer`` (the prefill node, holding ``key``) vouches for these KV
+    bytes and headers as its answer to ``requester``'s pull whose proof was ``request_proof``."""
+    return sign_request(key, signer, PULL_ANSWER_PATH, _answer_fields(headers, requester, request_proof), body)
+
+
+def pull_answer_problem(key: Ed25519PublicKey, signer: str, headers: Mapping[str, str], body: bytes | bytearray, *,
+                        requester: str, request_proof: str) -> str | None:
+    """Why a pull answer is not ``signer``'s (with ``key``) answer to this very pull; ``None`` when it is."""
+    try:
+        claim = read_claim(headers)
+    except ProofProblem as exc:
+        return f"the answer is not signed: {exc}"
+    if claim.signer != signer:
+        return f"the answer is signed by {claim.signer[:100]!r}, not by {signer!r}"
+    try:
+        check_claim(claim, key, PULL_ANSWER_PATH, _answer_fields(headers, requester, request_proof), body)
+    except ProofProblem as exc:
+        return f"the answer's signature does not hold: {exc}"
+    return None
 
 
 def route_digest(token: str) -> str:

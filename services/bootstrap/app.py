@@ -4,6 +4,12 @@ Routes (``reference/bootstrap-spec.md``):
 
 * ``GET /health``: 200 ``OK`` (text/plain).
 * ``PUT /route``: a source rank registers; 200 ``OK`` or a text/plain refusal.
+  Meshnet's addition beside the reference wire: a registration may carry a
+  credential, the mesh secret (``Authorization: Bearer``, when the service has
+  ``MESHNET_SECRET``) or a signature by the rank's own key
+  (:mod:`meshwire.rank_proof`); a slot so registered is held, and only the same
+  key or the mesh secret may register over it (403 otherwise). A credential
+  that does not hold is 403 before anything is recorded.
 * ``GET /route?engine_rank=-1&target_dp_group=-1``: the node's parallel sizes
   (and, for ``cache-layouts``, its layout and stage placement), JSON.
 * ``GET /route?engine_rank=R&target_dp_group=G``: one rank's address, JSON.
@@ -32,12 +38,15 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from meshwire.auth import DEFAULT_SECRET, check_bearer
 from meshwire.body_guard import BodyGuard, plain_text
+from meshwire.hop_proof import ProofProblem
 from meshwire.logs import configure_logging
+from meshwire.rank_proof import registration_key
 from services.bootstrap import refusals
 from services.bootstrap.metrics import METRICS_CONTENT_TYPE, BootstrapMetrics, MetricsMiddleware
 from services.bootstrap.refusals import Refusal
-from services.bootstrap.registry import BootstrapRegistry
+from services.bootstrap.registry import FORBIDDEN, BootstrapRegistry
 from services.bootstrap.settings import BootstrapSettings
 
 logger = logging.getLogger(__name__)
@@ -59,7 +68,7 @@ def create_app(settings: BootstrapSettings | None = None) -> FastAPI:
     """
     configure_logging()
     settings = settings if settings is not None else BootstrapSettings()
-    table = BootstrapRegistry(settings.registry, max_ranks=settings.max_ranks)
+    table = BootstrapRegistry(settings.registry, max_ranks=settings.max_ranks, hold_s=settings.slot_hold_s)
     metrics = BootstrapMetrics(table)
     app = FastAPI(
         title="meshnet bootstrap", docs_url=None, redoc_url=None, openapi_url=None,
@@ -72,9 +81,25 @@ def create_app(settings: BootstrapSettings | None = None) -> FastAPI:
     async def health() -> PlainTextResponse:
         return text(200, HEALTHY)
 
+    secret = None if settings.secret in (None, DEFAULT_SECRET) else settings.secret  # the published one proves nothing
+
+    def bears_secret(authorization: str | None) -> bool:
+        """Whether a request bears the mesh secret (``False`` for no credential); 403 for any other."""
+        if authorization is None:
+            return False
+        if secret is None or check_bearer(authorization, secret) is not None:
+            raise Refusal(FORBIDDEN, "invalid credential")
+        return True
+
     @app.put("/route")
     async def register(request: Request) -> PlainTextResponse:
-        table.register(await request.body())
+        secret = bears_secret(request.headers.get("authorization"))  # before the body is read
+        body = await request.body()
+        try:
+            key = registration_key(request.headers, body)
+        except ProofProblem as exc:
+            raise Refusal(FORBIDDEN, str(exc)) from None
+        table.register(body, key=key, secret=secret)
         return text(200, ACCEPTED)
 
     @app.get("/route")

@@ -15,6 +15,16 @@ in it (``reference/bootstrap-spec.md``, rule by rule):
 * A ``cache-layouts`` registry also checks the layout and stage placement
   (:mod:`services.bootstrap.layout`), identical on every rank.
 
+Meshnet's addition: a slot registered with a credential is *held*
+(:mod:`meshwire.rank_proof`): by the public key that signed it, or by the mesh
+secret, for ``hold_s`` after that registration (a meshnet prefill node
+registers again well within it, so its hold lasts while it lives; a node that
+restarts with a new key takes its slot back once the old hold lapsed).
+Registering over a held slot needs that key's signature or the mesh secret;
+anything else is refused 403 (:data:`SLOT_HELD`) and changes nothing. A
+registration without a credential of a slot nobody holds behaves exactly as
+the reference's.
+
 Checks run in the reference's order, so a registration with several faults
 gets the reference's message. Improvement over the reference: a refused
 registration records nothing (the reference stored the sizes, and the layout,
@@ -26,7 +36,8 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Mapping
+import time
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Final, Literal
 
@@ -59,6 +70,14 @@ MAX_RANK_IP_BYTES: Final = 1024
 """Longest ``rank_ip`` kept, measured as compact JSON."""
 DEFAULT_MAX_RANKS: Final = 65_536
 """Default number of (DP group, TP rank) slots the table holds."""
+DEFAULT_HOLD_S: Final = 120.0
+"""How long a signed registration holds its slot against others (a holder renews it by registering again)."""
+
+FORBIDDEN: Final = 403
+SECRET_HOLDER: Final = "secret"
+"""The holder of a slot registered with the mesh secret (any other holder is a public key)."""
+SLOT_HELD: Final = ("this rank slot is held by a signed registration: registering over it needs the same key's "
+                    "signature or the mesh secret")
 
 # --- texts of the cache layout checks that need the registry's state ---------------------
 STAGE_COUNT_MISMATCH: Final = "CachePD placement does not match pipeline stage count"
@@ -103,14 +122,19 @@ class BootstrapRegistry:
     checked and recorded atomically.
     """
 
-    def __init__(self, kind: RegistryKind, *, max_ranks: int = DEFAULT_MAX_RANKS) -> None:
+    def __init__(self, kind: RegistryKind, *, max_ranks: int = DEFAULT_MAX_RANKS, hold_s: float = DEFAULT_HOLD_S,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.kind: Final = kind
         self._max_ranks = max_ranks
+        self._hold_s = hold_s
+        self._clock = clock
         self._lock = threading.Lock()
         self._world_size: Any = None
         self._dp_size: Any = None
         self._pp_size: int | None = None
         self._ranks: dict[tuple[int, int], RankAddress] = {}
+        self._holders: dict[tuple[int, int], tuple[str, float]] = {}
+        """Held slots: the holder (a public key, or :data:`SECRET_HOLDER`) and until when."""
         self._cache_layout: tuple[str, CacheLayout] | None = None
         self._cache_stages: StagePlacement | None = None
 
@@ -122,10 +146,11 @@ class BootstrapRegistry:
 
     # --- PUT /route ---------------------------------------------------------------------
 
-    def register(self, body: bytes) -> None:
+    def register(self, body: bytes, *, key: str | None = None, secret: bool = False) -> None:
         """Check and record one ``PUT /route`` body; :class:`Refusal` when refused.
 
-        A refused registration leaves the table as it was.
+        ``key`` is the public key that signed the registration (``None``: unsigned), ``secret`` whether it
+        bears the mesh secret. A refused registration leaves the table as it was.
         """
         try:
             data = orjson.loads(body)
@@ -133,7 +158,18 @@ class BootstrapRegistry:
             raise Refusal.internal(refusals.NOT_JSON) from None
         with self._lock:
             registration = self._check(data if isinstance(data, dict) else {})
+            now = self._clock()
+            if registration.slot is not None:
+                held = self._holders.get(registration.slot)
+                if held is not None and held[1] > now and not secret and key != held[0]:
+                    raise Refusal(FORBIDDEN, SLOT_HELD)
             self._record(registration)
+            if registration.slot is not None:
+                holder = key if key is not None else SECRET_HOLDER if secret else None
+                if holder is None:
+                    self._holders.pop(registration.slot, None)
+                else:
+                    self._holders[registration.slot] = (holder, now + self._hold_s)
         if registration.slot is not None:
             logger.debug("rank %s registered at slot %s", registration.address, registration.slot)
 

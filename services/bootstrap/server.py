@@ -158,7 +158,8 @@ class BootstrapServer:
     """A bootstrap service on a background thread, for a process that embeds one (and tests)::
 
         with BootstrapServer(BootstrapSettings(host="127.0.0.1", port=0)) as server:
-            BootstrapClient(server.url).get_sizes()
+            async with AsyncBootstrapClient(server.url) as bootstrap:
+                await bootstrap.get_sizes()
     """
 
     def __init__(self, settings: BootstrapSettings) -> None:

@@ -11,13 +11,13 @@ prefill and decode workers configured for them find it unchanged.
 
 from __future__ import annotations
 
-from typing import Final, Self
+from typing import Final
 
-from pydantic import Field, model_validator
+from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from meshwire import slow_clients, tls
-from services.bootstrap.registry import DEFAULT_MAX_RANKS, RegistryKind
+from meshwire.serving import ListenerSettings
+from services.bootstrap.registry import DEFAULT_HOLD_S, DEFAULT_MAX_RANKS, RegistryKind
 
 DEFAULT_HOST: Final = "0.0.0.0"
 """Every IPv4 interface: decode ranks on other machines must reach the service."""
@@ -32,8 +32,9 @@ SHUTDOWN_TIMEOUT_S: Final = 5.0
 """How long a stopping server waits for requests in flight."""
 
 
-class BootstrapSettings(BaseSettings):
-    """What one bootstrap service listens on, which registry it keeps, and its limits."""
+class BootstrapSettings(BaseSettings, ListenerSettings):
+    """What one bootstrap service listens on, which registry it keeps, and its limits (TLS and connections per
+    address from :mod:`meshwire.serving`; ``read_timeout_s`` is its deadline on heads and bodies both)."""
 
     model_config = SettingsConfigDict(env_prefix="MESHNET_", frozen=True, extra="forbid")
 
@@ -46,12 +47,7 @@ class BootstrapSettings(BaseSettings):
     max_connections: int = Field(DEFAULT_MAX_CONNECTIONS, ge=1, description="connections served at once")
     shutdown_timeout_s: float = Field(SHUTDOWN_TIMEOUT_S, ge=0, description="grace for requests in flight")
     access_log: bool = Field(True, description="log one line per request")
-    max_connections_per_address: int = Field(slow_clients.MAX_CONNECTIONS_PER_ADDRESS, ge=1,
-                                             description="connections served at once from one client address")
-    tls_cert: str | None = Field(None, description="PEM certificate (chain) to serve HTTPS with (with tls_key)")
-    tls_key: str | None = Field(None, description="PEM private key of tls_cert")
-
-    @model_validator(mode="after")
-    def _check_tls(self) -> Self:
-        tls.check_pair(self.tls_cert, self.tls_key)
-        return self
+    secret: str | None = Field(None, min_length=1, max_length=4096,
+                               description="the mesh secret: a registration bearing it may register over any slot")
+    slot_hold_s: float = Field(DEFAULT_HOLD_S, gt=0, le=86_400,
+                               description="how long a signed registration holds its slot against other registrants")

@@ -18,7 +18,6 @@ api/ — the HTTP endpoints a node answers: what arrives, and its shape on the w
     ``api.openai_api``     ``/v1/chat/completions``, ``/v1/completions``, ``/v1/responses`` on a head
     ``api.forward``        ``/forward`` and ``/forward/rows``: the hop side of a step
     ``api.kv_serve``       ``/kv/prefill`` and ``/kv/pull``: a prefill node's side of a handoff
-    ``api.bodies``         bounded request-body reading
     ``api.logprob_render`` log-probabilities in OpenAI's chat and completions forms
 
 head/ — hop 0 of a route: a prompt in, a stream of text out

@@ -160,8 +160,9 @@ class NodeRuntime:
         handoff_limits = HandoffLimits(max_held=s.handoff_max_held, max_bytes=s.handoff_max_bytes,
                                        position_bytes=shape.position_bytes_per_layer)
         if s.bootstrap is not None and s.role != "prefill":
-            self.puller = KvPuller(node_id=self.node_id, hop_key=self.hop_key,
-                                   bootstrap_url=s.bootstrap, shape=shape, max_chunk_bytes=s.max_frame_bytes,
+            self.puller = KvPuller(node_id=self.node_id, hop_key=self.hop_key, trust=self.trust,
+                                   model_id=self.model_id, bootstrap_url=s.bootstrap, shape=shape,
+                                   max_chunk_bytes=s.max_frame_bytes,
                                    timeout_s=s.handoff_pull_timeout_s, metrics=self.metrics,
                                    verify=tls.httpx_verify(s.tls_ca), nice=s.kv_pull_nice)
         if s.role == "prefill":
@@ -169,7 +170,8 @@ class NodeRuntime:
                 logger.warning("--role prefill without --bootstrap: this node registers in no bootstrap registry, so "
                                "decode nodes cannot find it and it takes no prefill routes")
             else:
-                self.membership = PrefillMembership(bootstrap_url=s.bootstrap, public_url=s.public_url(), shape=shape)
+                self.membership = PrefillMembership(bootstrap_url=s.bootstrap, public_url=s.public_url(), shape=shape,
+                                                    node_id=self.node_id, hop_key=self.hop_key)
         self.forward = ForwardService(node_id=self.node_id, model_id=self.model_id, trust=self.trust,
                                       legacy_secret=None if s.join_token else s.secret,
                                       runner=self.runner, sessions=self.sessions, hops=self.hops, stepper=stepper,
@@ -177,7 +179,8 @@ class NodeRuntime:
                                       grammar=self.grammar, puller=self.puller, handoff_limits=handoff_limits)
         if self.membership is not None:
             self.kv_serve = KvServeService(
-                node_id=self.node_id, model_id=self.model_id, trust=self.trust, runner=self.runner,
+                node_id=self.node_id, model_id=self.model_id, trust=self.trust, hop_key=self.hop_key,
+                runner=self.runner,
                 sessions=self.sessions, hops=self.hops, stepper=stepper, metrics=self.metrics,
                 membership=self.membership, shape=shape, limits=handoff_limits, max_chunk_bytes=s.max_frame_bytes,
                 prefill_chunk_tokens=s.prefill_chunk_tokens, max_prompt_tokens=s.max_prompt_tokens)

@@ -13,13 +13,14 @@ import uuid
 from pathlib import Path
 from typing import Annotated, Final, Literal
 
-from pydantic import BeforeValidator, Field, field_validator, model_validator
+from pydantic import BeforeValidator, Field, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
-from meshwire import limits, slow_clients, tls
+from meshwire import limits, tls
 from meshwire.auth import DEFAULT_SECRET
 from meshwire.fields import ApiKeyList
 from meshwire.route_keys import KeyProblem, KeySet, SigningKey
+from meshwire.serving import SlowClientSettings, TlsClientSettings
 
 DEFAULT_MODEL: Final = "HuggingFaceTB/SmolLM2-135M-Instruct"
 DEFAULT_PORT: Final = 8100
@@ -106,8 +107,9 @@ def _tracker_urls(value: object) -> object:
     return TrackerUrls(urls) if urls else None
 
 
-class NodeSettings(BaseSettings):
-    """Everything a node needs to know to load its layers and join a mesh."""
+class NodeSettings(BaseSettings, SlowClientSettings, TlsClientSettings):
+    """Everything a node needs to know to load its layers and join a mesh (TLS and the slow-client guards from
+    :mod:`meshwire.serving`)."""
 
     model_config = SettingsConfigDict(env_prefix="MESHNET_", frozen=True, extra="ignore",
                                       use_attribute_docstrings=True)
@@ -212,26 +214,6 @@ class NodeSettings(BaseSettings):
     kv_pull_nice: int = Field(default=DEFAULT_NICE, ge=0, le=MAX_NICE)
     """How far below the node's CPU priority a decode node pulls a handoff's KV (0: the same): the streams it
     already decodes keep their pace while a long prompt's KV arrives, which then takes longer on a busy node."""
-
-    # --- TLS and slow clients ------------------------------------------------------
-    tls_cert: str | None = None
-    """PEM certificate (chain) this service presents; with ``tls_key`` set too it serves HTTPS only."""
-    tls_key: str | None = None
-    """PEM private key of ``tls_cert``."""
-    tls_ca: str | None = None
-    """PEM CA bundle this service's clients verify ``https://`` and ``wss://`` peers with; unset: the default trusted roots."""
-    head_timeout_s: float = Field(slow_clients.HEAD_TIMEOUT_S, gt=0, le=600)
-    """Seconds a client connection has to send each request head (line and headers) before it is closed."""
-    body_timeout_s: float = Field(slow_clients.BODY_TIMEOUT_S, gt=0, le=3600)
-    """Seconds a request has to deliver its whole body once the service reads it; then it is answered 408."""
-    max_connections_per_address: int = Field(slow_clients.MAX_CONNECTIONS_PER_ADDRESS, ge=1, le=65536)
-    """Connections served at once from one client address; one more is answered 503 and closed."""
-
-    @model_validator(mode="after")
-    def _check_tls(self) -> NodeSettings:
-        tls.check_pair(self.tls_cert, self.tls_key)
-        tls.check_ca(self.tls_ca)
-        return self
 
     @field_validator("join_token", "route_keys", "node_key", mode="before")
     @classmethod

@@ -18,11 +18,12 @@ the other's:
   ``max_anonymous_inflight_per_peer`` requests per peer, smaller messages and
   a shorter idle timeout.
 
-The anonymous message bound is the relay's: it refuses a larger message before
-parsing it. The WebSocket server's own bound is one for every connection
-(``max_message_bytes`` plus slack, :mod:`services.relay.server`), so until the
-handshake's credential can choose it, the anonymous caps above are what bound
-the memory anonymous callers can make the server hold.
+The anonymous message bound holds at the WebSocket parser: every connection
+starts bounded just above ``max_anonymous_message_bytes`` and only one the relay
+accepted with a credential is raised to ``max_message_bytes``
+(:mod:`services.relay.ws_protocol`), so an anonymous caller makes the relay
+hold at most about 20 KiB per connection, and ``max_anonymous_callers``
+(``max_anonymous_callers_per_address`` per remote IP) such connections.
 
 ``rpc_requires_auth`` was the switch that let anonymous ``/rpc`` callers reach a
 peer's whole app (its default, off) or refused them. The health-only rule
@@ -38,8 +39,9 @@ from typing import Final, Self
 from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from meshwire import limits, slow_clients, tls
+from meshwire import limits, tls
 from meshwire.auth import DEFAULT_SECRET
+from meshwire.serving import SlowClientSettings
 
 DEFAULT_PORT: Final = 8001
 DEFAULT_MAX_INFLIGHT_PER_PEER: Final = 64
@@ -64,8 +66,9 @@ DEFAULT_TAKEOVER_PROBE_S: Final = 2.0
 """How long a peer holding an id has to answer a ping before a newcomer may take its place."""
 
 
-class RelaySettings(BaseSettings):
-    """Where a relay listens, its secret, and the bounds it holds peers and callers to."""
+class RelaySettings(BaseSettings, SlowClientSettings):
+    """Where a relay listens, its secret, and the bounds it holds peers and callers to (TLS and the slow-client
+    guards from :mod:`meshwire.serving`)."""
 
     model_config = SettingsConfigDict(env_prefix="MESHNET_", frozen=True, extra="ignore",
                                       use_attribute_docstrings=True)
@@ -108,24 +111,7 @@ class RelaySettings(BaseSettings):
     """An ``/rpc`` connection without the secret, with nothing in flight, that sends nothing this long is closed."""
     takeover_probe_s: float = Field(DEFAULT_TAKEOVER_PROBE_S, gt=0, le=60)
 
-    # --- TLS and slow clients ------------------------------------------------------
-    tls_cert: str | None = None
-    """PEM certificate (chain) this service presents; with ``tls_key`` set too it serves HTTPS only."""
-    tls_key: str | None = None
-    """PEM private key of ``tls_cert``."""
-    head_timeout_s: float = Field(slow_clients.HEAD_TIMEOUT_S, gt=0, le=600)
-    """Seconds a client connection has to send each request head (line and headers) before it is closed."""
-    body_timeout_s: float = Field(slow_clients.BODY_TIMEOUT_S, gt=0, le=3600)
-    """Seconds a request has to deliver its whole body once the service reads it; then it is answered 408."""
-    max_connections_per_address: int = Field(slow_clients.MAX_CONNECTIONS_PER_ADDRESS, ge=1, le=65536)
-    """Connections served at once from one client address; one more is answered 503 and closed."""
-
     log_level: str = "info"
-
-    @model_validator(mode="after")
-    def _check_tls(self) -> Self:
-        tls.check_pair(self.tls_cert, self.tls_key)
-        return self
 
     @model_validator(mode="after")
     def _one_message_fits_the_byte_budget(self) -> Self:

@@ -1,9 +1,18 @@
 """The tracker: node registry, route planner, and the OpenAI front door.
 
-Modules, one concept each: ``settings`` (configuration), ``registry`` (nodes,
-leases, states, backoffs; pure), ``planner`` (routes over layer ranges; pure),
-``state`` (one tracker's state and its route/model questions), ``responses``
-(errors, bounded bodies, credentials), ``proxy`` (forwarding to a head node),
-``openai_api`` and ``mesh_api`` (the routes), ``metrics``, ``app``
-(``create_app``) and ``server`` (``meshnet tracker``).
+Modules, one concept each (``docs/architecture.md`` draws the same map):
+
+- wiring: ``app`` (``create_app``: routers, middleware, lifespan), ``server`` (``meshnet tracker``),
+  ``settings`` (configuration), ``metrics``, ``responses`` (errors, bounded bodies, credentials),
+  ``error_answers`` (every error in the OpenAI shape, each kind handled once);
+- routes: ``service_api`` (health, metrics, page), ``openai_api`` (the front door), ``mesh_api``
+  (registration, routes, views), ``admin_api`` (keys, join tokens, the operator's API);
+- a request's way to a head: ``forwarding`` (one path per kind of answer), ``route_lease`` (its load on
+  its route and its open answer, ended once), ``proxy`` and ``head_answers`` (asking a head, what of its
+  answer is relayed), ``continuation`` and ``collect`` (a stream that outlives its head, assembled),
+  ``choices`` (``n > 1``);
+- state: ``state`` (one tracker's state and its route/model questions), ``registry`` (nodes, leases,
+  states, backoffs; pure) and ``node_views`` (what it shows), ``planner`` and ``pd_routes`` (routes over
+  layer ranges; pure), ``store/`` (where the registry lives: memory or Redis), ``store_fence`` and
+  ``key_limits`` (middleware), ``trust``, ``keyring`` and ``join_tokens`` (route keys, node credentials).
 """

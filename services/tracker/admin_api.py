@@ -20,6 +20,9 @@ Routes:
   signs ``MESHNET_ROUTE_KEY_LEAD_S`` later, the old one stays published until
   its routes have expired.
 
+While a shared store is away, each answers 503 ``store_unavailable`` (the app's handler of
+:class:`~.store.StoreUnavailable`).
+
 The admin key is ``MESHNET_ADMIN_KEY``; without it the admin API answers 403
 (nobody can issue tokens), so a node that holds the shared secret can never
 issue itself a token.
@@ -43,7 +46,7 @@ from meshwire.openai import validation_error_message, validation_error_param
 
 from .join_tokens import MAX_TOKEN_TTL_S, TokenRefused, mint
 from .responses import HTTPError, read_body
-from .state import store_unavailable, tracker_state
+from .state import tracker_state
 from .store import StoreUnavailable
 from .trust import bearer_of
 
@@ -102,7 +105,7 @@ async def keys(request: Request) -> JSONResponse:
     state = tracker_state(request)
     jwks = await state.trust.current_jwks()
     if not jwks.keys:  # never loaded (its store has been away since it started): an empty set would unpin nodes
-        raise store_unavailable("the tracker has not read its route keys yet", state.settings.heartbeat_s)
+        raise StoreUnavailable("the tracker has not read its route keys yet")
     return JSONResponse(jwks.model_dump(mode="json"), headers={"Cache-Control": "no-cache"})
 
 
@@ -122,8 +125,6 @@ async def check_token(request: Request) -> JSONResponse:
         record = await state.trust.token(credential)
     except TokenRefused as exc:
         raise _refused(exc) from None
-    except StoreUnavailable as exc:
-        raise store_unavailable(str(exc), state.settings.heartbeat_s) from None
     if node_id is not None and record.node_id != node_id:
         raise HTTPError(403, f"this join token is for node {record.node_id!r}, not {node_id[:100]!r}",
                         errors.PERMISSION, "token_node_mismatch")
@@ -144,8 +145,6 @@ async def create_token(request: Request) -> JSONResponse:
                          ttl_s=wanted.ttl_s)
     try:
         await state.store.put_token(record)
-    except StoreUnavailable as exc:
-        raise store_unavailable(str(exc), state.settings.heartbeat_s) from None
     except ValueError as exc:
         raise HTTPError(409, str(exc), errors.INVALID_REQUEST, "too_many_tokens") from None
     logger.info("join token %s issued for node %s", record.token_id, record.node_id)
@@ -157,10 +156,7 @@ async def list_tokens(request: Request) -> JSONResponse:
     """Every join token, without secrets, oldest first."""
     require_admin(request)
     state = tracker_state(request)
-    try:
-        records = await state.store.all_tokens()
-    except StoreUnavailable as exc:
-        raise store_unavailable(str(exc), state.settings.heartbeat_s) from None
+    records = await state.store.all_tokens()
     now = time.time()
     return JSONResponse({"tokens": [r.public(now) for r in sorted(records, key=lambda r: r.created_at)]})
 
@@ -170,17 +166,14 @@ async def revoke_token(token_id: str, request: Request) -> JSONResponse:
     """Revoke a join token; its node leaves every new route now."""
     require_admin(request)
     state = tracker_state(request)
-    try:
-        record = await state.store.get_token(token_id[:64])
-        if record is None:
-            raise HTTPError(404, f"no join token {token_id[:64]!r}", errors.NOT_FOUND, "unknown_token")
-        if record.revoked_at is None:
-            record = record.model_copy(update={"revoked_at": time.time()})
-            await state.store.put_token(record)
-        state.revoked.add(record.node_id)
-        evicted = await state.store.evict(record.node_id, state.now())
-    except StoreUnavailable as exc:
-        raise store_unavailable(str(exc), state.settings.heartbeat_s) from None
+    record = await state.store.get_token(token_id[:64])
+    if record is None:
+        raise HTTPError(404, f"no join token {token_id[:64]!r}", errors.NOT_FOUND, "unknown_token")
+    if record.revoked_at is None:
+        record = record.model_copy(update={"revoked_at": time.time()})
+        await state.store.put_token(record)
+    state.revoked.add(record.node_id)
+    evicted = await state.store.evict(record.node_id, state.now())
     logger.warning("join token %s of node %s revoked%s", record.token_id, record.node_id,
                    "; the node left every route" if evicted else "")
     return JSONResponse({**record.public(time.time()), "evicted": evicted})
@@ -191,9 +184,6 @@ async def rotate_keys(request: Request) -> JSONResponse:
     """Publish a new route-signing key; it signs after the lead."""
     require_admin(request)
     state = tracker_state(request)
-    try:
-        record = await state.trust.rotate()
-    except StoreUnavailable as exc:
-        raise store_unavailable(str(exc), state.settings.heartbeat_s) from None
+    record = await state.trust.rotate()
     return JSONResponse({"kid": record.kid, "signs_from": record.signs_from,
                          "keys": state.trust.jwks().model_dump(mode="json")["keys"]})

@@ -8,7 +8,10 @@ Routes:
   ``X-Meshnet-Lease``. Answers :class:`~meshwire.registry.RegistrationAnswer`
   (the first time with a fresh lease); 409 ``lease_conflict`` when the id is
   live and the request does not carry its lease; 400 naming the field for an
-  endpoint or relay address that is not a plain ``scheme://host:port[/prefix]``.
+  endpoint or relay address that is not a plain ``scheme://host:port[/prefix]``,
+  and 400 ``forbidden_address`` for one on a link-local or cloud-metadata
+  address (or a private one with ``MESHNET_ALLOW_PRIVATE_ENDPOINTS=0``,
+  :mod:`.endpoint_policy`).
 - ``DELETE /v1/nodes/{node_id}`` (its join token or the mesh secret, and the
   node's lease): leave now; 403 ``lease_required`` without the lease.
 - ``POST /v1/nodes/{node_id}/failures`` (a join token or the mesh secret):
@@ -19,10 +22,11 @@ Routes:
   without the route, 403 ``not_route_head`` / ``not_on_route`` when the
   reporter is not its head or the node is not on it. Answers whether the
   report was ``applied``.
-- ``GET /v1/nodes``: every listed node (state, load, last heartbeat, and its
-  speed as this tracker measured it: ``measured_tokens_per_s``,
-  ``measured_streams``, ``measured_ttft_s``, see :mod:`.ratings`) and each
-  model's coverage.
+- ``GET /v1/nodes``: every listed node (state, load, last heartbeat, the kind of
+  its last failure: one word of :data:`.failure_kinds.FAILURE_KINDS`, never
+  what its endpoint answered, and its speed as this tracker measured it:
+  ``measured_tokens_per_s``, ``measured_streams``, ``measured_ttft_s``, see
+  :mod:`.ratings`) and each model's coverage.
 - ``GET /v1/mesh``: the same plus the tracker's clocks, for the live page.
 - ``GET /v1/route?model=M&exclude=a,b``: a signed route
   (:class:`~meshwire.routes.SignedRoute`).
@@ -30,7 +34,8 @@ Routes:
 The credential is checked before the body is read, so an unauthenticated
 registration changes nothing. Registration, departure and failure reports
 are applied by the tracker's store (see :mod:`.store`); while a shared store
-is away they answer 503 ``store_unavailable`` with ``Retry-After``. The three views hand out every endpoint, relay
+is away they answer 503 ``store_unavailable`` with ``Retry-After`` (the app's handler of
+:class:`~.store.StoreUnavailable`). The three views hand out every endpoint, relay
 address and failure reason: with ``MESHNET_API_KEYS`` set they need a client
 API key, a valid join token or the mesh secret (401 otherwise); without it the
 mesh's layout is public.
@@ -56,11 +61,12 @@ from meshwire.registry import NodeRegistration, RegistrationAnswer
 from meshwire.route_keys import KeySet
 from meshwire.routes import RouteError, verify_route
 
+from .endpoint_policy import EndpointPolicy
 from .failure_reports import ROUTE_GRACE_S, TooManyReports, run_of
 from .join_tokens import TokenRefused
-from .registry import MAX_REASON_CHARS, RegistryError, UnknownNode
+from .registry import MAX_REASON_CHARS, Registered, RegistryError, UnknownNode
 from .responses import HTTPError, read_body, require_api_key
-from .state import TrackerState, parse_exclude, store_unavailable, tracker_state
+from .state import TrackerState, parse_exclude, tracker_state
 from .store import StoreUnavailable
 
 logger = logging.getLogger(__name__)
@@ -109,8 +115,6 @@ async def require_member(request: Request, state: TrackerState) -> str:
         member = await state.trust.member(request.headers.get("authorization"))
     except TokenRefused as exc:
         raise _token_refused(exc) from None
-    except StoreUnavailable as exc:
-        raise store_unavailable(str(exc), state.settings.heartbeat_s) from None
     if member is None:
         if request.headers.get("authorization"):
             raise HTTPError(403, "invalid credential", errors.PERMISSION, "invalid_credential")
@@ -162,16 +166,46 @@ def _lease(request: Request) -> str | None:
     return lease.strip() if lease is not None else None
 
 
+async def _check_addresses(request: Request, state: TrackerState, registration: NodeRegistration) -> None:
+    """Refuse (400 ``forbidden_address``) a registration whose endpoint or relay address the tracker must not
+    call (:class:`.endpoint_policy.EndpointPolicy`)."""
+    policy: EndpointPolicy | None = getattr(request.app.state, "endpoint_policy", None)
+    if policy is None:
+        policy = EndpointPolicy(allow_private=state.settings.allow_private_endpoints)
+        request.app.state.endpoint_policy = policy
+    for field, address in (("endpoint", registration.endpoint), ("relay_addr", registration.relay_addr)):
+        problem = None if address is None else await policy.address_problem(address)
+        if problem is not None:  # counted as refused by the caller
+            logger.warning("refused registration of %s: %s %s: %s", registration.node_id, field, address, problem)
+            hint = "" if policy.allow_private else " (MESHNET_ALLOW_PRIVATE_ENDPOINTS is off)"
+            raise HTTPError(400, f"{field} is refused: {problem}{hint}", errors.INVALID_REQUEST, "forbidden_address",
+                            field)
+
+
 @router.post("/v1/nodes")
 async def register(request: Request) -> JSONResponse:
     """Register a node or take its heartbeat."""
     state = tracker_state(request)
     await require_member(request, state)
+    body = await read_body(request, MAX_REGISTRATION_BYTES)
     try:
-        registration = NodeRegistration.model_validate_json(await read_body(request, MAX_REGISTRATION_BYTES))
-    except ValidationError as exc:
+        registration, registered = await _registered(request, state, body)
+    except (HTTPError, StoreUnavailable):  # refused, whatever the reason (the store's 503 is answered by the app)
         state.metrics.registrations.labels("refused").inc()
+        raise
+    state.metrics.registrations.labels("new" if registered.new_lease else "heartbeat").inc()
+    answer = RegistrationAnswer(lease=registered.lease, heartbeat_s=state.settings.heartbeat_s,
+                                ttl_s=state.settings.node_ttl_s, prefill_group=state.prefill_assignment(registration))
+    return JSONResponse(answer.model_dump(mode="json"))
+
+
+async def _registered(request: Request, state: TrackerState, body: bytes) -> tuple[NodeRegistration, Registered]:
+    """The registration ``body`` holds, admitted by its credential and registered (or heartbeated) in the store."""
+    try:
+        registration = NodeRegistration.model_validate_json(body)
+    except ValidationError as exc:
         raise _invalid(exc) from None
+    await _check_addresses(request, state, registration)
     try:
         record = await state.trust.admit(request.headers.get("authorization"), registration)
         if record is not None and record.model is None:
@@ -179,25 +213,14 @@ async def register(request: Request) -> JSONResponse:
         if record is not None:
             state.revoked.discard(registration.node_id)  # it holds a valid token again
     except TokenRefused as exc:
-        state.metrics.registrations.labels("refused").inc()
         logger.warning("refused registration of %s from %s: %s", registration.node_id, registration.endpoint, exc)
         raise _token_refused(exc) from None
-    except StoreUnavailable as exc:
-        state.metrics.registrations.labels("refused").inc()
-        raise store_unavailable(str(exc), state.settings.heartbeat_s) from None
     try:
         registered = await state.store.register(registration, _lease(request), state.now())
-    except StoreUnavailable as exc:
-        state.metrics.registrations.labels("refused").inc()
-        raise store_unavailable(str(exc), state.settings.heartbeat_s) from None
     except RegistryError as exc:
-        state.metrics.registrations.labels("refused").inc()
         logger.warning("refused registration of %s from %s: %s", registration.node_id, registration.endpoint, exc)
         raise _refused(exc) from None
-    state.metrics.registrations.labels("new" if registered.new_lease else "heartbeat").inc()
-    answer = RegistrationAnswer(lease=registered.lease, heartbeat_s=state.settings.heartbeat_s,
-                                ttl_s=state.settings.node_ttl_s, prefill_group=state.prefill_assignment(registration))
-    return JSONResponse(answer.model_dump(mode="json"))
+    return registration, registered
 
 
 @router.delete("/v1/nodes/{node_id}")
@@ -210,12 +233,30 @@ async def deregister(node_id: str, request: Request) -> JSONResponse:
                         "token_node_mismatch")
     try:
         await state.store.deregister(node_id, _lease(request), state.now())
-    except StoreUnavailable as exc:
-        raise store_unavailable(str(exc), state.settings.heartbeat_s) from None
     except RegistryError as exc:
         logger.warning("refused the departure of %s: %s", node_id[:limits.MAX_ID_CHARS], exc)
         raise _refused(exc) from None
     return JSONResponse({"node_id": node_id, "state": "offline"})
+
+
+def _route_reporter(state: TrackerState, member: str, node_id: str, token: str | None) -> str:
+    """The head of the signed route ``token`` names, when ``member`` may report ``node_id`` on it (else 4xx)."""
+    if token is None:
+        raise HTTPError(400, "a failure report names the signed route the failure happened on ('route'), and "
+                             "comes from that route's head", errors.INVALID_REQUEST, "route_required", "route")
+    try:  # a stream outlives its route: a route expired for at most ROUTE_GRACE_S may still be named
+        route = verify_route(token, KeySet.from_jwks(state.trust.jwks()), now=time.time() - ROUTE_GRACE_S)
+    except RouteError as exc:
+        raise HTTPError(403, f"the route of this report is not one this tracker signed: {exc}", errors.PERMISSION,
+                        "bad_route", "route") from None
+    head = route.nodes[0].node_id
+    if member.startswith("token:") and member != f"token:{head}":
+        raise HTTPError(403, f"only the route's head ({head!r}) reports failures on it", errors.PERMISSION,
+                        "not_route_head", "route")
+    if node_id == head or node_id not in {hop.node_id for hop in route.nodes}:
+        raise HTTPError(403, f"node {node_id[:limits.MAX_ID_CHARS]!r} is not a hop after the head of this route",
+                        errors.PERMISSION, "not_on_route", "route")
+    return head
 
 
 def _route_reporter(state: TrackerState, member: str, node_id: str, token: str | None) -> str:
@@ -259,10 +300,8 @@ async def report_failure(node_id: str, request: Request) -> JSONResponse:
     applied = state.failure_gate.judge(run_of(state.registry, node_id), reporter, now) == "apply"
     backoff_s = 0.0
     if applied:
-        try:
+        try:  # a store that is away: the app's handler answers 503
             backoff_s = await state.store.report_failure(node_id, report.reason, now)
-        except StoreUnavailable as exc:
-            raise store_unavailable(str(exc), state.settings.heartbeat_s) from None
         except RegistryError as exc:
             raise _refused(exc) from None
         state.metrics.failure_reports.inc()

@@ -16,7 +16,7 @@ from prometheus_client.registry import Collector
 
 from meshwire.registry import NodeState
 
-from .registry import ModelCoverage, NodeInfo
+from .node_views import ModelCoverage, NodeInfo
 
 CONTENT_TYPE: Final = "text/plain; version=0.0.4; charset=utf-8"
 NODE_STATES: Final[tuple[NodeState, ...]] = ("joining", "online", "suspect", "offline")

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Final
 
@@ -48,6 +48,7 @@ from .head_answers import (
     relayed_error,
 )
 from .responses import HTTPError
+from .route_lease import RouteLease
 
 logger = logging.getLogger(__name__)
 
@@ -121,7 +122,7 @@ async def open_head(client: httpx.AsyncClient, route: SignedRoute, path: str, bo
     """Send ``body`` to the head's ``path``; return its streaming response, or why not to use it.
 
     A returned response is a relayable 2xx, open, and must be closed by the
-    caller (see :class:`ProxiedResponse`). A head's other answers are read
+    caller (its :class:`~.route_lease.RouteLease` closes it). A head's other answers are read
     (boundedly) and closed here: a well-formed OpenAI error is a
     :class:`HeadError`, a 502/503/504 or anything that is not an OpenAI
     answer a :class:`HeadRefused`.
@@ -189,7 +190,7 @@ def _is_event_stream(response: httpx.Response) -> bool:
     return media_type(response) == SSE_MEDIA_TYPE
 
 
-async def _relay(upstream: httpx.Response, on_broken: Callable[[str], None]) -> AsyncIterator[bytes]:
+async def relay(upstream: httpx.Response, on_broken: Callable[[str], None]) -> AsyncIterator[bytes]:
     """The head's body, chunk by chunk as it arrives; an error event if the head breaks mid-stream."""
     try:
         async for chunk in upstream.aiter_bytes():
@@ -203,31 +204,25 @@ async def _relay(upstream: httpx.Response, on_broken: Callable[[str], None]) -> 
 
 
 class ProxiedResponse(StreamingResponse):
-    """A head's answer relayed to the client as it arrives.
+    """A head's answer relayed to the client as it arrives (``body``: :func:`relay`'s, or a continued stream's).
 
-    ``on_close`` runs exactly once when the relay ends for any reason (done,
-    client gone, head broken); the upstream response is always closed.
+    The request's lease ends exactly once when the relay ends for any reason (done, client gone, head
+    broken): the load leaves the route and the upstream response is closed.
     """
 
-    def __init__(self, upstream: httpx.Response, on_broken: Callable[[str], None],
-                 on_close: Callable[[], Awaitable[None] | None], body: AsyncIterator[bytes] | None = None) -> None:
+    def __init__(self, upstream: httpx.Response, lease: RouteLease, body: AsyncIterator[bytes]) -> None:
         relayed: Mapping[str, str] = {k: v for k, v in upstream.headers.items()
                                       if k.lower() in RELAYED_RESPONSE_HEADERS}
         extra = STREAM_HEADERS if _is_event_stream(upstream) else {}
-        super().__init__(_relay(upstream, on_broken) if body is None else body, status_code=upstream.status_code,
-                         headers={**relayed, **extra})
-        self._upstream = upstream
-        self._on_close = on_close
+        super().__init__(body, status_code=upstream.status_code, headers={**relayed, **extra})
+        self._lease = lease
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
             await super().__call__(scope, receive, send)
         finally:
             with anyio.CancelScope(shield=True):
-                await self._upstream.aclose()
-                outcome = self._on_close()
-                if outcome is not None:
-                    await outcome
+                await self._lease.end()
 
 
 def first_byte_timer() -> Callable[[], float]:

@@ -35,6 +35,9 @@ backoff runs do not lengthen it (several heads report one failure), and a node
 without a report for ``failure_reset_s`` starts over. A node in backoff is
 routed through only where nobody else holds its layers (see :mod:`.planner`);
 once its backoff ends it is back, and a restarted node (new lease) starts clean.
+
+What it shows of each node and model (:meth:`Registry.snapshot`, :meth:`Registry.coverage`) is
+:mod:`.node_views`.
 """
 
 from __future__ import annotations
@@ -46,13 +49,12 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Final
 
-from pydantic import BaseModel
-
-from meshwire.fields import STRICT_MODEL, DType
 from meshwire.headers import LEASE as LEASE_HEADER
-from meshwire.registry import NodeRegistration, NodeRole, NodeState, WeightsFormat
+from meshwire.registry import NodeRegistration, NodeState
 
-from .planner import Candidate, LayerRange, layer_holders, missing_layers
+from .failure_kinds import failure_kind
+from .node_views import ModelCoverage, NodeInfo
+from .planner import Candidate, layer_holders, missing_layers
 
 logger = logging.getLogger(__name__)
 
@@ -116,68 +118,6 @@ class Registered:
 
     lease: str
     new_lease: bool
-
-
-class NodeInfo(BaseModel):
-    """One node as ``GET /v1/nodes`` shows it: identity, shard, state, load and health."""
-
-    model_config = STRICT_MODEL
-
-    node_id: str
-    model: str
-    endpoint: str
-    shard_start: int
-    shard_end: int
-    num_layers: int | None
-    relay_addr: str | None
-    dtype: DType | None
-    device: str | None
-    weights: WeightsFormat | None = None
-    """How the node holds its weights (``float``, ``int8``, ``int4``), as it registered."""
-    weight_bytes: int = 0
-    """Bytes its weights take in memory."""
-    kv_bytes: int = 0
-    """Bytes its KV caches take now."""
-    state: NodeState
-    routable: bool
-    """Whether routes may use it: not offline, and its ``num_layers`` agrees with its model's."""
-    num_layers_agreed: bool
-    """Whether its ``num_layers`` is its model's (or it reports none that contradicts it)."""
-    active_sessions: int
-    inflight_requests: int
-    """Front-door requests the tracker is proxying through this node right now."""
-    kv_free_tokens: int
-    kv_capacity_tokens: int
-    decode_tokens_per_s: float
-    last_heartbeat_age_s: float
-    registered_for_s: float
-    """Seconds since this lease was first registered."""
-    heartbeats: int
-    failures: int
-    """Failure reports in the current run."""
-    backoff_remaining_s: float
-    last_failure_reason: str | None
-    role: NodeRole = "both"
-    """What the node serves: ``prefill``, ``decode`` or ``both`` (``meshnet node --role``)."""
-    pd_rank: int | None = None
-    """A prefill node: the ``engine_rank`` the bootstrap registry accepted it under."""
-
-
-class ModelCoverage(BaseModel):
-    """How well the routable nodes of one model cover its layers."""
-
-    model_config = STRICT_MODEL
-
-    model: str
-    num_layers: int
-    complete: bool
-    """Whether a route exists right now."""
-    missing: tuple[LayerRange, ...]
-    """Inclusive layer ranges no routable node holds."""
-    layer_holders: tuple[int, ...]
-    """How many routable nodes hold each layer, layer 0 first."""
-    nodes_routable: int
-    nodes_listed: int
 
 
 @dataclass
@@ -369,7 +309,7 @@ class Registry:
         entry = self._entries.get(node_id)
         if entry is None:
             raise UnknownNode(f"no node {node_id!r} is registered")
-        entry.last_failure_reason = reason[:MAX_REASON_CHARS]
+        entry.last_failure_reason = failure_kind(reason)
         if entry.backoff_until > now:
             return entry.backoff_until - now
         recent = entry.last_failure_at is not None and now - entry.last_failure_at <= self.policy.failure_reset_s
@@ -377,8 +317,8 @@ class Registry:
         backoff = min(self.policy.backoff_s * 2 ** (entry.failures - 1), self.policy.backoff_max_s)
         entry.last_failure_at = now
         entry.backoff_until = now + backoff
-        logger.warning("node %s reported failing (%s): backing off %.1f s (failure %d in a row)",
-                       node_id, entry.last_failure_reason, backoff, entry.failures)
+        logger.warning("node %s reported failing (%s: %s): backing off %.1f s (failure %d in a row)",
+                       node_id, entry.last_failure_reason, reason[:MAX_REASON_CHARS], backoff, entry.failures)
         return backoff
 
     # --- in-flight requests ---------------------------------------------------------------------
@@ -396,7 +336,7 @@ class Registry:
                 entry.inflight = max(entry.inflight - 1, 0)
 
     # --- mirroring a shared store -----------------------------------------------------------------
-    # A tracker on a shared store (see :mod:`.store_redis`) keeps this registry as its view of the
+    # A tracker on a shared store (see :mod:`.store.redis`) keeps this registry as its view of the
     # store: the store decides leases and expiry, and these methods copy its verdicts in, so the
     # planner and every view read one consistent, synchronous registry whichever store is used.
 
@@ -432,7 +372,7 @@ class Registry:
         if entry is None:
             return
         if reason is not None:
-            entry.last_failure_reason = reason[:MAX_REASON_CHARS]
+            entry.last_failure_reason = failure_kind(reason)
         if backoff_remaining_s > 0:
             entry.failures = failures
             entry.last_failure_at = now

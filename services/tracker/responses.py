@@ -3,8 +3,9 @@
 Every error the tracker answers has the OpenAI shape
 (:func:`meshwire.errors.error_body`), so the official client raises a
 readable exception and the node client can read ``code``. Request bodies are
-read with a hard bound: a ``Content-Length`` over the limit is refused before
-a byte is read, and a body that keeps coming past it is cut off.
+read with a hard bound (:func:`meshwire.body_guard.read_bounded`): a
+``Content-Length`` over the limit is refused before a byte is read, and a body
+that keeps coming past it is cut off.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from fastapi.responses import JSONResponse
 
 from meshwire import errors
 from meshwire.auth import check_bearer
+from meshwire.body_guard import BodyIncomplete, BodyTooLarge, read_bounded
 
 BEARER: Final = "bearer"
 
@@ -44,18 +46,13 @@ def error_response(status: int, message: str, type: str, code: str | None = None
 
 async def read_body(request: Request, limit: int) -> bytes:
     """The request body, refusing (413) one larger than ``limit`` bytes without reading it all."""
-    declared = request.headers.get("content-length")
-    if declared is not None:
-        if not declared.strip().isdigit():
-            raise HTTPError(400, "Content-Length is not a number", errors.INVALID_REQUEST, "bad_content_length")
-        if int(declared) > limit:
-            raise _too_large(limit)
-    body = bytearray()
-    async for chunk in request.stream():
-        body += chunk
-        if len(body) > limit:
-            raise _too_large(limit)
-    return bytes(body)
+    try:
+        return await read_bounded(request, limit)
+    except BodyTooLarge:
+        raise _too_large(limit) from None
+    except BodyIncomplete:
+        raise HTTPError(400, "the client went away before the request body was complete", errors.INVALID_REQUEST,
+                        "body_incomplete") from None
 
 
 def _too_large(limit: int) -> HTTPError:

@@ -13,17 +13,19 @@ from typing import Annotated, Final
 from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
-from meshwire import limits, slow_clients, tls
+from meshwire import limits, tls
 from meshwire.auth import DEFAULT_SECRET
 from meshwire.fields import ApiKeyList
+from meshwire.serving import SlowClientSettings, TlsClientSettings
 
 DEFAULT_PORT: Final = 8000
 ROUTE_TTL_S: Final = 60.0
 """Default lifetime of a signed route (the head opens its sessions at once; failover asks for new routes)."""
 
 
-class TrackerSettings(BaseSettings):
-    """How one tracker runs: where it listens, its secrets, its clocks and its bounds."""
+class TrackerSettings(BaseSettings, SlowClientSettings, TlsClientSettings):
+    """How one tracker runs: where it listens, its secrets, its clocks and its bounds (TLS and the slow-client
+    guards from :mod:`meshwire.serving`)."""
 
     model_config = SettingsConfigDict(env_prefix="MESHNET_", frozen=True, extra="ignore",
                                       use_attribute_docstrings=True)
@@ -32,6 +34,8 @@ class TrackerSettings(BaseSettings):
     port: int = Field(DEFAULT_PORT, ge=0, le=65535)
     secret: str = Field(DEFAULT_SECRET, min_length=1)
     """The mesh's shared secret: admits nodes that hold no join token (a mesh that issues none)."""
+    allow_private_endpoints: bool = True
+    """Whether nodes may register loopback/private endpoints (off for a public mesh; link-local never)."""
     admin_key: str = Field("", max_length=1024)
     """The operator's credential for the admin API (join tokens, key rotation); empty: the admin API is off."""
     api_keys: Annotated[tuple[str, ...], NoDecode, ApiKeyList] = ()
@@ -93,20 +97,6 @@ class TrackerSettings(BaseSettings):
     max_connections: int = Field(256, ge=1, le=65536)
     """Most simultaneous connections from the tracker to head nodes."""
 
-    # --- TLS and slow clients ------------------------------------------------------
-    tls_cert: str | None = None
-    """PEM certificate (chain) this service presents; with ``tls_key`` set too it serves HTTPS only."""
-    tls_key: str | None = None
-    """PEM private key of ``tls_cert``."""
-    tls_ca: str | None = None
-    """PEM CA bundle this service's clients verify ``https://`` and ``wss://`` peers with; unset: the default trusted roots."""
-    head_timeout_s: float = Field(slow_clients.HEAD_TIMEOUT_S, gt=0, le=600)
-    """Seconds a client connection has to send each request head (line and headers) before it is closed."""
-    body_timeout_s: float = Field(slow_clients.BODY_TIMEOUT_S, gt=0, le=3600)
-    """Seconds a request has to deliver its whole body once the service reads it; then it is answered 408."""
-    max_connections_per_address: int = Field(slow_clients.MAX_CONNECTIONS_PER_ADDRESS, ge=1, le=65536)
-    """Connections served at once from one client address; one more is answered 503 and closed."""
-
     @field_validator("store")
     @classmethod
     def _check_store(cls, value: str) -> str:
@@ -114,12 +104,6 @@ class TrackerSettings(BaseSettings):
         if value != "memory" and not value.startswith(("redis://", "rediss://", "unix://")):
             raise ValueError(f"store must be 'memory' or a redis://host:port/db URL, got {value[:100]!r}")
         return value
-
-    @model_validator(mode="after")
-    def _check_tls(self) -> TrackerSettings:
-        tls.check_pair(self.tls_cert, self.tls_key)
-        tls.check_ca(self.tls_ca)
-        return self
 
     @model_validator(mode="after")
     def _check_clocks(self) -> TrackerSettings:

@@ -5,7 +5,7 @@ sees every request before its handler and never touches a streamed answer. For
 the paths that read the registry (:data:`FENCED_PATHS`) it awaits
 :meth:`~.store.NodeStore.fresh`: with Redis, one round trip that proves the
 view holds every change another tracker has acknowledged (see
-:mod:`.store_redis`). While the store is away these paths answer 503
+:mod:`.store.redis`). While the store is away these paths answer 503
 ``store_unavailable`` with ``Retry-After`` in the OpenAI error shape rather
 than plan from a view that may be wrong. The memory store needs no fence, and
 the app installs none.

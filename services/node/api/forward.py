@@ -42,6 +42,7 @@ from starlette.responses import Response
 from meshwire import errors
 from meshwire import headers as h
 from meshwire.auth import check_bearer
+from meshwire.body_guard import BodyIncomplete, BodyTooLarge, read_bounded
 from meshwire.fork import FORK_REFUSED, ForkSource
 from meshwire.forward_step import (
     CloseRequest,
@@ -57,7 +58,6 @@ from meshwire.kv_handoff import HANDOFF_FAILED
 from meshwire.route_keys import KeyProblem, public_key_from_text
 from meshwire.row_batch import MAX_INDEX_BYTES, RowAnswer, decode_rows, encode_answers
 from meshwire.sampling_params import SamplingParams
-from services.node.api.bodies import BodyIncomplete, BodyTooLarge, read_bounded
 from services.node.engine.compute import ShardRunner
 from services.node.engine.sessions import (
     Session,

@@ -23,7 +23,14 @@ in bytes). The answer is one frame ``[2 * layers, kv_heads, positions,
 head_dim]`` with ``X-Meshnet-Chunk-Total`` and ``X-Meshnet-KV-Positions``.
 Once every layer this node holds of the handoff was pulled to its last chunk,
 the handoff is freed; one never pulled whole is freed after
-``MESHNET_HANDOFF_TTL_S``.
+``MESHNET_HANDOFF_TTL_S``. A pull names the node it is for
+(``X-Meshnet-KV-Source``; another node's is refused 403 ``wrong_node``), and
+every answer is signed with this node's hop key over its headers, its bytes,
+the puller and the pull's proof (:func:`~meshwire.kv_handoff.sign_pull_answer`),
+so the decode node takes KV only from the node the signed prefill route names.
+The chunk itself is sealed to the puller's fresh X25519 key
+(``X-Meshnet-KV-Box``, :mod:`meshwire.kv_box`): a pull without one is refused
+400, and a pull replayed by anyone else yields bytes only the puller can open.
 
 Refusals are OpenAI-shaped JSON: 401 without a proof (checked before
 anything is read), 403 ``bad_proof``/``bad_route``/``bad_layers``/``replayed``
@@ -46,7 +53,10 @@ from starlette.responses import Response
 
 from meshwire import errors
 from meshwire import headers as h
+from meshwire.body_guard import BodyIncomplete, BodyTooLarge, read_bounded
 from meshwire.frames import FrameError, check_session_id, encode_frame, get_header, parse_int_header
+from meshwire.hop_proof import PROOF
+from meshwire.kv_box import BOX, BoxProblem, check_box, seal
 from meshwire.kv_handoff import (
     KV_CHUNK_POSITIONS,
     KV_LAYERS,
@@ -58,9 +68,10 @@ from meshwire.kv_handoff import (
     PrefillRequest,
     format_layers,
     parse_layers,
+    sign_pull_answer,
 )
+from meshwire.route_keys import SigningKey
 from meshwire.sampling_params import SamplingParams
-from services.node.api.bodies import BodyIncomplete, BodyTooLarge, read_bounded
 from services.node.engine.compute import ShardRunner
 from services.node.engine.sessions import SessionRefused, SessionTable, log_tag
 from services.node.head.generation import GenerationFailed, SessionChain
@@ -70,7 +81,7 @@ from services.node.hop.routing import RouteRefused, verify_hop
 from services.node.hop.trust import RouteTrust
 from services.node.metrics import NodeMetrics
 from services.node.pd.handoff_limits import HandoffLimits
-from services.node.pd.kv_auth import HandoffAuth, KvRefusal, caller_claim
+from services.node.pd.kv_auth import HandoffAuth, KvRefusal, caller_claim, check_pull_target
 from services.node.pd.kv_transfer import KVTransferError, read_kv
 from services.node.pd.pd_member import PrefillMembership
 
@@ -94,7 +105,7 @@ def _error(status: int, code: str, message: str, node_id: str) -> Response:
 class KvServeService:
     """The handoff endpoints of one prefill node."""
 
-    def __init__(self, *, node_id: str, model_id: str, trust: RouteTrust, runner: ShardRunner,
+    def __init__(self, *, node_id: str, model_id: str, trust: RouteTrust, hop_key: SigningKey, runner: ShardRunner,
                  sessions: SessionTable,
                  hops: HopClient, stepper: RouteStepper, metrics: NodeMetrics, membership: PrefillMembership,
                  shape: KVShape, limits: HandoffLimits, max_chunk_bytes: int, prefill_chunk_tokens: int,
@@ -102,6 +113,7 @@ class KvServeService:
         self.node_id = node_id
         self.model_id = model_id
         self._trust = trust
+        self._hop_key = hop_key
         self._auth = HandoffAuth(trust=trust, model_id=model_id)
         self._runner = runner
         self._sessions = sessions
@@ -203,6 +215,11 @@ class KvServeService:
         headers = request.headers
         claim = caller_claim(headers)
         digest, signer = await self._auth.signed_puller(claim, headers)
+        check_pull_target(headers, self.node_id)
+        try:
+            check_box(headers.get(BOX))
+        except BoxProblem as exc:
+            raise KvRefusal(400, "bad_header", str(exc)) from None
         session_id = check_session_id(get_header(headers, h.SESSION))
         first, last = parse_layers(get_header(headers, KV_LAYERS))
         index = parse_int_header(h.CHUNK_INDEX, get_header(headers, h.CHUNK_INDEX), minimum=0,
@@ -246,6 +263,17 @@ class KvServeService:
                 if session.pulled_layers >= set(range(entry, shard.end + 1)):
                     self._sessions.close(session_id)
                     self._metrics.handoffs_freed.labels(how="pulled").inc()
+        body = await asyncio.to_thread(self._seal_and_sign, out_headers, body, claim.signer, headers.get(PROOF) or "",
+                                       headers.get(BOX))
         return Response(body, media_type=OCTET_STREAM, headers=out_headers)
+
+    def _seal_and_sign(self, out_headers: dict[str, str], body: bytes, requester: str, proof: str,
+                       box: str | None) -> bytes:
+        """Seal a chunk to the puller's key and sign the answer (adds both headers); the sealed bytes. Off the
+        event loop: a chunk is megabytes to encrypt and hash."""
+        out_headers[BOX], sealed = seal(box, body, proof)
+        out_headers.update(sign_pull_answer(self._hop_key, self.node_id, out_headers, sealed, requester=requester,
+                                            request_proof=proof))
+        return sealed
 
 

@@ -41,6 +41,7 @@ from meshwire import errors, sse
 from meshwire import headers as h
 from meshwire import openai as oa
 from meshwire.auth import check_bearer, check_bearer_any
+from meshwire.body_guard import BodyIncomplete, BodyTooLarge, read_bounded
 from meshwire.fork import ChoiceGroup
 from meshwire.hop_proof import TRACKER_SIGNER_PREFIX, ProofProblem, check_claim, read_claim
 from meshwire.limits import MAX_HEADER_VALUE_CHARS
@@ -48,7 +49,6 @@ from meshwire.responses_api import ResponseEvents, ResponsesRequest, usage_of
 from meshwire.resume import RESUME_KEY, Progress, Resume, take_resume, with_progress
 from meshwire.sampling_params import MAX_GRAMMAR_CHARS, SamplingParams
 from meshwire.tool_calls import ToolCallAssembler, ToolCallParser
-from services.node.api.bodies import BodyIncomplete, BodyTooLarge, read_bounded
 from services.node.api.logprob_render import chat_logprobs, completion_logprobs, echo_logprobs, joined
 from services.node.head.generation import (
     Echo,
@@ -545,12 +545,12 @@ class OpenAIService:
 
 async def _read_json_body(request: Request, max_bytes: int) -> bytes:
     """The request body, refusing (413) one over ``max_bytes``."""
-    declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > max_bytes:
-        raise ApiError(413, f"request body of {declared} bytes is over the {max_bytes}-byte limit", "too_large")
     try:
         return await read_bounded(request, max_bytes)
-    except BodyTooLarge:
+    except BodyTooLarge as exc:
+        if exc.declared is not None:
+            raise ApiError(413, f"request body of {exc.declared} bytes is over the {max_bytes}-byte limit",
+                           "too_large") from None
         raise ApiError(413, f"request body is over the {max_bytes}-byte limit", "too_large") from None
     except BodyIncomplete:
         raise ApiError(400, "the client went away before the request body was complete") from None

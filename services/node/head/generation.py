@@ -713,7 +713,8 @@ class Generator:
         except PrefillUnavailable as exc:
             self._fallback(run, "prefill_failed", str(exc))
             return None
-        run.handoff = HandoffSource(session=session_id, dp_group=answer.dp_group, positions=answer.positions)
+        run.handoff = HandoffSource(session=session_id, dp_group=answer.dp_group, positions=answer.positions,
+                                    route=plan.token)
         return Pick(answer.token, answer.logprobs)
 
     def _fallback(self, run: _Run, reason: str, message: str) -> None:

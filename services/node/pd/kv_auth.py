@@ -11,7 +11,9 @@ against the key a route the tracker signed names for that node:
   the prefill route's own signed frames). A proof seen before is a replay.
 - ``POST /kv/pull`` carries the decode route (``X-Meshnet-Route``) and must be
   signed by a node that route names, at layers covering those pulled, for a
-  handoff held for that very route; each proof is answered once.
+  handoff held for that very route, and name this node
+  (:data:`~meshwire.kv_handoff.KV_SOURCE`, signed with the rest: a pull made
+  for another prefill node is refused here); each proof is answered once.
 
 Every refusal is a :class:`KvRefusal`: 401 with no proof, 403 for a proof or
 route that does not hold (nothing is read from the cache before).
@@ -23,7 +25,7 @@ from collections.abc import Mapping
 
 from meshwire import headers as h
 from meshwire.hop_proof import Claim, ProofProblem, SeenProofs, check_claim, read_claim
-from meshwire.kv_handoff import DECODE_ROUTE, PREFILL_PATH, PULL_PATH, route_digest
+from meshwire.kv_handoff import DECODE_ROUTE, KV_SOURCE, PREFILL_PATH, PULL_PATH, route_digest
 from meshwire.route_keys import KeyProblem, public_key_from_text
 from meshwire.routes import Route, RouteError, RouteNode, verify_route
 from services.node.engine.sessions import Session, log_tag
@@ -46,6 +48,14 @@ def caller_claim(headers: Mapping[str, str]) -> Claim:
     except ProofProblem as exc:
         raise KvRefusal(exc.status, "unauthorized" if exc.status == 401 else "bad_proof",
                         f"{exc} (a KV handoff call is signed with the caller's hop key)") from None
+
+
+def check_pull_target(headers: Mapping[str, str], node_id: str) -> None:
+    """Refuse (403 ``wrong_node``) a pull that does not name this node as the one it is meant for."""
+    target = headers.get(KV_SOURCE.lower()) or headers.get(KV_SOURCE)
+    if target is None or target.strip() != node_id:
+        raise KvRefusal(403, "wrong_node", f"this pull is meant for {(target or 'no node')[:100]!r} ({KV_SOURCE}), "
+                                           f"not for {node_id}")
 
 
 class HandoffAuth:

@@ -1,20 +1,29 @@
-"""A decode node's side of a handoff: find the prefill stages in the bootstrap registry, check, pull.
+"""A decode node's side of a handoff: check the prefill group's layout, find the prefill nodes in the signed
+prefill route, pull, check each answer's signature.
 
 For a decode hop that runs layers ``first..last`` of a request prefilled on
 the prefill nodes (:class:`~meshwire.kv_handoff.HandoffSource`):
 
 1. ``GET /route?engine_rank=-1&target_dp_group=-1`` on the bootstrap registry
-   gives the prefill group's cache layout and ``cache_fields_by_stage``; a
-   layout that is not this node's refuses the handoff
-   (:class:`HandoffFailed` ``layout_mismatch``, naming the difference);
-2. for each stage holding some of the layers, ``GET /route?engine_rank=STAGE&
-   target_dp_group=G`` gives where that stage's rank of the request's DP group
-   serves KV;
-3. each stage's layers are pulled in chunks of whole pages (``POST /kv/pull``,
-   carrying this node's signed decode route and signed with its hop key:
-   :mod:`services.node.pd.kv_auth`), each answer a frame checked against what
-   was asked (dtype, shape, positions) before it is appended to the session's
-   cache.
+   gives the prefill group's cache layout; a layout that is not this node's
+   refuses the handoff (:class:`HandoffFailed` ``layout_mismatch``, naming the
+   difference);
+2. the handoff's signed prefill route (``X-Meshnet-Handoff-Route``, verified
+   with the tracker's keys like any route) names which prefill node holds
+   which layers, at which endpoint, with which hop key. That is the only
+   address this node pulls from: the bootstrap registry's ``rank_ip`` is not
+   used for pulls (anyone who reaches the registry could have registered it,
+   and it could name any host: a man in the middle or an SSRF). An endpoint on
+   a link-local or cloud-metadata address is refused even there;
+3. each node's layers are pulled in chunks of whole pages (``POST /kv/pull``,
+   carrying this node's signed decode route, naming the prefill node it is for
+   and signed with this node's hop key: :mod:`services.node.pd.kv_auth`, with a
+   fresh X25519 key the answer is sealed to: :mod:`meshwire.kv_box`); each
+   answer must be signed by that prefill node's hop key over the chunk, this
+   node's id and the pull's own proof
+   (:func:`~meshwire.kv_handoff.pull_answer_problem`), and is a frame checked
+   against what was asked (dtype, shape, positions) before it is appended to
+   the session's cache.
 
 Step 3 runs on a background thread at a lower CPU priority
 (:mod:`services.node.engine.background`, ``--kv-pull-nice``), in chunks of at most
@@ -25,8 +34,9 @@ long prompt is handed over (``python -m benchmarks.pd``).
 
 The whole pull is bounded by ``timeout_s``. Any failure raises
 :class:`HandoffFailed` with a reason (``bootstrap``, ``layout_mismatch``,
-``prefill_unreachable``, ``pull_refused``, ``bad_chunk``, ``timeout``): the
-decode route then prefills the prompt itself, so the answer is the same.
+``bad_route``, ``prefill_unreachable``, ``pull_refused``, ``bad_chunk``,
+``bad_signature``, ``timeout``): the decode route then prefills the prompt
+itself, so the answer is the same.
 """
 
 from __future__ import annotations
@@ -45,11 +55,13 @@ import httpx
 from meshwire import headers as h
 from meshwire.bootstrap_client import AsyncBootstrapClient, BootstrapError, PrefillInfo, RetryPolicy
 from meshwire.frames import TORCH_DTYPES, FrameError, FrameLimits, decode_frame
-from meshwire.hop_proof import sign_request
+from meshwire.hop_proof import PROOF, sign_request
+from meshwire.kv_box import BOX, BoxProblem, Opener
 from meshwire.kv_handoff import (
     KV_CHUNK_POSITIONS,
     KV_LAYERS,
     KV_POSITIONS,
+    KV_SOURCE,
     MAX_PULL_ANSWER_EXTRA,
     PULL_PATH,
     HandoffSource,
@@ -58,11 +70,14 @@ from meshwire.kv_handoff import (
     chunk_positions,
     format_layers,
     layout_difference,
-    placement_layers,
+    pull_answer_problem,
 )
-from meshwire.route_keys import SigningKey
+from meshwire.route_keys import KeyProblem, SigningKey, public_key_from_text
+from meshwire.routes import Route, RouteError, verify_route
+from meshwire.targets import forbidden_target
 from services.node.engine.background import BackgroundPool
 from services.node.engine.compute import one_torch_thread
+from services.node.hop.trust import RouteTrust
 from services.node.metrics import NodeMetrics
 from services.node.model.kv_cache import ShardCache
 from services.node.pd.kv_transfer import KVTransferError, append_kv, held_positions
@@ -92,12 +107,15 @@ class HandoffFailed(Exception):
 
 @dataclass(frozen=True)
 class StageSource:
-    """Where one prefill stage serves the layers this node needs."""
+    """Where one prefill node of the signed prefill route serves the layers this node needs, and its key."""
 
     stage: int
     first: int
     last: int
     url: str
+    node_id: str
+    hop_key: Any
+    """The prefill node's public hop key (Ed25519): its answers must be signed with it."""
 
 
 class _Stopped(Exception):
@@ -137,12 +155,14 @@ class _PullJob:
 class KvPuller:
     """Pulls a handoff's KV for some layers from the prefill nodes the bootstrap registry names."""
 
-    def __init__(self, *, node_id: str, hop_key: SigningKey, bootstrap_url: str,
+    def __init__(self, *, node_id: str, hop_key: SigningKey, bootstrap_url: str, trust: RouteTrust, model_id: str,
                  shape: KVShape, max_chunk_bytes: int, timeout_s: float, metrics: NodeMetrics | None = None,
                  clock: Callable[[], float] = time.monotonic, verify: ssl.SSLContext | bool = True,
                  nice: int = DEFAULT_NICE) -> None:
         self._node_id = node_id
         self._hop_key = hop_key
+        self._trust = trust
+        self._model_id = model_id
         self._bootstrap = AsyncBootstrapClient(bootstrap_url, timeout_s=BOOTSTRAP_TIMEOUT_S, retry=BOOTSTRAP_RETRY)
         self.shape = shape
         self.layout: dict[str, Any] = cache_layout(shape)
@@ -232,29 +252,45 @@ class KvPuller:
         cache.entry_layer = first
         return pulled
 
+    async def _prefill_route(self, source: HandoffSource) -> Route:
+        """The handoff's signed prefill route, verified with the tracker's keys; :class:`HandoffFailed`
+        ``bad_route`` when there is none or it does not hold."""
+        if source.route is None:
+            raise HandoffFailed("bad_route", "the handoff names no signed prefill route to pull from")
+        try:
+            await self._trust.ensure(source.route)
+            route = verify_route(source.route, self._trust.keys, check_expiry=False)
+        except RouteError as exc:
+            raise HandoffFailed("bad_route", f"the handoff's prefill route is refused ({exc.code}): {exc}") from None
+        if route.model != self._model_id:
+            raise HandoffFailed("bad_route", f"the handoff's prefill route is for {route.model[:100]}, this node "
+                                             f"serves {self._model_id}")
+        return route
+
     async def _stages(self, source: HandoffSource, first: int, last: int) -> list[StageSource]:
-        info = await self.prefill_info()
-        placement = placement_layers(info.cache_fields_by_stage or ())
+        """Which prefill node of the signed prefill route serves which of layers ``first..last``, and where."""
+        route = await self._prefill_route(source)
         out: list[StageSource] = []
-        covered: set[int] = set()
-        for stage, layers in enumerate(placement):
-            wanted = [layer for layer in layers if first <= layer <= last]
-            if not wanted:
+        for stage, node in enumerate(route.nodes):
+            low, high = max(first, node.start_layer), min(last, node.shard_end)
+            if low > high:
                 continue
-            if wanted != list(range(wanted[0], wanted[-1] + 1)):
-                raise HandoffFailed("bootstrap", f"prefill stage {stage} holds layers {layers}, not a range")
+            if node.hop_key is None:
+                raise HandoffFailed("bad_route", f"the prefill route names no hop key for {node.node_id}: its KV "
+                                                 "could not be checked")
+            problem = forbidden_target(node.endpoint)
+            if problem is not None:
+                raise HandoffFailed("bad_route", f"refusing to pull from {node.node_id} at {node.endpoint[:200]}: "
+                                                 f"{problem}")
             try:
-                address = await self._bootstrap.lookup_rank(stage, source.dp_group)
-            except BootstrapError as exc:
-                raise HandoffFailed("bootstrap", f"no prefill rank of stage {stage}, DP group {source.dp_group} "
-                                                 f"in the bootstrap registry: {exc}") from None
-            host = str(address.rank_ip)
-            host = f"[{host}]" if ":" in host and not host.startswith("[") else host
-            out.append(StageSource(stage, wanted[0], wanted[-1], f"http://{host}:{address.rank_port}"))
-            covered.update(wanted)
+                key = public_key_from_text(node.hop_key)
+            except KeyProblem as exc:
+                raise HandoffFailed("bad_route", f"{node.node_id}'s hop key: {exc}") from None
+            out.append(StageSource(stage, low, high, node.endpoint.rstrip("/"), node.node_id, key))
+        covered = {layer for stage in out for layer in range(stage.first, stage.last + 1)}
         if covered != set(range(first, last + 1)):
-            raise HandoffFailed("bootstrap", f"the prefill group's stages do not hold every layer of {first}-{last}")
-        return sorted(out, key=lambda s: s.first)
+            raise HandoffFailed("bad_route", f"the prefill route does not hold every layer of {first}-{last}")
+        return out
 
     def _pull_stage(self, job: _PullJob, source: HandoffSource, stage: StageSource, route_token: str) -> int:
         """Pull one stage's layers chunk by chunk into the job's cache (on a pull thread); the bytes pulled."""
@@ -287,9 +323,10 @@ class KvPuller:
 
     def _fetch(self, job: _PullJob, stage: StageSource, source: HandoffSource, index: int, total: int,
                per_chunk: int, expected: tuple[int, ...], route_token: str) -> Any:
+        opener = Opener()  # the answer is sealed to this pull's own key
         headers = {h.WIRE: h.WIRE_VERSION, h.ROUTE: route_token, h.SESSION: source.session,
                    KV_LAYERS: format_layers(stage.first, stage.last), h.CHUNK_INDEX: str(index),
-                   KV_CHUNK_POSITIONS: str(per_chunk)}
+                   KV_CHUNK_POSITIONS: str(per_chunk), KV_SOURCE: stage.node_id, BOX: opener.public_text}
         headers.update(sign_request(self._hop_key, self._node_id, PULL_PATH, headers, b""))
         nbytes = 1
         for dim in expected:
@@ -312,8 +349,17 @@ class KvPuller:
         if status != 200:
             raise HandoffFailed("pull_refused", f"prefill stage {stage.stage} refused the pull: HTTP {status} "
                                                 f"{bytes(body[:300]).decode('utf-8', 'replace')}")
+        problem = pull_answer_problem(stage.hop_key, stage.node_id, answer_headers, body,
+                                      requester=self._node_id, request_proof=headers[PROOF])
+        if problem is not None:  # not the prefill node the route names, or not its answer to this pull
+            raise HandoffFailed("bad_signature", f"a KV chunk from {stage.node_id} at {stage.url} is refused: "
+                                                 f"{problem}")
         try:
-            frame = decode_frame(answer_headers, body, FrameLimits(max_bytes=nbytes))  # handed over: no copy
+            plain = opener.open(answer_headers.get(BOX), body, headers[PROOF])
+        except BoxProblem as exc:
+            raise HandoffFailed("bad_signature", f"a KV chunk from {stage.node_id} cannot be opened: {exc}") from None
+        try:
+            frame = decode_frame(answer_headers, plain, FrameLimits(max_bytes=nbytes))
         except FrameError as exc:
             raise HandoffFailed("bad_chunk", f"a KV chunk from stage {stage.stage} is not a frame: {exc}") from None
         if (tuple(frame.tensor.shape) != expected or frame.chunk_index != index or frame.chunk_total != total

@@ -11,15 +11,15 @@ Keys (all under :data:`PREFIX`; one Redis database per mesh):
 - ``nodes``: the set of listed ids (bounded by ``max_nodes`` live leases).
 - ``failures:{id}`` and ``backoff:{id}``: a failure run (expires after
   ``failure_reset_s``) and its backoff (expires when the backoff ends).
-- ``doc:{name}`` (the route-signing key ring, see :mod:`.trust`) and
+- ``doc:{name}`` (the route-signing key ring, see :mod:`..trust`) and
   ``join_tokens`` (a hash: token id to its record, the secret only hashed):
   what every tracker of the mesh must agree on to sign routes and admit nodes.
 - ``version`` and ``epoch``: a counter bumped by every change of membership
   or state, and a random id a Redis that restarted empty lacks.
 
-Every change is one Lua script (atomic across trackers: two trackers cannot
+Every change is one Lua script (:mod:`.redis_scripts`; atomic across trackers: two trackers cannot
 hand one id to two nodes) that also ``PUBLISH``es the change on ``events``.
-Each tracker keeps a :class:`~.registry.Registry` as its *view* of Redis,
+Each tracker keeps a :class:`~..registry.Registry` as its *view* of Redis,
 loaded whole on connect and kept current from that channel and from Redis's
 ``expired`` keyspace events, so a joined, suspect or departed node is seen by
 every tracker at once, and routes are planned from memory at memory speed.
@@ -47,13 +47,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import secrets
 from collections.abc import Callable
 from typing import Any, Final
 
-from pydantic import ValidationError
 from redis.asyncio import Redis
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
@@ -62,9 +60,9 @@ from redis.exceptions import RedisError
 from meshwire.headers import LEASE as LEASE_HEADER
 from meshwire.registry import NodeRegistration
 
-from .join_tokens import MAX_TOKENS, JoinTokenRecord
-from .key_limits import KeyLimiter, RedisKeyLimiter
-from .registry import (
+from ..join_tokens import MAX_TOKENS, JoinTokenRecord
+from ..key_limits import KeyLimiter, RedisKeyLimiter
+from ..registry import (
     LEASE_BYTES,
     MAX_REASON_CHARS,
     LeaseConflict,
@@ -75,7 +73,9 @@ from .registry import (
     RegistryPolicy,
     UnknownNode,
 )
-from .store import StoreHealth, StoreUnavailable
+from . import redis_scripts as scripts
+from .base import StoreHealth, StoreUnavailable
+from .redis_view import NodeRow, SharedView, endpoint_of, ms, redact
 
 logger = logging.getLogger(__name__)
 
@@ -95,133 +95,8 @@ CLOSE_RETRY_S: Final = 0.5
 """How long :meth:`RedisStore.close` waits for its tasks before cancelling them again."""
 MAX_CONNECTIONS: Final = 64
 """Most connections one tracker opens to Redis for commands."""
-MAX_EVENT_BYTES: Final = 256 * 1024
-"""Largest channel message read (a registration is at most 64 KiB)."""
 MAX_PENDING_EVENTS: Final = 100_000
 """Most channel messages held while a reload reads Redis."""
-
-_REGISTER = """
-local cur = redis.call('GET', KEYS[1])
-local revived = cur and redis.call('PTTL', KEYS[1]) <= tonumber(ARGV[11])
-if cur and cur ~= ARGV[1] then
-  return {'conflict', redis.call('PTTL', KEYS[1]), redis.call('HGET', KEYS[2], 'registration') or ''}
-end
-local lease = cur
-local fresh = 0
-local heartbeats = 0
-if cur then
-  heartbeats = tonumber(redis.call('HGET', KEYS[2], 'heartbeats') or '0') + 1
-else
-  local old = redis.call('HGET', KEYS[2], 'lease')
-  if old and ARGV[1] ~= '' and old == ARGV[1] then
-    lease = old
-    heartbeats = tonumber(redis.call('HGET', KEYS[2], 'heartbeats') or '0') + 1
-  else
-    if redis.call('SISMEMBER', KEYS[3], ARGV[8]) == 0 and redis.call('SCARD', KEYS[3]) >= tonumber(ARGV[6]) then
-      local live = 0
-      for _, id in ipairs(redis.call('SMEMBERS', KEYS[3])) do
-        if redis.call('EXISTS', ARGV[9] .. id) == 0 then
-          redis.call('SREM', KEYS[3], id)
-        elseif redis.call('EXISTS', ARGV[10] .. id) == 1 then
-          live = live + 1
-        end
-      end
-      if live >= tonumber(ARGV[6]) then return {'full'} end
-    end
-    lease = ARGV[2]
-    fresh = 1
-    redis.call('DEL', KEYS[2])
-  end
-end
-redis.call('SET', KEYS[1], lease, 'PX', ARGV[4])
-redis.call('HSET', KEYS[2], 'registration', ARGV[3], 'lease', lease, 'heartbeats', heartbeats, 'left', '0')
-redis.call('PEXPIRE', KEYS[2], ARGV[5])
-redis.call('SADD', KEYS[3], ARGV[8])
-local version
-if cur and not revived then version = tonumber(redis.call('GET', KEYS[4]) or '0')
-else version = redis.call('INCR', KEYS[4]) end
-redis.call('PUBLISH', ARGV[7], cjson.encode({kind='node', version=version, registration=ARGV[3], lease=lease,
-                                            heartbeats=heartbeats}))
-return {'ok', lease, fresh, version, heartbeats}
-"""
-"""KEYS: lease, node, nodes, version. ARGV: lease sent ('' if none), new lease, registration JSON, lease ms,
-record ms, max nodes, channel, node id, node key prefix, lease key prefix, grace ms. A heartbeat bumps the
-version only when it brings a node back (new, or heard after its views let it go: within the grace)."""
-
-_DEREGISTER = """
-local old = redis.call('HGET', KEYS[2], 'lease')
-if not old then return {'unknown'} end
-if ARGV[1] == '' then return {'missing'} end
-if old ~= ARGV[1] then return {'wrong'} end
-redis.call('DEL', KEYS[1])
-redis.call('HSET', KEYS[2], 'left', '1')
-redis.call('PEXPIRE', KEYS[2], ARGV[2])
-local version = redis.call('INCR', KEYS[3])
-redis.call('PUBLISH', ARGV[3], cjson.encode({kind='left', version=version, node_id=ARGV[4]}))
-return {'ok'}
-"""
-"""KEYS: lease, node, version. ARGV: lease sent ('' if none), record ms, channel, node id."""
-
-_FAILURE = """
-if redis.call('EXISTS', KEYS[1]) == 0 then return {'unknown'} end
-redis.call('HSET', KEYS[1], 'reason', ARGV[1])
-local running = redis.call('PTTL', KEYS[3])
-local failures
-local version
-if running > 0 then
-  failures = tonumber(redis.call('GET', KEYS[2]) or '1')
-  version = tonumber(redis.call('GET', KEYS[4]) or '0')
-else
-  failures = redis.call('INCR', KEYS[2])
-  redis.call('PEXPIRE', KEYS[2], ARGV[4])
-  running = math.floor(math.min(tonumber(ARGV[2]) * 2 ^ (failures - 1), tonumber(ARGV[3])))
-  redis.call('SET', KEYS[3], '1', 'PX', running)
-  version = redis.call('INCR', KEYS[4])
-end
-redis.call('PUBLISH', ARGV[5], cjson.encode({kind='failure', version=version, node_id=ARGV[6], reason=ARGV[1],
-                                            failures=failures, backoff_ms=running}))
-return {'ok', running}
-"""
-"""KEYS: node, failures, backoff, version. ARGV: reason, backoff ms, max backoff ms, reset ms, channel, node id."""
-
-
-_SWAP = """
-local cur = redis.call('GET', KEYS[1])
-if (cur or '') ~= ARGV[1] then return 0 end
-redis.call('SET', KEYS[1], ARGV[2])
-return 1
-"""
-"""KEYS: the document. ARGV: the value expected ('' for none), the new value. Compare and set."""
-
-
-def _ms(seconds: float) -> int:
-    return max(int(seconds * 1000), 1)
-
-
-def _redact(url: str) -> str:
-    """``url`` without a password, for logs and ``/health``."""
-    scheme, sep, rest = url.partition("://")
-    if "@" in rest:
-        rest = "***@" + rest.split("@", 1)[1]
-    return f"{scheme}{sep}{rest}"
-
-
-class SharedView(Registry):
-    """The view of Redis routes are planned from; a failure reported to it is also written to Redis.
-
-    The OpenAI front door reports a head that failed to the registry directly
-    (synchronously); here that report is applied to the view at once and
-    sent on to Redis in the background, so every tracker backs the node off.
-    """
-
-    def __init__(self, policy: RegistryPolicy, on_failure: Callable[[str, str], None]) -> None:
-        super().__init__(policy)
-        self._on_failure = on_failure
-
-    def report_failure(self, node_id: str, reason: str, now: float) -> float:
-        backoff = super().report_failure(node_id, reason, now)
-        self._on_failure(node_id, reason)
-        return backoff
 
 
 class RedisStore:
@@ -233,7 +108,8 @@ class RedisStore:
         self.url = url
         self.policy = policy
         self._clock = clock
-        self.registry: Registry = SharedView(policy, self._send_failure)
+        self._view = SharedView(policy, self._send_failure)
+        self.registry: Registry = self._view
         common: dict[str, Any] = {"decode_responses": True, "socket_timeout": REDIS_TIMEOUT_S,
                                   "socket_connect_timeout": REDIS_TIMEOUT_S}
         # Commands retry once: a pooled connection broken by a Redis restart is reopened, not an error.
@@ -242,10 +118,10 @@ class RedisStore:
         # The channel never retries by itself: a lost subscription must reload the view, not resume silently.
         self._sub: Redis = Redis.from_url(url, retry=Retry(NoBackoff(), 0), **common)
         self._db = int(self._redis.connection_pool.connection_kwargs.get("db", 0) or 0)
-        self._register = self._redis.register_script(_REGISTER)
-        self._deregister = self._redis.register_script(_DEREGISTER)
-        self._failure = self._redis.register_script(_FAILURE)
-        self._swap = self._redis.register_script(_SWAP)
+        self._register = self._redis.register_script(scripts.REGISTER)
+        self._deregister = self._redis.register_script(scripts.DEREGISTER)
+        self._failure = self._redis.register_script(scripts.FAILURE)
+        self._swap = self._redis.register_script(scripts.SWAP)
         self._down: str | None = "not connected yet"
         self._epoch: str | None = None
         self._applied = 0
@@ -278,11 +154,11 @@ class RedisStore:
 
     @property
     def _lease_ms(self) -> int:
-        return _ms(self.policy.ttl_s + LEASE_GRACE_S)
+        return ms(self.policy.ttl_s + LEASE_GRACE_S)
 
     @property
     def _record_ms(self) -> int:
-        return _ms(self.policy.ttl_s + LEASE_GRACE_S + self.policy.offline_keep_s)
+        return ms(self.policy.ttl_s + LEASE_GRACE_S + self.policy.offline_keep_s)
 
     @property
     def available(self) -> bool:
@@ -296,7 +172,7 @@ class RedisStore:
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self._connected.wait(), REDIS_TIMEOUT_S * 2)
         if self._down:
-            logger.warning("store %s is away (%s): the tracker answers 503 until it is back", _redact(self.url),
+            logger.warning("store %s is away (%s): the tracker answers 503 until it is back", redact(self.url),
                            self._down)
 
     async def close(self) -> None:
@@ -331,11 +207,11 @@ class RedisStore:
             [self._key("lease", node_id), self._key("node", node_id), self._key("nodes"), self._key("version")],
             [lease or "", secrets.token_urlsafe(LEASE_BYTES), body, self._lease_ms, self._record_ms,
              self.policy.max_nodes, self._channel, node_id, self._key("node", ""), self._key("lease", ""),
-             _ms(LEASE_GRACE_S)],
+             ms(LEASE_GRACE_S)],
         )
         if answer[0] == "conflict":
             expires_in = max(int(answer[1]), 0) / 1000 - LEASE_GRACE_S
-            endpoint = _endpoint_of(answer[2])
+            endpoint = endpoint_of(answer[2])
             what = "the lease sent is not its" if lease is not None else "send its lease"
             raise LeaseConflict(
                 f"node id {node_id!r} is held by a live node (at {endpoint}) under a lease; {what} in "
@@ -353,7 +229,7 @@ class RedisStore:
     async def deregister(self, node_id: str, lease: str | None, now: float) -> None:
         answer = await self._call(
             self._deregister, [self._key("lease", node_id), self._key("node", node_id), self._key("version")],
-            [lease or "", self._ms_keep(), self._channel, node_id])
+            [lease or "", ms(self.policy.offline_keep_s), self._channel, node_id])
         if answer[0] == "unknown":
             raise UnknownNode(f"no node {node_id!r} is registered")
         if answer[0] == "missing":
@@ -363,15 +239,12 @@ class RedisStore:
         self.registry.apply_offline(node_id, now)
         logger.info("node %s left", node_id)
 
-    def _ms_keep(self) -> int:
-        return _ms(self.policy.offline_keep_s)
-
     async def report_failure(self, node_id: str, reason: str, now: float) -> float:
         reason = reason[:MAX_REASON_CHARS]
         answer = await self._call(
             self._failure, [self._key("node", node_id), self._key("failures", node_id), self._key("backoff", node_id),
                             self._key("version")],
-            [reason, _ms(self.policy.backoff_s), _ms(self.policy.backoff_max_s), _ms(self.policy.failure_reset_s),
+            [reason, ms(self.policy.backoff_s), ms(self.policy.backoff_max_s), ms(self.policy.failure_reset_s),
              self._channel, node_id])
         if answer[0] == "unknown":
             raise UnknownNode(f"no node {node_id!r} is registered")
@@ -401,7 +274,7 @@ class RedisStore:
         try:
             answer: list[Any] = await script(keys=keys, args=args)
         except (RedisError, OSError) as exc:
-            raise StoreUnavailable(f"store {_redact(self.url)} unreachable: {exc}") from None
+            raise StoreUnavailable(f"store {redact(self.url)} unreachable: {exc}") from None
         return answer
 
     async def evict(self, node_id: str, now: float) -> bool:
@@ -422,7 +295,7 @@ class RedisStore:
         try:
             return await awaitable
         except (RedisError, OSError) as exc:
-            raise StoreUnavailable(f"store {_redact(self.url)} unreachable: {exc}") from None
+            raise StoreUnavailable(f"store {redact(self.url)} unreachable: {exc}") from None
 
     async def read_doc(self, name: str) -> str | None:
         value = await self._command(self._redis.get(self._key("doc", name)))
@@ -455,7 +328,7 @@ class RedisStore:
         try:
             version, epoch = await self._read_version()
         except (RedisError, OSError) as exc:
-            raise StoreUnavailable(f"store {_redact(self.url)} unreachable: {exc}") from None
+            raise StoreUnavailable(f"store {redact(self.url)} unreachable: {exc}") from None
         if epoch is None or epoch != self._epoch:
             logger.info("store epoch changed (Redis restarted or was emptied): reloading the view")
             await self._reload()
@@ -513,7 +386,7 @@ class RedisStore:
         try:
             await self._redis.ping()
         except (RedisError, OSError) as exc:
-            return StoreHealth(ok=False, reason=f"store {_redact(self.url)} unreachable: {exc}")
+            return StoreHealth(ok=False, reason=f"store {redact(self.url)} unreachable: {exc}")
         return StoreHealth(ok=True)
 
     # --- the view ------------------------------------------------------------------------------------
@@ -533,44 +406,24 @@ class RedisStore:
                         pipe.get(self._key("failures", node_id))
                     rows = await pipe.execute()
             except (RedisError, OSError) as exc:
-                raise StoreUnavailable(f"store {_redact(self.url)} unreachable: {exc}") from None
-            now = self._clock()
-            seen: set[str] = set()
-            for index, node_id in enumerate(ids):
-                record, lease_ms, backoff_ms, failures = rows[4 * index: 4 * index + 4]
-                registration = _registration(record.get("registration")) if record else None
-                if registration is None or registration.node_id != node_id:
-                    continue
-                live = int(lease_ms) > 0 and record.get("left") != "1"
-                age_s = (self._lease_ms - int(lease_ms)) / 1000 if live else self.policy.ttl_s
-                self._apply_safely(self.registry.apply_record, registration, record.get("lease", ""),
-                                   int(record.get("heartbeats", 0)), now, age_s=age_s, left=not live)
-                self.registry.apply_failure(node_id, record.get("reason"), int(failures or 0),
-                                            max(int(backoff_ms), 0) / 1000, now)
-                seen.add(node_id)
-            for node_id in set(self.registry.node_ids()) - seen:
-                self.registry.forget(node_id)
+                raise StoreUnavailable(f"store {redact(self.url)} unreachable: {exc}") from None
+            held = self._view.load(
+                [NodeRow(node_id, *rows[4 * index: 4 * index + 4]) for index, node_id in enumerate(ids)],
+                self._lease_ms, self._clock())
             self._epoch = epoch
             self._applied = int(version or 0)
             pending, self._pending = self._pending, []
             for channel, data in pending:  # newer than (or as new as) what was read: they win, in order
                 self._apply_event(channel, data)
             self._wake()
-            logger.info("store view loaded from %s: %d nodes (version %d)", _redact(self.url), len(seen),
+            logger.info("store view loaded from %s: %d nodes (version %d)", redact(self.url), held,
                         self._applied)
 
     def _apply_node(self, registration: NodeRegistration, lease: str, heartbeats: int, version: int,
                     now: float) -> None:
-        self._apply_safely(self.registry.apply_record, registration, lease, heartbeats, now)
+        self._view.apply_record_safely(registration, lease, heartbeats, now)
         self._applied = max(self._applied, version)
         self._wake()
-
-    def _apply_safely(self, apply: Callable[..., None], *args: Any, **kwargs: Any) -> None:
-        try:
-            apply(*args, **kwargs)
-        except RegistryFull:
-            logger.warning("the view holds %d nodes already: a node Redis lists is left out of this tracker's "
-                           "routes", self.policy.max_nodes)
 
     def _wake(self) -> None:
         delivered, self._delivered = self._delivered, asyncio.Event()
@@ -593,27 +446,10 @@ class RedisStore:
                 logger.info("node %s: its lease expired in Redis", node_id)
                 self.registry.apply_offline(node_id, now)
             return
-        if len(data) > MAX_EVENT_BYTES:
-            logger.warning("dropped a store event of %d bytes (over %d)", len(data), MAX_EVENT_BYTES)
-            return
-        try:
-            event = json.loads(data)
-            kind, version = event["kind"], int(event["version"])
-        except (ValueError, KeyError, TypeError):
-            logger.warning("dropped a malformed store event: %.200s", data)
-            return
-        if kind == "node":
-            registration = _registration(event.get("registration"))
-            if registration is not None:
-                self._apply_safely(self.registry.apply_record, registration, str(event.get("lease", "")),
-                                   int(event.get("heartbeats", 0)), now)
-        elif kind == "left":
-            self.registry.apply_offline(str(event.get("node_id", "")), now)
-        elif kind == "failure":
-            self.registry.apply_failure(str(event.get("node_id", "")), event.get("reason"),
-                                        int(event.get("failures", 0)), int(event.get("backoff_ms", 0)) / 1000, now)
-        self._applied = max(self._applied, version)
-        self._wake()
+        version = self._view.apply_event(data, now)
+        if version is not None:
+            self._applied = max(self._applied, version)
+            self._wake()
 
     async def _listen(self) -> None:
         """Subscribe, load the view, apply every change as it comes; on loss, say so and start over."""
@@ -626,7 +462,7 @@ class RedisStore:
                     self._epoch = None
                     await self._reload()
                     if self._down is not None:
-                        logger.info("store %s connected", _redact(self.url))
+                        logger.info("store %s connected", redact(self.url))
                     self._down = None
                     self._connected.set()
                     delay = RECONNECT_MIN_S
@@ -642,7 +478,7 @@ class RedisStore:
             except (RedisError, OSError, StoreUnavailable) as exc:
                 if self._closing:  # a cancellation redis-py turned into a timeout (see close)
                     return
-                reason = f"store {_redact(self.url)} unreachable: {exc}"
+                reason = f"store {redact(self.url)} unreachable: {exc}"
                 if self._down is None:
                     logger.warning("%s; answering 503 until it is back", reason)
                 self._down = reason
@@ -660,17 +496,3 @@ class RedisStore:
         except RedisError as exc:
             logger.warning("could not enable Redis expiry events (%s): expired leases leave this tracker's "
                            "view by its own clock, %.1f s before their keys", exc, LEASE_GRACE_S)
-
-
-def _registration(raw: object) -> NodeRegistration | None:
-    if not isinstance(raw, str):
-        return None
-    try:
-        return NodeRegistration.model_validate_json(raw)
-    except ValidationError:
-        return None
-
-
-def _endpoint_of(raw: str) -> str:
-    registration = _registration(raw)
-    return registration.endpoint if registration is not None else "an unknown endpoint"
