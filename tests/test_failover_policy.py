@@ -79,11 +79,12 @@ def failover(http: httpx.AsyncClient | None, shard: Shard, clock: Clock | None =
 
 async def test_a_failed_node_is_reported_and_the_new_route_avoids_it(http: httpx.AsyncClient, shard: Shard) -> None:
     await mesh(http, "tail-a", "tail-b")
+    broken = (await http.get(f"{TRACKER}/v1/route", params={"model": MODEL, "exclude": "tail-b"})).json()["token"]
 
-    hop = await failover(http, shard).reroute("tail-a", "connection reset", failed=True)
+    hop = await failover(http, shard).reroute("tail-a", "connection reset", failed=True, route=broken)
 
     assert hop.node_ids == ("head", "tail-b") and hop.hop_index == 0
-    assert await failures(http, "tail-a") == 1
+    assert await failures(http, "tail-a") == 1  # reported with the route it failed on, by its head
 
 
 async def test_a_busy_node_is_avoided_but_not_reported(http: httpx.AsyncClient, shard: Shard) -> None:

@@ -12,6 +12,7 @@ test needs, with no timing involved.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import socket
 import time
 from collections.abc import Callable, Iterator
@@ -21,12 +22,12 @@ import httpx
 import openai
 import pytest
 
-from services.tracker.key_limits import MemoryKeyLimiter, Refused, key_id
+from services.tracker.key_limits import KeyNames, MemoryKeyLimiter, Refused
 from tests.procs import Service, running, start_service
 from tests.redis_server import redis_server
 from tests.tiny_mesh import tiny_mesh
 
-KEY, OTHER_KEY = "sk-first-key-0123456789", "sk-second-key-9876543210"
+KEY, OTHER_KEY, THIRD_KEY = "sk-first-key-0123456789", "sk-second-key-9876543210", "key1"
 PER_MINUTE = 3
 WAIT_S = 60.0
 MESSAGES = [{"role": "user", "content": "hi"}]
@@ -67,9 +68,27 @@ async def test_a_key_gets_its_streams_at_once_and_another_when_one_ends() -> Non
     assert isinstance(await limiter.admit(KEY), str)
 
 
-def test_a_key_is_named_by_a_short_hash_never_by_itself() -> None:
-    assert key_id(KEY).startswith("key-") and len(key_id(KEY)) == 16
-    assert KEY not in key_id(KEY) and key_id(KEY) != key_id(OTHER_KEY)
+def test_a_key_is_named_by_its_place_in_the_list_and_counted_in_the_store_under_a_keyed_hash() -> None:
+    names = KeyNames([KEY, OTHER_KEY], secret="mesh-secret")
+    assert (names.label(KEY), names.label(OTHER_KEY)) == ("key-1", "key-2")
+    assert names.store_id(KEY) != names.store_id(OTHER_KEY)
+    assert names.store_id(KEY) != KeyNames([KEY], secret="another-secret").store_id(KEY)
+    for name in (names.label(KEY), names.store_id(KEY)):
+        assert KEY not in name and hashlib.sha256(KEY.encode()).hexdigest()[:12] not in name
+
+
+async def test_several_choices_take_one_in_flight_slot_each_and_give_them_all_back() -> None:
+    limiter = MemoryKeyLimiter(requests_per_minute=0, max_streams=4)
+    first = await limiter.admit(KEY)
+    assert isinstance(first, str)
+    refused = await limiter.admit(KEY, requests=0, streams=4)
+    assert isinstance(refused, Refused) and "needs 4 more" in refused.message
+    more = await limiter.admit(KEY, requests=0, streams=3)
+    assert isinstance(more, str)
+    assert isinstance(await limiter.admit(KEY), Refused)
+    await limiter.release(KEY, more)
+    await limiter.release(KEY, first)
+    assert isinstance(await limiter.admit(KEY, requests=0, streams=4), str)
 
 
 # --- what a client sees ------------------------------------------------------------------------
@@ -98,7 +117,7 @@ def _wait_for(condition: Callable[[], bool], what: str) -> None:
 
 @pytest.fixture(scope="module")
 def limited_mesh(tiny_model_dir: Path) -> Iterator[tuple[Service, str]]:
-    env = {"MESHNET_API_KEYS": f"{KEY},{OTHER_KEY}", "MESHNET_KEY_REQUESTS_PER_MINUTE": str(PER_MINUTE),
+    env = {"MESHNET_API_KEYS": f"{KEY},{OTHER_KEY},{THIRD_KEY}", "MESHNET_KEY_REQUESTS_PER_MINUTE": str(PER_MINUTE),
            "MESHNET_KEY_MAX_STREAMS": "1"}
     with tiny_mesh(tiny_model_dir, env=env) as running_mesh:
         yield running_mesh
@@ -124,12 +143,12 @@ def test_the_request_over_the_minute_s_limit_gets_429_with_retry_after_and_the_o
     assert other.choices[0].message.content
 
     metrics = httpx.get(f"{tracker.url}/metrics").text
-    assert f'meshnet_tracker_key_requests_total{{key="{key_id(KEY)}",status="200"}} {PER_MINUTE}.0' in metrics
-    assert f'meshnet_tracker_key_requests_total{{key="{key_id(KEY)}",status="429"}} 1.0' in metrics
+    assert f'meshnet_tracker_key_requests_total{{key="key-1",status="200"}} {PER_MINUTE}.0' in metrics
+    assert 'meshnet_tracker_key_requests_total{key="key-1",status="429"} 1.0' in metrics
     completion = sum(answer.usage.completion_tokens for answer in answers if answer.usage)
     prompt = sum(answer.usage.prompt_tokens for answer in answers if answer.usage)
-    assert f'meshnet_tracker_key_tokens_total{{key="{key_id(KEY)}",kind="completion"}} {completion}.0' in metrics
-    assert f'meshnet_tracker_key_tokens_total{{key="{key_id(KEY)}",kind="prompt"}} {prompt}.0' in metrics
+    assert f'meshnet_tracker_key_tokens_total{{key="key-1",kind="completion"}} {completion}.0' in metrics
+    assert f'meshnet_tracker_key_tokens_total{{key="key-1",kind="prompt"}} {prompt}.0' in metrics
     assert KEY not in metrics and OTHER_KEY not in metrics
 
 
@@ -151,7 +170,35 @@ def test_a_request_without_a_valid_key_is_401_and_not_counted(limited_mesh: tupl
     tracker, _ = limited_mesh
     for headers in ({}, {"Authorization": "Bearer sk-not-a-key"}):
         assert httpx.post(f"{tracker.url}/v1/chat/completions", headers=headers, json={}).status_code == 401
-    assert key_id("sk-not-a-key") not in httpx.get(f"{tracker.url}/metrics").text
+    assert 'key="key-unknown"' not in httpx.get(f"{tracker.url}/metrics").text
+
+
+def test_public_metrics_name_no_key_by_anything_a_guess_can_be_checked_against(
+        limited_mesh: tuple[Service, str]) -> None:
+    """Issue 34, finding 5: ``/metrics`` named a key by 12 hex digits of its unsalted SHA-256, so a weak key
+    (``key1``) was found offline by hashing guesses. Now the label is the key's place in the list."""
+    tracker, model = limited_mesh
+    _client(tracker, THIRD_KEY).chat.completions.create(model=model, messages=MESSAGES, max_tokens=2,
+                                                         temperature=0)
+    metrics = httpx.get(f"{tracker.url}/metrics").text
+    assert 'key="key-3"' in metrics
+    guesses = [f"key{n}" for n in range(100)] + [KEY, OTHER_KEY]
+    for guess in guesses:
+        assert hashlib.sha256(guess.encode()).hexdigest()[:12] not in metrics
+        assert guess not in metrics.replace('key="key-', "")
+
+
+def test_several_choices_in_one_request_count_as_that_many_streams(limited_mesh: tuple[Service, str]) -> None:
+    """Issue 34, finding 7: ``n=16`` counted as one stream against the key's in-flight limit (1 here)."""
+    tracker, model = limited_mesh
+    answer = httpx.post(f"{tracker.url}/v1/chat/completions", headers={"Authorization": f"Bearer {THIRD_KEY}"},
+                        json={"model": model, "messages": MESSAGES, "max_tokens": 2, "n": 16}, timeout=WAIT_S)
+    assert answer.status_code == 429, answer.text
+    assert answer.json()["error"]["code"] == "rate_limit_exceeded"
+    assert "16" in answer.json()["error"]["message"] and answer.headers["retry-after"] == "1"
+    alone = _client(tracker, THIRD_KEY).chat.completions.create(model=model, messages=MESSAGES, max_tokens=2,
+                                                                 temperature=0)
+    assert alone.choices[0].message.content is not None  # its slots were all given back
 
 
 # --- several trackers, one budget ----------------------------------------------------------------

@@ -233,36 +233,74 @@ def test_the_coverage_summary_names_missing_layers_per_model(tracker: Service, m
 # --- failure reports --------------------------------------------------------------------------------------
 
 
-def report(tracker: Service, node_id: str, headers: dict[str, str] | None = None) -> httpx.Response:
-    return httpx.post(f"{tracker.url}/v1/nodes/{node_id}/failures", json={"reason": "connection refused"},
+def report(tracker: Service, node_id: str, route_token: str | None,
+           headers: dict[str, str] | None = None) -> httpx.Response:
+    body = {"reason": "connection refused"} | ({"route": route_token} if route_token else {})
+    return httpx.post(f"{tracker.url}/v1/nodes/{node_id}/failures", json=body,
                       headers=AUTH if headers is None else headers)
 
 
+def two_hops(tracker: Service, model: str, *tails: str, head: str | None = None) -> str:
+    """Register a head of layers 0-1 and ``tails`` holding 2-3; the head's id."""
+    head = head or uid("head")
+    register(tracker, registration(head, model, 0, 1))
+    for tail in tails:
+        register(tracker, registration(tail, model, 2, 3))
+    return head
+
+
 def test_a_reported_node_backs_off_and_routes_avoid_it(tracker: Service, model: str) -> None:
-    failing, healthy = uid("a"), uid("b")
-    register(tracker, registration(failing, model))
-    register(tracker, registration(healthy, model))
-    answer = report(tracker, failing)
-    assert answer.status_code == 200 and answer.json()["backoff_s"] > 0
+    first, second = uid("a"), uid("b")
+    two_hops(tracker, model, first, second)
+    signed = route(tracker, model).json()
+    failing = signed["nodes"][1]["node_id"]
+    healthy = second if failing == first else first
+    answer = report(tracker, failing, signed["token"])
+    assert answer.status_code == 200 and answer.json()["backoff_s"] > 0 and answer.json()["applied"]
     states = {n["node_id"]: n["state"] for n in nodes_of(tracker, model)}
     assert states[failing] == "suspect"
     for _ in range(3):
-        assert [n["node_id"] for n in route(tracker, model).json()["nodes"]] == [healthy]
+        assert [n["node_id"] for n in route(tracker, model).json()["nodes"]][1] == healthy
 
 
 def test_the_only_holder_of_a_range_stays_in_routes_while_backing_off(tracker: Service, model: str) -> None:
     only = uid("only")
-    register(tracker, registration(only, model))
-    report(tracker, only)
-    assert [n["node_id"] for n in route(tracker, model).json()["nodes"]] == [only]
+    two_hops(tracker, model, only)
+    signed = route(tracker, model).json()
+    report(tracker, only, signed["token"])
+    assert [n["node_id"] for n in route(tracker, model).json()["nodes"]][1] == only
 
 
-def test_failure_reports_need_the_secret_and_a_known_node(tracker: Service, model: str) -> None:
+def test_failure_reports_need_a_credential_the_route_and_a_node_on_it(tracker: Service, model: str) -> None:
     node_id = uid("n")
-    register(tracker, registration(node_id, model))
-    assert report(tracker, node_id, headers={}).status_code == 401
-    assert nodes_of(tracker, model)[0]["failures"] == 0
-    assert report(tracker, "nobody-" + uid("n")).status_code == 404
+    head = two_hops(tracker, model, node_id)
+    token = route(tracker, model).json()["token"]
+    assert report(tracker, node_id, token, headers={}).status_code == 401
+    missing = report(tracker, node_id, None)
+    assert missing.status_code == 400 and missing.json()["error"]["code"] == "route_required"
+    for stranger in (head, "nobody-" + uid("n")):  # the head itself, a node the route does not name
+        refused = report(tracker, stranger, token)
+        assert refused.status_code == 403 and refused.json()["error"]["code"] == "not_on_route"
+    header, payload, signature = token.split(".")
+    forged = report(tracker, node_id, f"{header}.{payload}.{signature[::-1]}")
+    assert forged.status_code == 403 and forged.json()["error"]["code"] == "bad_route"
+    assert nodes_of(tracker, model)[0]["failures"] == 0 == nodes_of(tracker, model)[1]["failures"]
+
+
+def test_one_reporter_alone_earns_a_node_one_short_backoff_and_a_second_corroborates(
+        tracker: Service, model: str) -> None:
+    victim = uid("victim")
+    head = two_hops(tracker, model, victim)
+    other_head = two_hops(tracker, model)
+    mine = route(tracker, model, exclude=other_head).json()
+    assert [n["node_id"] for n in mine["nodes"]] == [head, victim]
+    first = report(tracker, victim, mine["token"]).json()
+    assert first["applied"] and first["backoff_s"] == 5.0
+    again = report(tracker, victim, mine["token"]).json()
+    assert not again["applied"]  # the same reporter's word again is noted, not applied
+    theirs = route(tracker, model, exclude=head).json()
+    assert [n["node_id"] for n in theirs["nodes"]] == [other_head, victim]
+    assert report(tracker, victim, theirs["token"]).json()["applied"]  # a second head corroborates
 
 
 # --- the OpenAI front door without a working node ------------------------------------------------------------

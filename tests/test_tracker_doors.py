@@ -162,6 +162,9 @@ HEAD_ANSWERS: Final[dict[str, tuple[int, str, bytes]]] = {
     "openai": (400, "application/json",
                b'{"error": {"message": "max_tokens is too large", "type": "invalid_request_error",'
                b' "code": "bad_max_tokens", "param": "max_tokens"}, "internal": "' + LEAKED.encode() + b'"}'),
+    "blames": (502, "application/json",
+               b'{"error": {"message": "the next hop failed", "type": "server_error", "code": "hop_failed", '
+               + b'"failed_node": "victim-of-a-blame"}}'),
 }
 """Per endpoint prefix: the status, content type and body the fake head answers."""
 
@@ -254,6 +257,18 @@ def test_a_heads_openai_error_reaches_the_client_without_anything_else(tracker: 
     assert raised.value.body == {"message": "max_tokens is too large", "type": "invalid_request_error",
                                  "code": "bad_max_tokens", "param": "max_tokens"}
     assert LEAKED not in raised.value.response.text
+
+
+def test_a_head_blaming_a_node_its_route_does_not_name_is_blamed_itself(tracker: Service, heads: FakeHeads,
+                                                                       model: str) -> None:
+    """Issue 34, finding 4: a ``failed_node`` in a head's 502 put a node of the head's choosing in backoff."""
+    victim_model = f"{model}-elsewhere"
+    assert register(tracker, registration("victim-of-a-blame", victim_model)).status_code == 200
+    head = uid("head")
+    assert register(tracker, registration(head, model, endpoint=heads.endpoint("blames"))).status_code == 200
+    assert chat(tracker, model).status_code == 502
+    assert nodes_of(tracker, victim_model)["victim-of-a-blame"]["failures"] == 0
+    assert nodes_of(tracker, model)[head]["failures"] == 1
 
 
 # --- leases ---------------------------------------------------------------------------------------------------

@@ -147,8 +147,9 @@ class NodeSettings(BaseSettings, SlowClientSettings, TlsClientSettings):
     node_key: str | None = Field(default=None, min_length=43, max_length=43)
     """This node's hop key (an Ed25519 seed, base64url) that signs the frames it sends; default: a fresh one."""
     api_keys: Annotated[tuple[str, ...], NoDecode, ApiKeyList] = ()
-    """Client API keys this head's ``/v1`` endpoints accept besides the mesh secret (comma-separated);
-    give it the tracker's ``MESHNET_API_KEYS``. Empty: only the mesh (the tracker) may call them."""
+    """Client API keys this head's ``/v1`` endpoints accept besides the mesh secret (comma-separated), opening
+    the head to clients directly, with no per-key limit; never the tracker's keys. Empty (advised): only the
+    tracker's signed calls (and the mesh secret on a node without a join token) reach them."""
     node_id: str | None = Field(default=None, min_length=1, max_length=limits.MAX_ID_CHARS,
                                 pattern=r"^[A-Za-z0-9._:\-]+$")
     """This node's id in the mesh; default: generated from the host, port and a random suffix."""

@@ -29,7 +29,8 @@ log = logging.getLogger(__name__)
 
 TOKEN_PREFIX: Final = "mnj_"
 CHECK_PATH: Final = "/v1/tokens/check"
-ADMIT_TTL_S: Final = 30.0
+ADMIT_TTL_S: Final = 10.0
+"""How long a tracker's yes is believed: a revoked token is refused by new connections within this."""
 REFUSE_TTL_S: Final = 5.0
 MAX_REMEMBERED: Final = 4096
 TRACKER_TIMEOUT_S: Final = 5.0

@@ -13,7 +13,9 @@ Routes:
   token, shown this once (the store keeps only its hash).
 - ``GET /v1/admin/tokens`` (admin key): every token, without secrets.
 - ``DELETE /v1/admin/tokens/{token_id}`` (admin key): revoke; the node it
-  binds leaves every route at once and is refused at its next heartbeat.
+  binds leaves every new route at once, every stream this tracker relays
+  through it moves to a route without it at its next token, and it is
+  refused at its next heartbeat (the bounds: README's trust section).
 - ``POST /v1/admin/keys/rotate`` (admin key): publish a new route key now; it
   signs ``MESHNET_ROUTE_KEY_LEAD_S`` later, the old one stays published until
   its routes have expired.
@@ -170,6 +172,7 @@ async def revoke_token(token_id: str, request: Request) -> JSONResponse:
     if record.revoked_at is None:
         record = record.model_copy(update={"revoked_at": time.time()})
         await state.store.put_token(record)
+    state.revoked.add(record.node_id)
     evicted = await state.store.evict(record.node_id, state.now())
     logger.warning("join token %s of node %s revoked%s", record.token_id, record.node_id,
                    "; the node left every route" if evicted else "")

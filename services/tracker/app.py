@@ -99,7 +99,8 @@ def _add_middleware(app: FastAPI, state: TrackerState) -> None:
         app.add_middleware(StoreFence, store=state.store, retry_after_s=settings.heartbeat_s)
     if state.key_limiter is not None:
         app.add_middleware(KeyLimits, api_keys=settings.api_keys, limiter=state.key_limiter,
-                           count=lambda kid, status: state.metrics.key_requests.labels(kid, str(status)).inc())
+                           count=lambda kid, status: state.metrics.key_requests.labels(kid, str(status)).inc(),
+                           secret=settings.secret)
     app.add_middleware(BodyGuard, timeout_s=settings.body_timeout_s)
 
 

@@ -74,6 +74,14 @@ class StreamHistory:
     """``[DONE]`` went out."""
     usage: dict[str, Any] | None = None
     """The usage chunk's ``usage``, when the stream carried one."""
+    first_token_at: float | None = None
+    last_token_at: float | None = None
+    """When (``time.perf_counter``) the first and the last token ids arrived (the tracker's speed measure)."""
+
+
+class Cut(httpx.ReadError):
+    """The tracker stopped relaying a head on purpose (a node of its route was revoked): continue elsewhere,
+    without reporting the head as failed."""
 
 
 class ContinuedStream:
@@ -81,7 +89,7 @@ class ContinuedStream:
 
     def __init__(self, *, body: bytes, route_for: RouteFor, open_head: OpenHead,
                  on_failed: Callable[[str, str], None], on_route: Callable[[SignedRoute | None], None],
-                 attempts: int, deadline_s: float) -> None:
+                 attempts: int, deadline_s: float, cut: Callable[[], str | None] = lambda: None) -> None:
         self._body = body
         self._route_for = route_for
         self._open_head = open_head
@@ -89,6 +97,8 @@ class ContinuedStream:
         self._on_route = on_route
         self._attempts = attempts
         self._deadline_s = deadline_s
+        self._cut = cut
+        """Asked before each event: a reason to leave the current route now (its event unused), or ``None``."""
         self.history = StreamHistory()
 
     async def events(self, upstream: httpx.Response, route: SignedRoute) -> AsyncIterator[bytes]:
@@ -103,19 +113,22 @@ class ContinuedStream:
         started = time.monotonic()
         while True:
             head = route.nodes[0].node_id
+            cut = False
             try:
                 async for payload in self._relay(upstream, first_of_head=continuations > 0):
                     yield payload
                 return
             except httpx.HTTPError as exc:
                 reason = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+                cut = isinstance(exc, Cut)
             finally:
                 await upstream.aclose()
             if self.history.finished:  # only the usage chunk or [DONE] was missing
                 if not self.history.done:
                     yield None
                 return
-            self._on_failed(head, f"broke mid-answer: {reason}")
+            if not cut:
+                self._on_failed(head, f"broke mid-answer: {reason}")
             logger.warning("stream %s: head %s stopped answering after %d tokens (%s); continuing elsewhere",
                            self.history.response_id, head, len(self.history.ids), reason)
             avoid = {head}
@@ -166,6 +179,8 @@ class ContinuedStream:
             if len(buffer) > MAX_EVENT_BYTES and EVENT_END not in buffer:
                 raise httpx.ReadError("the head sent an event longer than the tracker accepts")
             while EVENT_END in buffer:
+                if (why := self._cut()) is not None:
+                    raise Cut(why)
                 raw, buffer = buffer.split(EVENT_END, 1)
                 out = self._event(raw, skip_opening)
                 skip_opening = skip_opening and out is DROPPED
@@ -201,6 +216,10 @@ class ContinuedStream:
                 return DROPPED
             self.history.opened = True
         if progress is not None:
+            if progress.ids:
+                self.history.last_token_at = time.perf_counter()
+                if self.history.first_token_at is None:
+                    self.history.first_token_at = self.history.last_token_at
             self.history.ids.extend(progress.ids)
             if progress.seed is not None and self.history.seed is None:
                 self.history.seed = progress.seed

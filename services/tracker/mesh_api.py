@@ -14,11 +14,19 @@ Routes:
   :mod:`.endpoint_policy`).
 - ``DELETE /v1/nodes/{node_id}`` (its join token or the mesh secret, and the
   node's lease): leave now; 403 ``lease_required`` without the lease.
-- ``POST /v1/nodes/{node_id}/failures`` (a join token or the mesh secret): a
-  caller could not use the node; it backs off (see :mod:`.registry`).
+- ``POST /v1/nodes/{node_id}/failures`` (a join token or the mesh secret):
+  the head of a signed route (``route`` in the body) could not use the node,
+  another hop of that route; it backs off (see :mod:`.registry`) on the terms
+  of :mod:`.failure_reports` (one reporter alone earns it one short backoff;
+  at most 30 reports a minute a reporter, 429 beyond). 400 ``route_required``
+  without the route, 403 ``not_route_head`` / ``not_on_route`` when the
+  reporter is not its head or the node is not on it. Answers whether the
+  report was ``applied``.
 - ``GET /v1/nodes``: every listed node (state, load, last heartbeat, the kind of
   its last failure: one word of :data:`.failure_kinds.FAILURE_KINDS`, never
-  what its endpoint answered) and each model's coverage.
+  what its endpoint answered, and its speed as this tracker measured it:
+  ``measured_tokens_per_s``, ``measured_streams``, ``measured_ttft_s``, see
+  :mod:`.ratings`) and each model's coverage.
 - ``GET /v1/mesh``: the same plus the tracker's clocks, for the live page.
 - ``GET /v1/route?model=M&exclude=a,b``: a signed route
   (:class:`~meshwire.routes.SignedRoute`).
@@ -35,7 +43,10 @@ mesh's layout is public.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import math
+import time
 from typing import Any, Final
 
 from fastapi import APIRouter, Request
@@ -47,12 +58,15 @@ from meshwire.fields import STRICT_MODEL, NodeId
 from meshwire.headers import LEASE
 from meshwire.openai import validation_error_message, validation_error_param
 from meshwire.registry import NodeRegistration, RegistrationAnswer
+from meshwire.route_keys import KeySet
+from meshwire.routes import RouteError, verify_route
 
 from .endpoint_policy import EndpointPolicy
+from .failure_reports import ROUTE_GRACE_S, TooManyReports, run_of
 from .join_tokens import TokenRefused
-from .registry import MAX_REASON_CHARS, Registered, RegistryError
+from .registry import MAX_REASON_CHARS, Registered, RegistryError, UnknownNode
 from .responses import HTTPError, read_body, require_api_key
-from .state import TrackerState, parse_exclude, store_unavailable, tracker_state
+from .state import TrackerState, parse_exclude, tracker_state
 from .store import StoreUnavailable
 
 logger = logging.getLogger(__name__)
@@ -71,6 +85,8 @@ class FailureReport(BaseModel):
     reason: str = Field(min_length=1, max_length=MAX_REASON_CHARS)
     reporter: NodeId | None = None
     """The reporting node, when a node reports."""
+    route: str | None = Field(default=None, min_length=1, max_length=limits.MAX_ROUTE_TOKEN_BYTES)
+    """The signed route (its token) the failure happened on; the reporter is its head."""
 
 
 def _invalid(exc: ValidationError) -> HTTPError:
@@ -122,6 +138,26 @@ async def require_reader(request: Request, state: TrackerState) -> None:
             raise
 
 
+def _check_model_claim(state: TrackerState, registration: NodeRegistration) -> None:
+    """A join token that binds no model cannot take over a model name other nodes serve (409 ``model_conflict``).
+
+    The name's identity is its layer count as its live nodes agree on it (see
+    :mod:`.registry`); a registration under such a token must report that
+    count while another live node serves the name, so it can neither serve a
+    different model under the name nor outvote the count. A token bound to the
+    model by the operator (``meshnet token create --model M``) is the
+    operator's word and is not held to this.
+    """
+    now = state.now()
+    others = [c for c in state.registry.candidates(registration.model, now) if c.node_id != registration.node_id]
+    count = state.registry.models(now).get(registration.model)
+    if others and count is not None and registration.num_layers != count:
+        raise TokenRefused(409, "model_conflict", f"model {registration.model[:200]!r} is served by other nodes as a "
+                                                  f"{count}-layer model; this node says "
+                                                  f"{registration.num_layers or 'nothing of its layers'}: a join "
+                                                  "token that binds no model cannot take over a model name")
+
+
 def _lease(request: Request) -> str | None:
     lease = request.headers.get(LEASE)
     if lease is not None and (not lease.strip() or len(lease) > limits.MAX_ID_CHARS):
@@ -171,7 +207,11 @@ async def _registered(request: Request, state: TrackerState, body: bytes) -> tup
         raise _invalid(exc) from None
     await _check_addresses(request, state, registration)
     try:
-        await state.trust.admit(request.headers.get("authorization"), registration)
+        record = await state.trust.admit(request.headers.get("authorization"), registration)
+        if record is not None and record.model is None:
+            _check_model_claim(state, registration)
+        if record is not None:
+            state.revoked.discard(registration.node_id)  # it holds a valid token again
     except TokenRefused as exc:
         logger.warning("refused registration of %s from %s: %s", registration.node_id, registration.endpoint, exc)
         raise _token_refused(exc) from None
@@ -199,26 +239,76 @@ async def deregister(node_id: str, request: Request) -> JSONResponse:
     return JSONResponse({"node_id": node_id, "state": "offline"})
 
 
+def _route_reporter(state: TrackerState, member: str, node_id: str, token: str | None) -> str:
+    """The head of the signed route ``token`` names, when ``member`` may report ``node_id`` on it (else 4xx)."""
+    if token is None:
+        raise HTTPError(400, "a failure report names the signed route the failure happened on ('route'), and "
+                             "comes from that route's head", errors.INVALID_REQUEST, "route_required", "route")
+    try:  # a stream outlives its route: a route expired for at most ROUTE_GRACE_S may still be named
+        route = verify_route(token, KeySet.from_jwks(state.trust.jwks()), now=time.time() - ROUTE_GRACE_S)
+    except RouteError as exc:
+        raise HTTPError(403, f"the route of this report is not one this tracker signed: {exc}", errors.PERMISSION,
+                        "bad_route", "route") from None
+    head = route.nodes[0].node_id
+    if member.startswith("token:") and member != f"token:{head}":
+        raise HTTPError(403, f"only the route's head ({head!r}) reports failures on it", errors.PERMISSION,
+                        "not_route_head", "route")
+    if node_id == head or node_id not in {hop.node_id for hop in route.nodes}:
+        raise HTTPError(403, f"node {node_id[:limits.MAX_ID_CHARS]!r} is not a hop after the head of this route",
+                        errors.PERMISSION, "not_on_route", "route")
+    return head
+
+
+def _route_reporter(state: TrackerState, member: str, node_id: str, token: str | None) -> str:
+    """The head of the signed route ``token`` names, when ``member`` may report ``node_id`` on it (else 4xx)."""
+    if token is None:
+        raise HTTPError(400, "a failure report names the signed route the failure happened on ('route'), and "
+                             "comes from that route's head", errors.INVALID_REQUEST, "route_required", "route")
+    try:  # a stream outlives its route: a route expired for at most ROUTE_GRACE_S may still be named
+        route = verify_route(token, KeySet.from_jwks(state.trust.jwks()), now=time.time() - ROUTE_GRACE_S)
+    except RouteError as exc:
+        raise HTTPError(403, f"the route of this report is not one this tracker signed: {exc}", errors.PERMISSION,
+                        "bad_route", "route") from None
+    head = route.nodes[0].node_id
+    if member.startswith("token:") and member != f"token:{head}":
+        raise HTTPError(403, f"only the route's head ({head!r}) reports failures on it", errors.PERMISSION,
+                        "not_route_head", "route")
+    if node_id == head or node_id not in {hop.node_id for hop in route.nodes}:
+        raise HTTPError(403, f"node {node_id[:limits.MAX_ID_CHARS]!r} is not a hop after the head of this route",
+                        errors.PERMISSION, "not_on_route", "route")
+    return head
+
+
 @router.post("/v1/nodes/{node_id}/failures")
 async def report_failure(node_id: str, request: Request) -> JSONResponse:
-    """A caller could not use ``node_id``: put it in backoff."""
+    """The head of a signed route could not use ``node_id``, a hop of it: back it off (on the gate's terms)."""
     state = tracker_state(request)
-    await require_member(request, state)
+    member = await require_member(request, state)
     try:
         report = FailureReport.model_validate_json(await read_body(request, MAX_REGISTRATION_BYTES))
     except ValidationError as exc:
         raise _invalid(exc) from None
+    reporter = _route_reporter(state, member, node_id, report.route)
+    now = state.now()
     try:
-        backoff_s = await state.store.report_failure(node_id, report.reason, state.now())
-    except StoreUnavailable as exc:
-        raise store_unavailable(str(exc), state.settings.heartbeat_s) from None
-    except RegistryError as exc:
-        raise _refused(exc) from None
-    state.metrics.failure_reports.inc()
-    if report.reporter:
-        logger.info("node %s reports node %s failing: %s", report.reporter, node_id, report.reason)
-    return JSONResponse({"node_id": node_id, "backoff_s": round(backoff_s, 3),
-                         "state": state.registry.state(node_id, state.now())})
+        state.failure_gate.count(reporter, now)
+    except TooManyReports as exc:
+        raise HTTPError(429, str(exc), errors.RATE_LIMIT, "too_many_reports",
+                        headers={"Retry-After": str(max(math.ceil(exc.retry_after_s), 1))}) from None
+    if state.registry.state(node_id, now) is None:
+        raise _refused(UnknownNode(f"no node {node_id!r} is registered"))
+    applied = state.failure_gate.judge(run_of(state.registry, node_id), reporter, now) == "apply"
+    backoff_s = 0.0
+    if applied:
+        try:  # a store that is away: the app's handler answers 503
+            backoff_s = await state.store.report_failure(node_id, report.reason, now)
+        except RegistryError as exc:
+            raise _refused(exc) from None
+        state.metrics.failure_reports.inc()
+    logger.info("node %s reports node %s failing%s: %s", reporter, node_id,
+                "" if applied else " (noted: a lone reporter's repeat)", report.reason)
+    return JSONResponse({"node_id": node_id, "applied": applied, "backoff_s": round(backoff_s, 3),
+                         "state": state.registry.state(node_id, now)})
 
 
 async def _mesh_view(request: Request) -> dict[str, Any]:
@@ -226,7 +316,9 @@ async def _mesh_view(request: Request) -> dict[str, Any]:
     await require_reader(request, state)
     now = state.now()
     return {
-        "nodes": [node.model_dump(mode="json") for node in state.registry.snapshot(now)],
+        "nodes": [{**node.model_dump(mode="json"),
+                   **dataclasses.asdict(state.ratings.rating(node.node_id, node.shard_end - node.shard_start + 1))}
+                  for node in state.registry.snapshot(now)],
         "models": [model.model_dump(mode="json") for model in state.registry.coverage(now)],
     }
 

@@ -10,7 +10,8 @@ Routes:
   :mod:`.head_answers`). When the head fails before answering, it is
   reported and the request goes once more on a route that avoids it. Each kind of
   answer (streamed, assembled, ``n > 1``, relayed as it is) has its own path in
-  :mod:`.forwarding`.
+  :mod:`.forwarding`. With API keys on, ``n > 1`` takes ``n`` in-flight slots of the
+  request's key (429 when it has not that many free; :mod:`.key_limits`).
 - ``GET /v1/models``: the models that have a complete route right now.
 - ``GET /v1/models/{model}``: one of them.
 
@@ -44,7 +45,7 @@ from meshwire.responses_api import ResponsesRequest
 from . import forwarding
 from .collect import as_streamed
 from .forwarding import Forward
-from .key_limits import SCOPE_KEY_ID
+from .key_limits import SCOPE_KEY_ID, LimitsUnavailable, Refused, take_choice_slots
 from .responses import HTTPError, read_body, require_api_key
 from .state import TrackerState, tracker_state
 
@@ -99,6 +100,7 @@ async def _answer(request: Request, state: TrackerState, endpoint: Endpoint) -> 
         body = _with_model(body, model)
     sent = Forward(model, PATHS[endpoint], body, key_id=request.scope.get(SCOPE_KEY_ID))
     if isinstance(parsed, SamplingRequest) and parsed.choices > 1:
+        await _take_choice_slots(state, request, parsed.choices)
         return await forwarding.several(state, sent, parsed, chat=endpoint == "chat")
     if endpoint == "responses":  # chats and completions outlive their head (see .continuation); these do not
         return await forwarding.relayed(state, sent)
@@ -106,6 +108,19 @@ async def _answer(request: Request, state: TrackerState, endpoint: Endpoint) -> 
         return await forwarding.streamed(state, sent)
     # Asked of the head as a stream, and assembled back into one answer here, across heads if need be.
     return await forwarding.collected(state, replace(sent, body=as_streamed(body)), chat=endpoint == "chat")
+
+
+async def _take_choice_slots(state: TrackerState, request: Request, choices: int) -> None:
+    """An ``n > 1`` request runs ``n`` streams: it takes one in-flight slot of its API key per choice (429 when
+    the key has not that many free; see :mod:`.key_limits`)."""
+    try:
+        refused = await take_choice_slots(state.key_limiter, request.scope, choices)
+    except LimitsUnavailable as exc:
+        raise HTTPError(503, str(exc), errors.UNAVAILABLE, errors.STORE_UNAVAILABLE,
+                        headers={"Retry-After": "1"}) from None
+    if isinstance(refused, Refused):
+        raise HTTPError(429, refused.message, errors.RATE_LIMIT, "rate_limit_exceeded",
+                        headers={"Retry-After": str(refused.retry_after_s)})
 
 
 @router.post("/v1/chat/completions")

@@ -18,7 +18,8 @@ A path's cost is compared component by component:
    requests to the head's endpoint, so a directly reachable head is preferred;
 3. hops through a node that reported no free KV cache (it would refuse the session);
 4. the estimated seconds per decoded token: for each hop, the share of its
-   layers it runs, divided by its reported decode rate, times its load
+   layers it runs, divided by its decode rate (the tracker passes the rate it
+   measured, or a new node's clamped claim: see :mod:`.ratings`), times its load
    (sessions, counting the tracker's own in-flight requests, plus one) and its
    KV fill; plus a fixed cost per network hop;
 

@@ -19,6 +19,8 @@ from meshwire.fields import ApiKeyList
 from meshwire.serving import SlowClientSettings, TlsClientSettings
 
 DEFAULT_PORT: Final = 8000
+ROUTE_TTL_S: Final = 60.0
+"""Default lifetime of a signed route (the head opens its sessions at once; failover asks for new routes)."""
 
 
 class TrackerSettings(BaseSettings, SlowClientSettings, TlsClientSettings):
@@ -73,8 +75,9 @@ class TrackerSettings(BaseSettings, SlowClientSettings, TlsClientSettings):
     """Longest a stream may spend continuing after head failures before it ends with an error event."""
 
     # --- routes ----------------------------------------------------------------------
-    route_ttl_s: float = Field(limits.ROUTE_TTL_S, gt=0, le=86400)
-    """Lifetime of a signed route."""
+    route_ttl_s: float = Field(ROUTE_TTL_S, gt=0, le=86400)
+    """Lifetime of a signed route: how long after it is signed a route may open sessions (an open session's
+    steps ride on it), so the bound on a revoked node's routes opening new ones."""
     route_key_rotate_s: float = Field(7 * 86400.0, ge=0, le=365 * 86400)
     """Age at which the route-signing key (Ed25519) is replaced by a new one; 0: only when rotated by hand."""
     route_key_lead_s: float = Field(60.0, ge=0, le=86400)

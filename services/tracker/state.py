@@ -25,10 +25,12 @@ from meshwire.pd_group import PrefillAssignment
 from meshwire.registry import NodeRegistration
 from meshwire.routes import Route, RouteNode, SignedRoute, issue_signed_route
 
+from .failure_reports import FailureGate
 from .key_limits import KeyLimiter
 from .metrics import TrackerMetrics
 from .pd_routes import PREFILL_ROLE, plan_prefill_route, prefill_group
 from .planner import Candidate, IncompleteCoverage, RouteTooLong, format_ranges, plan_route
+from .ratings import Ratings
 from .registry import Registry, RegistryPolicy, resolve_model_name
 from .responses import HTTPError
 from .settings import TrackerSettings
@@ -56,6 +58,13 @@ class TrackerState:
     """The HTTP client to head nodes; opened and closed by the app's lifespan."""
     key_limiter: KeyLimiter | None = None
     """Counts each API key's requests against its limits (with ``MESHNET_API_KEYS`` set)."""
+    revoked: set[str] = field(default_factory=set)
+    """Node ids whose join token this tracker revoked (until they join again by a valid token): the streams it
+    relays through them leave their route at the next token (see :mod:`.admin_api`)."""
+    ratings: Ratings = field(default_factory=Ratings)
+    """Each node's speed as measured on the streams this tracker relayed (the planner's speeds, :mod:`.ratings`)."""
+    failure_gate: FailureGate = field(default_factory=lambda: FailureGate(window_s=120.0))
+    """Who may put a node in failure backoff, how often, on whose word (:mod:`.failure_reports`)."""
 
     @classmethod
     def create(cls, settings: TrackerSettings, clock: Callable[[], float] = time.monotonic) -> TrackerState:
@@ -71,7 +80,8 @@ class TrackerState:
                    if settings.api_keys else None)
         trust = TrackerTrust(store, secret=settings.secret, route_ttl_s=settings.route_ttl_s,
                              rotate_s=settings.route_key_rotate_s, lead_s=settings.route_key_lead_s)
-        return cls(settings=settings, store=store, metrics=metrics, trust=trust, clock=clock, key_limiter=limiter)
+        return cls(settings=settings, store=store, metrics=metrics, trust=trust, clock=clock, key_limiter=limiter,
+                   failure_gate=FailureGate(window_s=settings.failure_reset_s))
 
     @property
     def registry(self) -> Registry:
@@ -109,7 +119,8 @@ class TrackerState:
         if num_layers is None:  # forgotten since it was resolved
             raise self._unknown_model(model, models)
         try:
-            hops = _plan_decode_route(self.registry.candidates(model, now), num_layers, frozenset(exclude))
+            hops = _plan_decode_route(self.ratings.rated(self.registry.candidates(model, now)), num_layers,
+                                      frozenset(exclude))
         except IncompleteCoverage as gap:
             self.metrics.routes.labels("incomplete").inc()
             excluded = f" (excluding {', '.join(sorted(exclude))})" if exclude else ""

@@ -97,11 +97,11 @@ class Failover:
         current = 0.0 if self._since is None else self._clock() - self._since
         return self._policy.budget_s - self._spent_s - current
 
-    async def reroute(self, node_id: str, reason: str, *, failed: bool) -> RoutedHop:
+    async def reroute(self, node_id: str, reason: str, *, failed: bool, route: str | None = None) -> RoutedHop:
         """A route from this head around ``node_id`` and every node avoided before.
 
         ``failed`` says whether ``node_id`` failed (it is reported to the
-        tracker) or was only busy. Raises :class:`FailoverGaveUp` past a bound
+        tracker, naming ``route``, the token of the route it failed on) or was only busy. Raises :class:`FailoverGaveUp` past a bound
         or when the tracker has no such route.
         """
         if self._since is None:
@@ -119,7 +119,7 @@ class Failover:
         try:
             async with asyncio.timeout(max(self.remaining_s(), 0.0)):
                 if failed:
-                    await routes.report_failure(node_id, reason)
+                    await routes.report_failure(node_id, reason, route)
                 return await routes.route_from_here(self._model, self._shard, self.avoided)
         except NoRoute as exc:
             raise FailoverGaveUp("no_route", f"node {node_id} failed ({reason}), and no route avoids "

@@ -389,7 +389,8 @@ class Generator:
         """Leave the broken session for a new one along a route that avoids ``node_id``."""
         old = run.chain
         closing = self._spawn_close(old, failed_node=node_id if failed else None)
-        hop = await run.failover.reroute(node_id, reason, failed=failed)
+        hop = await run.failover.reroute(node_id, reason, failed=failed,
+                                         route=old.hop.token if old.hop is not None else None)
         await asyncio.wait({closing}, timeout=RETIRE_WAIT_S)
         run.chain = self._chain(hop, run.request, run.history)
         self._metrics.failovers.labels(reason="failed" if failed else "busy", outcome="moved").inc()

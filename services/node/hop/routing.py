@@ -217,12 +217,16 @@ class TrackerRoutes:
                 raise NoRoute(f"the tracker's route cannot be run from here: {exc}") from None
         raise NoRoute(f"every route the tracker offers starts at another head (tried {MAX_OTHER_HEADS + 1})")
 
-    async def report_failure(self, node_id: str, reason: str) -> None:
-        """``POST /v1/nodes/{id}/failures``, best effort: the tracker backs the node off."""
+    async def report_failure(self, node_id: str, reason: str, route: str | None = None) -> None:
+        """``POST /v1/nodes/{id}/failures``, best effort: the tracker backs the node off.
+
+        ``route`` is the token of the signed route (this node its head) the failure happened on: the
+        tracker takes a report only from a route's head about a hop of that route."""
         if not self._trackers:
             return
         try:
-            report = {"reason": reason[:MAX_REASON_CHARS] or "failed", "reporter": self._node_id}
+            report = {"reason": reason[:MAX_REASON_CHARS] or "failed", "reporter": self._node_id,
+                      **({"route": route} if route else {})}
             await self._call("POST", f"/v1/nodes/{node_id}/failures", json=report)
         except NoRoute as exc:
             logger.warning("could not report failed node %s to a tracker: %s", node_id, exc)
