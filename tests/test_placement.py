@@ -1,0 +1,129 @@
+"""The placement planner alone: a node without ``--layers`` covers the model first, then the slowest stage.
+
+Costs are round numbers: a layer weighs 10 units and each layer keeps 1 unit of KV
+room (``kv_reserve_tokens=1`` at 1 byte a token), so a layer needs 11; the
+embedding and LM head weigh 5 each.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from services.tracker.placement import (
+    MIN_SECONDS_PER_LAYER,
+    CannotHoldLayer,
+    Holder,
+    LayerCosts,
+    Placement,
+    clamp_speed,
+    format_bytes,
+    place,
+    stage_times,
+    uncovered_runs,
+)
+
+COSTS = LayerCosts(num_layers=8, layer_bytes=10, kv_bytes_per_token=1, head_bytes=5, tail_bytes=5)
+KV = 1
+
+
+def needs(layers: int, *, head: bool = False, tail: bool = False) -> int:
+    return layers * 11 + (5 if head else 0) + (5 if tail else 0)
+
+
+def test_the_first_node_takes_as_many_layers_from_layer_0_as_its_memory_holds() -> None:
+    assert place(COSTS, needs(4, head=True), [], KV) == Placement(0, 3, "covering")
+    assert place(COSTS, needs(4, head=True) - 1, [], KV) == Placement(0, 2, "covering")
+
+
+def test_a_node_that_holds_everything_takes_every_layer() -> None:
+    assert place(COSTS, needs(8, head=True, tail=True), [], KV) == Placement(0, 7, "covering")
+
+
+def test_the_second_node_covers_the_gap_left_by_the_first() -> None:
+    assert place(COSTS, needs(4, tail=True), [Holder("a", 0, 3, 0.01)], KV) == Placement(4, 7, "covering")
+
+
+def test_a_node_too_small_for_the_gap_fills_as_much_of_it_as_it_can() -> None:
+    assert place(COSTS, needs(2), [Holder("a", 0, 3, 0.01)], KV) == Placement(4, 5, "covering")
+
+
+def test_a_gap_that_starts_at_the_embedding_is_filled_from_its_end_when_that_holds_more() -> None:
+    # From layer 0 only one layer fits beside the embedding; from the gap's end, two layers without it.
+    assert place(COSTS, needs(2), [Holder("a", 3, 7, 0.01)], KV) == Placement(1, 2, "covering")
+
+
+def test_the_largest_uncovered_run_wins_and_ties_go_to_the_lower_layers() -> None:
+    holders = [Holder("a", 2, 2, 0.01), Holder("b", 5, 5, 0.01)]  # runs 0-1, 3-4, 6-7
+    assert place(COSTS, needs(2, head=True, tail=True), holders, KV) == Placement(0, 1, "covering")
+    holders = [Holder("a", 0, 0, 0.01), Holder("b", 3, 3, 0.01)]  # runs 1-2, 4-7
+    assert place(COSTS, needs(4, tail=True), holders, KV) == Placement(4, 7, "covering")
+
+
+def test_once_covered_a_node_takes_a_replica_of_the_slowest_stage() -> None:
+    holders = [Holder("fast", 0, 3, 0.001), Holder("slow", 4, 7, 0.004)]
+    assert place(COSTS, needs(8, head=True, tail=True), holders, KV) == Placement(4, 7, "replica")
+
+
+def test_a_stage_with_more_layers_is_slower_at_the_same_speed() -> None:
+    holders = [Holder("a", 0, 1, 0.002), Holder("b", 2, 7, 0.002)]
+    assert place(COSTS, needs(8, head=True, tail=True), holders, KV) == Placement(2, 7, "replica")
+
+
+def test_replicas_count_the_stage_held_twice_is_no_longer_the_slowest() -> None:
+    holders = [Holder("a", 0, 3, 0.002), Holder("b", 4, 7, 0.002), Holder("c", 4, 7, 0.002)]
+    assert stage_times(holders, 8) == pytest.approx({(0, 3): 0.008, (4, 7): 0.004})
+    assert place(COSTS, needs(8, head=True, tail=True), holders, KV) == Placement(0, 3, "replica")
+
+
+def test_equal_stages_tie_to_the_lower_range_every_time() -> None:
+    holders = [Holder("b", 4, 7, 0.002), Holder("a", 0, 3, 0.002)]
+    for order in (holders, holders[::-1]):
+        assert place(COSTS, needs(8, head=True, tail=True), order, KV) == Placement(0, 3, "replica")
+
+
+def test_a_replica_that_does_not_fit_whole_takes_as_much_of_the_slowest_stage_as_fits() -> None:
+    holders = [Holder("fast", 0, 3, 0.001), Holder("slow", 4, 7, 0.004)]
+    assert place(COSTS, needs(2), holders, KV) == Placement(4, 5, "replica")
+
+
+def test_a_node_that_lies_about_its_speed_gets_no_more_than_its_memory_holds() -> None:
+    # Speed is not even an input of the asker's range: only memory is. A holder that claims an absurd speed
+    # is clamped, so its stage does not look infinitely fast next to honest ones.
+    assert clamp_speed(1e-300) == MIN_SECONDS_PER_LAYER
+    liar = [Holder("liar", 0, 3, 1e-300), Holder("honest", 4, 7, 0.002)]
+    assert place(COSTS, needs(2, head=True), liar, KV) == Placement(4, 5, "replica")
+    times = stage_times(liar, 8)
+    assert times[(0, 3)] == pytest.approx(4 * MIN_SECONDS_PER_LAYER)
+
+
+def test_heterogeneous_memories_place_a_mesh_that_covers_every_layer() -> None:
+    budgets = [needs(5, head=True), needs(1), needs(3, tail=True)]
+    holders: list[Holder] = []
+    for index, budget in enumerate(budgets):
+        placed = place(COSTS, budget, holders, KV)
+        assert placed.reason == "covering"
+        assert COSTS.needed_bytes(placed.start, placed.end, KV) <= budget
+        holders.append(Holder(f"n{index}", placed.start, placed.end, 0.001))
+    assert uncovered_runs(holders, 8) == []
+    assert [(h.start, h.end) for h in holders] == [(0, 4), (5, 5), (6, 7)]
+
+
+def test_holders_of_unknown_speed_count_at_the_others_median() -> None:
+    holders = [Holder("a", 0, 3, 0.0), Holder("b", 4, 7, 0.002)]
+    assert stage_times(holders, 8) == pytest.approx({(0, 3): 0.008, (4, 7): 0.008})
+
+
+def test_a_node_that_cannot_hold_one_layer_is_refused_naming_its_budget_and_the_need() -> None:
+    with pytest.raises(CannotHoldLayer) as refused:
+        place(COSTS, needs(1) - 1, [], KV)
+    assert refused.value.needed_bytes == needs(1)
+    assert "10 B" in str(refused.value) and "11 B" in str(refused.value)
+
+
+def test_a_node_that_holds_only_a_middle_layer_covers_a_middle_gap_and_never_the_embedding() -> None:
+    assert place(COSTS, needs(1), [], KV) == Placement(1, 1, "covering")
+
+
+def test_kv_room_is_part_of_what_a_layer_needs() -> None:
+    assert COSTS.needed_bytes(1, 2, kv_reserve_tokens=100) == 2 * (10 + 100)
+    assert format_bytes(80 * 1024 * 1024) == "80.0 MiB"
