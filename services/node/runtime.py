@@ -1,7 +1,9 @@
 """A node's parts, built when it starts and torn down when it stops.
 
 :meth:`NodeRuntime.start` resolves the model (converting the default one on
-a first start, with progress in the log), loads only this node's layers on
+a first start, with progress in the log), asks the tracker which layers to hold
+when started without ``--layers`` (after measuring what one layer costs here),
+loads only this node's layers on
 the chosen device and dtype, warms up (which also measures the decode rate
 the tracker is told), then starts the idle sweeper and the registration.
 :meth:`NodeRuntime.stop` stops taking sessions, deregisters, lets in-flight
@@ -15,9 +17,11 @@ import contextlib
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any, Final
 
 import httpx
+import torch
 from transformers import AutoConfig
 
 try:  # written by the relay piece; without it a node is reached directly only
@@ -27,6 +31,7 @@ except ImportError:  # pragma: no cover - depends on which pieces are installed
 
 from meshwire import tls
 from meshwire.frames import DTYPE_NAMES, FrameLimits
+from meshwire.placement import PlacementReason, PlacementRequest
 from meshwire.registry import NodeRegistration
 from services.node.api.forward import ForwardService
 from services.node.api.kv_serve import KvServeService
@@ -38,6 +43,7 @@ from services.node.head.generation import Generator
 from services.node.head.sampling_defaults import SamplingDefaults
 from services.node.head.tokens import HeadTokenizer, eos_ids_of
 from services.node.hop.hop_client import HopClient
+from services.node.hop.placement_client import PlacementRefused, ask_placement
 from services.node.hop.registration import Registrar
 from services.node.hop.relay_link import ASGIApp, asgi_handler
 from services.node.hop.route_step import RouteStepper
@@ -46,6 +52,7 @@ from services.node.hop.row_sender import RowSender
 from services.node.hop.trust import RouteTrust
 from services.node.metrics import NodeMetrics
 from services.node.model.device import pick_device, pick_dtype
+from services.node.model.memory_budget import default_budget_bytes, kv_bytes_per_token, measure_layer_costs
 from services.node.model.model_source import resolve_model
 from services.node.model.quant.packed import QUANTIZED_DTYPE
 from services.node.model.quant.quant_load import resolve_format
@@ -66,6 +73,8 @@ DTYPE_ROWS: Final = 1
 HTTP_POOL_CONNECTIONS: Final = 64
 """Keep-alive connections to other hops and the tracker."""
 CONNECT_TIMEOUT_S: Final = 5.0
+MIN_PROBE_SECONDS: Final = 1e-9
+"""Floor of the measured seconds a layer sent to the tracker (a timer that read 0 is not infinitely fast)."""
 
 
 class NodeRuntime:
@@ -98,6 +107,8 @@ class NodeRuntime:
         """The tracker's route keys this node verifies routes with (pinned, and fetched at registration)."""
         self.tracker_routes.trust = self.trust
         self.shard: Shard | None = None
+        self.placement: PlacementReason = "pinned"
+        """Why this node holds its layers: ``pinned`` (``--layers``, or every layer), or the tracker's reason."""
         self.runner: ShardRunner | None = None
         self.forward: ForwardService | None = None
         self.generator: Generator | None = None
@@ -145,10 +156,18 @@ class NodeRuntime:
             dtype = pick_dtype(s.dtype, device, rows=DTYPE_ROWS)
             logger.info("weights %s (%s)", weights, why)
         config = await asyncio.to_thread(AutoConfig.from_pretrained, resolved.path)
-        start, end = s.layer_range() or (0, config.num_hidden_layers - 1)
-        self.shard = await self.worker.run(load_shard, resolved.path, start, end, dtype, device, weights,
-                                           resolved.gguf if weights != "float" else None, s.kv_dtype)
+        gguf = resolved.gguf if weights != "float" else None
+        budget = s.max_memory
+        if s.layer_range() is not None or s.tracker is None:
+            start, end = s.layer_range() or (0, config.num_hidden_layers - 1)
+        else:  # no --layers: the tracker places this node within its memory
+            budget = budget or default_budget_bytes(device)
+            start, end = await self._ask_placement(resolved.path, dtype, device, weights, gguf, budget)
+        self.shard = await self.worker.run(load_shard, resolved.path, start, end, dtype, device, weights, gguf,
+                                           s.kv_dtype)
         weight_bytes = self.shard.weight_bytes()
+        if budget is not None:
+            self._cap_kv(budget, weight_bytes)
         self.metrics.weight_bytes.set(weight_bytes)
         self.runner = ShardRunner(self.shard, self.worker, max_batch=s.max_batch, max_step_tokens=s.max_step_tokens,
                                   on_batch=self.metrics.batch_rows.observe)
@@ -216,6 +235,40 @@ class NodeRuntime:
                     time.perf_counter() - began, self.model_id, start, end, self.shard.num_layers, device,
                     DTYPE_NAMES[dtype], s.public_url())
 
+    async def _ask_placement(self, path: Path, dtype: torch.dtype, device: torch.device, weights: str,
+                             gguf: Path | None, budget: int) -> tuple[int, int]:
+        """Measure one layer here, and ask the tracker which layers to load within ``budget`` bytes."""
+        s = self.settings
+        assert s.tracker is not None
+        probe = await self.worker.run(measure_layer_costs, path, dtype, device, weights, gguf, s.kv_dtype)
+        ask = PlacementRequest(node_id=self.node_id, model=self.model_id, num_layers=probe.num_layers,
+                               max_memory_bytes=budget, layer_bytes=probe.layer_bytes, head_bytes=probe.head_bytes,
+                               tail_bytes=probe.tail_bytes, kv_bytes_per_token=probe.kv_bytes_per_token,
+                               seconds_per_layer=max(probe.seconds_per_layer, MIN_PROBE_SECONDS))
+        try:
+            answer = await ask_placement(self.http, s.tracker, s.mesh_credential(), ask)
+        except PlacementRefused as exc:
+            logger.error("node %s does not start: %s", self.node_id, exc)
+            raise
+        self.placement = answer.reason
+        logger.info("the tracker placed this node on layers %d-%d (%s) within --max-memory %d bytes",
+                    answer.shard_start, answer.shard_end, answer.reason, budget)
+        return answer.shard_start, answer.shard_end
+
+    def _cap_kv(self, budget: int, weight_bytes: int) -> None:
+        """Keep weights plus every session's KV within ``budget``: the KV budget gets what the weights leave."""
+        assert self.shard is not None
+        itemsize = torch.empty((), dtype=self.shard.kv_dtype or self.shard.dtype).element_size()
+        per_token = kv_bytes_per_token(self.shard.config, itemsize) * (self.shard.end - self.shard.start + 1)
+        tokens = (budget - weight_bytes) // per_token
+        if tokens < 1:
+            raise PlacementRefused(f"layers {self.shard.start}-{self.shard.end} take {weight_bytes} bytes of weights, "
+                                   f"which leaves no KV cache within --max-memory {budget} bytes")
+        if tokens < self.sessions.kv_budget_tokens:
+            logger.info("KV budget %d tokens (was %d): what --max-memory %d bytes leaves after %d bytes of weights",
+                        tokens, self.sessions.kv_budget_tokens, budget, weight_bytes)
+            self.sessions.kv_budget_tokens = tokens
+
     def _start_relay_peer(self, app: ASGIApp) -> None:
         if RelayPeer is None:
             logger.error("--relay given but meshwire.relay_client is not installed; serving directly only")
@@ -239,7 +292,7 @@ class NodeRuntime:
             active_sessions=len(self.sessions), decode_tokens_per_s=round(self.runner.decode_tokens_per_s, 3),
             weights=self.shard.weights_format, weight_bytes=self.shard.weight_bytes(),
             kv_bytes=self.sessions.cache_bytes(), hop_key=self.hop_key.public_text, role=self.settings.role,
-            pd_rank=None if self.membership is None else self.membership.pd_rank,
+            pd_rank=None if self.membership is None else self.membership.pd_rank, placement=self.placement,
         )
 
     # --- stop -------------------------------------------------------------------------
