@@ -7,9 +7,16 @@ embedding and LM head weigh 5 each.
 
 from __future__ import annotations
 
-import pytest
+from collections.abc import Iterator
 
+import httpx
+import pytest
+from fastapi.testclient import TestClient
+
+from meshwire.auth import bearer_headers
+from services.tracker.app import create_app
 from services.tracker.placement import (
+    DEFAULT_KV_RESERVE_TOKENS,
     MIN_SECONDS_PER_LAYER,
     CannotHoldLayer,
     Holder,
@@ -21,6 +28,8 @@ from services.tracker.placement import (
     stage_times,
     uncovered_runs,
 )
+from services.tracker.settings import TrackerSettings
+from tests.procs import TEST_SECRET
 
 COSTS = LayerCosts(num_layers=8, layer_bytes=10, kv_bytes_per_token=1, head_bytes=5, tail_bytes=5)
 KV = 1
@@ -127,3 +136,45 @@ def test_a_node_that_holds_only_a_middle_layer_covers_a_middle_gap_and_never_the
 def test_kv_room_is_part_of_what_a_layer_needs() -> None:
     assert COSTS.needed_bytes(1, 2, kv_reserve_tokens=100) == 2 * (10 + 100)
     assert format_bytes(80 * 1024 * 1024) == "80.0 MiB"
+
+
+# --- the endpoint, against the tracker app in process ----------------------------------------------------------
+
+def _ask(client: httpx.Client, node_id: str, budget: int, **extra: object) -> httpx.Response:
+    body = {"node_id": node_id, "model": "tiny", "num_layers": 8, "max_memory_bytes": budget, "layer_bytes": 10,
+            "kv_bytes_per_token": 1, "head_bytes": 5, "tail_bytes": 5, "seconds_per_layer": 0.001, **extra}
+    return client.post("/v1/placement", json=body, headers=bearer_headers(TEST_SECRET))
+
+
+@pytest.fixture
+def tracker_client() -> Iterator[httpx.Client]:
+    app = create_app(TrackerSettings(secret=TEST_SECRET))
+    with TestClient(app) as client:
+        yield client
+
+
+def test_nodes_asking_together_are_given_different_ranges_before_either_registers(
+        tracker_client: httpx.Client) -> None:
+    budget = 4 * (10 + DEFAULT_KV_RESERVE_TOKENS) + 5  # four layers with the embedding or the LM head
+    first, second = _ask(tracker_client, "a", budget).json(), _ask(tracker_client, "b", budget).json()
+    assert (first["shard_start"], first["shard_end"], first["reason"]) == (0, 3, "covering")
+    assert (second["shard_start"], second["shard_end"], second["reason"]) == (4, 7, "covering")
+    assert first["kv_reserve_tokens"] == DEFAULT_KV_RESERVE_TOKENS
+    again = _ask(tracker_client, "a", budget).json()  # asking again replaces its own reservation
+    assert (again["shard_start"], again["shard_end"]) == (0, 3)
+    third = _ask(tracker_client, "c", budget).json()
+    assert third["reason"] == "replica"
+
+
+def test_a_budget_below_one_layer_is_a_422_naming_the_budget_and_the_need(tracker_client: httpx.Client) -> None:
+    refused = _ask(tracker_client, "tiny-node", 100)
+    assert refused.status_code == 422
+    error = refused.json()["error"]
+    assert error["code"] == "cannot_hold_layer" and "100 B" in error["message"]
+    assert error["needed_bytes"] == 10 + DEFAULT_KV_RESERVE_TOKENS
+
+
+def test_a_placement_request_without_a_credential_is_refused_before_it_is_read(tracker_client: httpx.Client) -> None:
+    assert tracker_client.post("/v1/placement", content=b"not json").status_code == 401
+    bad = tracker_client.post("/v1/placement", content=b"not json", headers=bearer_headers(TEST_SECRET))
+    assert bad.status_code == 400
