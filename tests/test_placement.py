@@ -14,7 +14,9 @@ import pytest
 from fastapi.testclient import TestClient
 
 from meshwire.auth import bearer_headers
+from meshwire.headers import LEASE
 from services.tracker.app import create_app
+from services.tracker.healing import GAP_GRACE_S
 from services.tracker.placement import (
     DEFAULT_KV_RESERVE_TOKENS,
     MIN_SECONDS_PER_LAYER,
@@ -24,6 +26,7 @@ from services.tracker.placement import (
     Placement,
     clamp_speed,
     format_bytes,
+    heal,
     place,
     stage_times,
     uncovered_runs,
@@ -178,3 +181,81 @@ def test_a_placement_request_without_a_credential_is_refused_before_it_is_read(t
     assert tracker_client.post("/v1/placement", content=b"not json").status_code == 401
     bad = tracker_client.post("/v1/placement", content=b"not json", headers=bearer_headers(TEST_SECRET))
     assert bad.status_code == 400
+
+
+# --- healing -------------------------------------------------------------------------------------------------
+
+def test_a_replica_moves_wholly_to_layers_that_lost_their_last_holder() -> None:
+    replica = Holder("c", 4, 7, 0.002)
+    assert heal(COSTS, needs(4, head=True), replica, [Holder("b", 4, 7, 0.002)], KV) == Placement(0, 3, "covering")
+
+
+def test_a_node_that_holds_layers_alone_grows_toward_the_gap_next_to_it_as_far_as_it_fits() -> None:
+    own = Holder("b", 4, 7, 0.002)
+    assert heal(COSTS, needs(6, tail=True), own, [], KV) == Placement(2, 7, "covering")
+    assert heal(COSTS, needs(8, head=True, tail=True), own, [], KV) == Placement(0, 7, "covering")
+
+
+def test_a_node_without_room_stays_where_it_is() -> None:
+    assert heal(COSTS, needs(4, tail=True), Holder("b", 4, 7, 0.002), [], KV) is None
+
+
+def test_nothing_moves_while_every_layer_is_held() -> None:
+    holders = [Holder("a", 0, 3, 0.002), Holder("b", 4, 7, 0.002)]
+    assert heal(COSTS, needs(8, head=True, tail=True), Holder("c", 4, 7, 0.001), holders, KV) is None
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _register(client: TestClient, node_id: str, start: int, end: int, placement: str,
+              lease: str | None = None) -> dict[str, object]:
+    body = {"node_id": node_id, "model": "tiny", "endpoint": f"http://127.0.0.1:{9000 + ord(node_id[0])}",
+            "shard_start": start, "shard_end": end, "num_layers": 8, "placement": placement}
+    headers = {**bearer_headers(TEST_SECRET), **({LEASE: lease} if lease else {})}
+    answer = client.post("/v1/nodes", json=body, headers=headers)
+    assert answer.status_code == 200, answer.text
+    return dict(answer.json())
+
+
+def test_when_a_node_leaves_layers_another_still_holds_nobody_is_moved() -> None:
+    clock = Clock()
+    with TestClient(create_app(TrackerSettings(secret=TEST_SECRET), clock=clock)) as client:
+        budget = 4 * (10 + DEFAULT_KV_RESERVE_TOKENS) + 5
+        leases = {}
+        for node_id in ("a", "b", "c"):
+            placed = _ask(client, node_id, budget).json()
+            leases[node_id] = _register(client, node_id, placed["shard_start"], placed["shard_end"],
+                                        placed["reason"])["lease"]
+        assert client.request("DELETE", "/v1/nodes/a", headers={**bearer_headers(TEST_SECRET),
+                                                                LEASE: str(leases["a"])}).status_code == 200
+        clock.now += GAP_GRACE_S + 1
+        assert _register(client, "b", 4, 7, "covering", leases["b"])["move"] is None
+        assert _register(client, "c", 0, 3, "replica", leases["c"])["move"] is None  # c still holds 0-3
+
+
+def test_a_replica_of_surviving_layers_moves_to_the_lost_ones_and_is_then_left_alone() -> None:
+    clock = Clock()
+    with TestClient(create_app(TrackerSettings(secret=TEST_SECRET), clock=clock)) as client:
+        budget = 4 * (10 + DEFAULT_KV_RESERVE_TOKENS) + 5
+        leases = {node_id: _register(client, node_id, start, end, reason)["lease"]
+                  for node_id, start, end, reason in (("a", 0, 3, "covering"), ("b", 4, 7, "covering"))}
+        placed = _ask(client, "c", budget).json()
+        assert (placed["shard_start"], placed["shard_end"], placed["reason"]) == (0, 3, "replica")
+        leases["c"] = _register(client, "c", 0, 3, "replica")["lease"]
+        client.request("DELETE", "/v1/nodes/b", headers={**bearer_headers(TEST_SECRET), LEASE: str(leases["b"])})
+        _register(client, "c", 0, 3, "replica", leases["c"])  # the gap is seen
+        clock.now += GAP_GRACE_S + 1
+        move = _register(client, "c", 0, 3, "replica", leases["c"])["move"]
+        assert (move["shard_start"], move["shard_end"], move["reason"]) == (4, 7, "covering")
+        assert _register(client, "a", 0, 3, "covering", leases["a"])["move"] is None  # one node per gap
+        again = _register(client, "c", 0, 3, "replica", leases["c"])["move"]  # told again until it moves
+        assert again == move
+        assert _register(client, "c", 4, 7, "covering", leases["c"])["move"] is None  # moved: left alone
+        clock.now += 1
+        assert _register(client, "c", 4, 7, "covering", leases["c"])["move"] is None

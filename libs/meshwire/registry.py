@@ -38,7 +38,7 @@ from meshwire.fields import (
     NodeId,
 )
 from meshwire.pd_group import PrefillAssignment
-from meshwire.placement import PlacementReason
+from meshwire.placement import PlacementAnswer, PlacementReason
 from meshwire.route_keys import PublicKeyText
 
 NodeState = Literal["joining", "online", "suspect", "offline"]
@@ -179,3 +179,6 @@ class RegistrationAnswer(BaseModel):
     ttl_s: float = Field(gt=0, allow_inf_nan=False)
     prefill_group: PrefillAssignment | None = None
     """A prefill node's place in the mesh's prefill group (``meshwire.pd_group``), once there is one."""
+    move: PlacementAnswer | None = None
+    """A placed node told to hold another range (layers lost their last holder): it loads the new range while
+    serving its old one, then registers it (:mod:`meshwire.placement`)."""

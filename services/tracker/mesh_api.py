@@ -44,6 +44,7 @@ from meshwire.headers import LEASE
 from meshwire.openai import validation_error_message, validation_error_param
 from meshwire.registry import NodeRegistration, RegistrationAnswer
 
+from .healing import heal_move
 from .join_tokens import TokenRefused
 from .registry import MAX_REASON_CHARS, Registered, RegistryError
 from .responses import HTTPError, read_body, require_api_key
@@ -138,7 +139,8 @@ async def register(request: Request) -> JSONResponse:
         raise
     state.metrics.registrations.labels("new" if registered.new_lease else "heartbeat").inc()
     answer = RegistrationAnswer(lease=registered.lease, heartbeat_s=state.settings.heartbeat_s,
-                                ttl_s=state.settings.node_ttl_s, prefill_group=state.prefill_assignment(registration))
+                                ttl_s=state.settings.node_ttl_s, prefill_group=state.prefill_assignment(registration),
+                                move=heal_move(request, registration))
     return JSONResponse(answer.model_dump(mode="json"))
 
 

@@ -9,8 +9,8 @@ from the model's routable nodes and the placements handed out but not yet
 registered. A budget that cannot hold one layer is a 422
 ``cannot_hold_layer`` naming the budget and what one layer needs.
 
-Handed-out placements are remembered (:class:`PlacementBook`) until the node
-registers or :data:`PENDING_S` pass, so nodes that start together are given
+Handed-out placements are remembered (:class:`.healing.PlacementBook`) until the node
+registers or :data:`.healing.PENDING_S` pass, so nodes that start together are given
 different ranges instead of all being told to cover the same gap. The book
 is this tracker's own: nodes asking two trackers of one shared store at the
 same moment may be given the same range (they then serve it as replicas).
@@ -19,8 +19,6 @@ same moment may be given the same range (they then serve it as replicas).
 from __future__ import annotations
 
 import logging
-from collections import OrderedDict
-from dataclasses import dataclass
 from typing import Final
 
 from fastapi import APIRouter, Request
@@ -30,8 +28,9 @@ from pydantic import ValidationError
 from meshwire import errors, limits
 from meshwire.placement import PlacementAnswer, PlacementRequest
 
+from .healing import PlacedNode, book_of
 from .mesh_api import require_member
-from .placement import DEFAULT_KV_RESERVE_TOKENS, CannotHoldLayer, Holder, LayerCosts, place
+from .placement import DEFAULT_KV_RESERVE_TOKENS, CannotHoldLayer, Holder, LayerCosts, clamp_speed, place
 from .planner import Candidate
 from .responses import HTTPError, read_body
 from .state import tracker_state
@@ -40,51 +39,14 @@ logger = logging.getLogger(__name__)
 
 MAX_PLACEMENT_BYTES: Final = 4 * limits.KIB
 """Largest placement request body read."""
-PENDING_S: Final = 300.0
-"""How long a handed-out range is held for its node to load and register."""
-MAX_PENDING: Final = 1024
-"""Most handed-out ranges remembered at once (the oldest is forgotten first)."""
 
 router = APIRouter()
-
-
-@dataclass(frozen=True)
-class _Pending:
-    model: str
-    holder: Holder
-    expires_at: float
-
-
-class PlacementBook:
-    """Ranges handed out and not registered yet, by node id (bounded, expiring)."""
-
-    def __init__(self) -> None:
-        self._pending: OrderedDict[str, _Pending] = OrderedDict()
-
-    def pending(self, model: str, now: float, registered: set[str]) -> list[Holder]:
-        """Live reservations of ``model`` whose node has not registered yet; expired ones are dropped."""
-        for node_id in [k for k, v in self._pending.items() if v.expires_at <= now or k in registered]:
-            del self._pending[node_id]
-        return [p.holder for p in self._pending.values() if p.model == model]
-
-    def hold(self, model: str, holder: Holder, now: float) -> None:
-        self._pending.pop(holder.node_id, None)
-        self._pending[holder.node_id] = _Pending(model, holder, now + PENDING_S)
-        while len(self._pending) > MAX_PENDING:
-            self._pending.popitem(last=False)
 
 
 def seconds_per_layer(candidate: Candidate) -> float:
     """A registered node's speed, seconds a layer for one decode row (0: it reported none)."""
     layers = candidate.shard_end - candidate.shard_start + 1
     return 1.0 / (candidate.decode_tokens_per_s * layers) if candidate.decode_tokens_per_s > 0 else 0.0
-
-
-def book_of(request: Request) -> PlacementBook:
-    book = getattr(request.app.state, "placement_book", None)
-    if book is None:
-        book = request.app.state.placement_book = PlacementBook()
-    return book
 
 
 @router.post("/v1/placement")
@@ -116,7 +78,8 @@ async def placement(request: Request) -> JSONResponse:
         logger.warning("node %s cannot be placed: %s", ask.node_id, exc)
         raise HTTPError(422, str(exc), errors.INVALID_REQUEST, "cannot_hold_layer", "max_memory_bytes",
                         budget_bytes=exc.budget_bytes, needed_bytes=exc.needed_bytes) from None
-    book.hold(ask.model, Holder(ask.node_id, placed.start, placed.end, ask.seconds_per_layer), now)
+    book.hold(ask.model, Holder(ask.node_id, placed.start, placed.end, ask.seconds_per_layer), now,
+              PlacedNode(ask.model, costs, ask.max_memory_bytes, clamp_speed(ask.seconds_per_layer)))
     logger.info("placed node %s on layers %d-%d of %s (%s; budget %d bytes, %d holders)", ask.node_id, placed.start,
                 placed.end, ask.model, placed.reason, ask.max_memory_bytes, len(holders))
     answer = PlacementAnswer(shard_start=placed.start, shard_end=placed.end, reason=placed.reason,
