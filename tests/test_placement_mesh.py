@@ -28,7 +28,7 @@ HALF_BUDGET: Final = "1100KB"
 HALF_BUDGET_BYTES: Final = 1_100_000
 TOO_SMALL: Final = "100KB"
 HEARTBEAT_S: Final = "1"
-WAIT_S: Final = 60.0
+WAIT_S: Final = 90.0
 NODES: Final = ("placed-a", "placed-b", "placed-c")
 PROMPT: Final = [{"role": "user", "content": "Where does the river run before it reaches the sea?"}]
 MAX_TOKENS: Final = 24
@@ -63,17 +63,22 @@ def tracker() -> Iterator[Service]:
 
 
 @pytest.fixture(scope="module")
-def placed_mesh(tracker: Service, tiny_model_dir: Path) -> Iterator[list[dict[str, Any]]]:
-    nodes = [start_service("node", node_env(tiny_model_dir, tracker, node_id, HALF_BUDGET), wait_ready=False)
-             for node_id in NODES]
+def placed_services(tracker: Service, tiny_model_dir: Path) -> Iterator[dict[str, Service]]:
+    nodes = {node_id: start_service("node", node_env(tiny_model_dir, tracker, node_id, HALF_BUDGET),
+                                    wait_ready=False) for node_id in NODES}
     try:
-        for node in nodes:
+        for node in nodes.values():
             wait_healthy(node)
-        yield wait_for(lambda: (found := [n for n in listed(tracker) if n["node_id"] in NODES])
-                       and len(found) == len(NODES) and found, "every placed node to register")
+        yield nodes
     finally:
-        for node in nodes:
+        for node in nodes.values():
             node.stop()
+
+
+@pytest.fixture(scope="module")
+def placed_mesh(tracker: Service, placed_services: dict[str, Service]) -> list[dict[str, Any]]:
+    return list(wait_for(lambda: (found := [n for n in listed(tracker) if n["node_id"] in NODES])
+                         and len(found) == len(NODES) and found, "every placed node to register"))
 
 
 def test_three_nodes_without_layers_cover_every_layer_within_their_budgets(placed_mesh: list[dict[str, Any]],
@@ -103,6 +108,35 @@ def test_a_chat_through_the_placed_mesh_answers_what_transformers_answers(
     client = openai.OpenAI(base_url=f"{tracker.url}/v1", api_key="unused", max_retries=0, timeout=120)
     answer = client.chat.completions.create(model=model, messages=PROMPT, max_tokens=MAX_TOKENS, temperature=0)
     assert answer.choices[0].message.content == expected
+
+
+def greedy_reference(reference: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> str:
+    inputs = tokenizer.apply_chat_template(PROMPT, add_generation_prompt=True, return_tensors="pt", return_dict=True)
+    out = reference.generate(**inputs, do_sample=False, max_new_tokens=MAX_TOKENS)
+    return str(tokenizer.decode(out[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True))
+
+
+def test_when_the_last_holder_of_layers_dies_the_replica_moves_onto_them_and_chats_answer_again(
+        placed_mesh: list[dict[str, Any]], placed_services: dict[str, Service], tracker: Service,
+        tiny_model_dir: Path, reference: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> None:
+    replica = next(n for n in placed_mesh if n["placement"] == "replica")
+    lone = next(n for n in placed_mesh if n["placement"] == "covering"
+                and (n["shard_start"], n["shard_end"]) != (replica["shard_start"], replica["shard_end"]))
+    placed_services[lone["node_id"]].kill()
+
+    def healed() -> dict[str, Any] | None:
+        nodes = {n["node_id"]: n for n in listed(tracker)}
+        moved = nodes.get(replica["node_id"])
+        coverage = httpx.get(f"{tracker.url}/v1/nodes").json()["models"][0]
+        return moved if moved and moved["shard_start"] == lone["shard_start"] and coverage["complete"] else None
+
+    moved = wait_for(healed, "the replica to take the dead node's layers")
+    assert moved["placement"] == "covering" and moved["shard_end"] == lone["shard_end"]
+    assert moved["weight_bytes"] <= HALF_BUDGET_BYTES
+    model = wait_until_servable(tracker, tiny_model_dir.name)
+    client = openai.OpenAI(base_url=f"{tracker.url}/v1", api_key="unused", max_retries=0, timeout=120)
+    answer = client.chat.completions.create(model=model, messages=PROMPT, max_tokens=MAX_TOKENS, temperature=0)
+    assert answer.choices[0].message.content == greedy_reference(reference, tokenizer)
 
 
 def test_a_node_whose_budget_cannot_hold_one_layer_refuses_to_start_naming_the_budget(
