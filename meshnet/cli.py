@@ -3,6 +3,7 @@
     meshnet up        [--model M] [--nodes N] [--prefill-nodes N] [--port 8000] [--dtype D]
     meshnet tracker   [--host H] [--port P]
     meshnet node      --model M --layers A-B --tracker URL[,URL2...] [--host H] [--port P] [--relay URL] [--dtype D] [--device D]
+    meshnet node      --model M --tracker URL [--max-memory SIZE]   (no --layers: the tracker places the node)
     meshnet relay     [--host H] [--port P]
     meshnet bootstrap [--host H] [--port P] [--registry addresses|cache-layouts]
     meshnet chat      [--url URL] "prompt"

@@ -38,6 +38,7 @@ from meshwire.fields import (
     NodeId,
 )
 from meshwire.pd_group import PrefillAssignment
+from meshwire.placement import PlacementAnswer, PlacementReason
 from meshwire.route_keys import PublicKeyText
 
 NodeState = Literal["joining", "online", "suspect", "offline"]
@@ -149,6 +150,9 @@ class NodeRegistration(BaseModel):
     """What the node serves (``--role``)."""
     pd_rank: int | None = Field(default=None, ge=0, le=1 << 20)
     """A prefill node: the ``engine_rank`` the bootstrap registry accepted it under (``None``: not registered)."""
+    placement: PlacementReason | None = None
+    """Why the node holds its range: ``pinned`` (``--layers``), ``covering`` or ``replica`` (placed by the
+    tracker, :mod:`meshwire.placement`); ``None`` when it does not say."""
 
     @model_validator(mode="after")
     def _check_shard(self) -> NodeRegistration:
@@ -175,3 +179,6 @@ class RegistrationAnswer(BaseModel):
     ttl_s: float = Field(gt=0, allow_inf_nan=False)
     prefill_group: PrefillAssignment | None = None
     """A prefill node's place in the mesh's prefill group (``meshwire.pd_group``), once there is one."""
+    move: PlacementAnswer | None = None
+    """A placed node told to hold another range (layers lost their last holder): it loads the new range while
+    serving its old one, then registers it (:mod:`meshwire.placement`)."""

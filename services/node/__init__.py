@@ -63,6 +63,7 @@ hop/ — the mesh: routes, the next hop, the tracker, the relay
     ``hop.routing``       verifying a signed route; asking the tracker for one
     ``hop.trust``         the tracker keys routes are verified with, pinned and refreshed
     ``hop.registration``  joining the tracker, heartbeats, leases
+    ``hop.placement_client`` asking the tracker which layers to load (no ``--layers``)
 
 engine/ — the compute thread, the session table, batched turns
     ``engine.compute``     the compute thread and ``ShardRunner``, the node's one verb
@@ -87,6 +88,7 @@ model/ — the layers themselves (torch lives here)
     ``model.shard``           a contiguous range of layers: embed, run layers, LM head; ``run_ragged`` batches
     ``model.kv_cache``        a session's KV cache on a shard, grown in place
     ``model.lean_decode``     fused products: decode rows, and a quantized shard's prompt chunks beside them
+    ``model.memory_budget``   what one layer costs here (bytes, KV a token, a decode row's time); free memory
     ``model.chunk_precision`` float32 attention and prompt chunks over half-precision weights on a CPU
 
 model/quant/ — weights kept packed, and the native kernels that multiply them

@@ -1,7 +1,9 @@
 """A node's parts, built when it starts and torn down when it stops.
 
 :meth:`NodeRuntime.start` resolves the model (converting the default one on
-a first start, with progress in the log), loads only this node's layers on
+a first start, with progress in the log), asks the tracker which layers to hold
+when started without ``--layers`` (after measuring what one layer costs here),
+loads only this node's layers on
 the chosen device and dtype, warms up (which also measures the decode rate
 the tracker is told), then starts the idle sweeper and the registration.
 :meth:`NodeRuntime.stop` stops taking sessions, deregisters, lets in-flight
@@ -15,9 +17,11 @@ import contextlib
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any, Final
 
 import httpx
+import torch
 from transformers import AutoConfig
 
 try:  # written by the relay piece; without it a node is reached directly only
@@ -27,7 +31,8 @@ except ImportError:  # pragma: no cover - depends on which pieces are installed
 
 from meshwire import tls
 from meshwire.frames import DTYPE_NAMES, FrameLimits
-from meshwire.registry import NodeRegistration
+from meshwire.placement import PlacementAnswer, PlacementReason, PlacementRequest
+from meshwire.registry import NodeRegistration, RegistrationAnswer
 from services.node.api.forward import ForwardService
 from services.node.api.kv_serve import KvServeService
 from services.node.engine.compute import ComputeWorker, ShardRunner, one_torch_thread
@@ -40,6 +45,7 @@ from services.node.head.sampling_defaults import SamplingDefaults
 from services.node.head.tokens import HeadTokenizer, eos_ids_of
 from services.node.hop.auth import HopAuth
 from services.node.hop.hop_client import HopClient
+from services.node.hop.placement_client import PlacementRefused, ask_placement
 from services.node.hop.registration import Registrar
 from services.node.hop.relay_link import ASGIApp, asgi_handler
 from services.node.hop.route_step import RouteStepper
@@ -48,6 +54,7 @@ from services.node.hop.row_sender import RowSender
 from services.node.hop.trust import RouteTrust
 from services.node.metrics import NodeMetrics
 from services.node.model.device import pick_device, pick_dtype
+from services.node.model.memory_budget import default_budget_bytes, kv_bytes_per_token, measure_layer_costs
 from services.node.model.model_source import resolve_model
 from services.node.model.quant.packed import QUANTIZED_DTYPE
 from services.node.model.quant.quant_load import resolve_format
@@ -68,6 +75,11 @@ DTYPE_ROWS: Final = 1
 HTTP_POOL_CONNECTIONS: Final = 64
 """Keep-alive connections to other hops and the tracker."""
 CONNECT_TIMEOUT_S: Final = 5.0
+MOVE_DRAIN_S: Final = 30.0
+"""How long a node told to move waits for its sessions to finish before it switches (the rest fail over)."""
+MOVE_DRAIN_POLL_S: Final = 0.2
+MIN_PROBE_SECONDS: Final = 1e-9
+"""Floor of the measured seconds a layer sent to the tracker (a timer that read 0 is not infinitely fast)."""
 
 
 class NodeRuntime:
@@ -104,6 +116,12 @@ class NodeRuntime:
                                 legacy_secret=None if settings.join_token else settings.secret)
         """The front door every call from the mesh passes: frames, handoffs, the tracker's calls to a head."""
         self.shard: Shard | None = None
+        self._load_args: tuple[Path, torch.dtype, torch.device, str, Path | None, int | None] | None = None
+        """How this node's layers were loaded (model folder, dtype, device, weights, GGUF, budget): a move reloads."""
+        self._handoff_limits: HandoffLimits | None = None
+        self._moving: asyncio.Task[None] | None = None
+        self.placement: PlacementReason = "pinned"
+        """Why this node holds its layers: ``pinned`` (``--layers``, or every layer), or the tracker's reason."""
         self.runner: ShardRunner | None = None
         self.forward: ForwardService | None = None
         self.generator: Generator | None = None
@@ -152,20 +170,24 @@ class NodeRuntime:
             dtype = pick_dtype(s.dtype, device, rows=DTYPE_ROWS)
             logger.info("weights %s (%s)", weights, why)
         config = await asyncio.to_thread(AutoConfig.from_pretrained, resolved.path)
-        start, end = s.layer_range() or (0, config.num_hidden_layers - 1)
-        self.shard = await self.worker.run(load_shard, resolved.path, start, end, dtype, device, weights,
-                                           resolved.gguf if weights != "float" else None, s.kv_dtype)
+        gguf = resolved.gguf if weights != "float" else None
+        budget = s.max_memory
+        if s.layer_range() is not None or s.tracker is None:
+            start, end = s.layer_range() or (0, config.num_hidden_layers - 1)
+        else:  # no --layers: the tracker places this node within its memory
+            budget = budget or default_budget_bytes(device)
+            start, end = await self._ask_placement(resolved.path, dtype, device, weights, gguf, budget)
+        self.shard = await self.worker.run(load_shard, resolved.path, start, end, dtype, device, weights, gguf,
+                                           s.kv_dtype)
         weight_bytes = self.shard.weight_bytes()
+        if budget is not None:
+            self._cap_kv(budget, weight_bytes)
         self.metrics.weight_bytes.set(weight_bytes)
-        self.runner = ShardRunner(self.shard, self.worker, max_batch=s.max_batch, max_step_tokens=s.max_step_tokens,
-                                  on_batch=self.metrics.batch_rows.observe)
-        stepper = RouteStepper(node_id=self.node_id, runner=self.runner, sessions=self.sessions,
-                               sender=RowSender(self.hops, max_rows=s.max_batch), metrics=self.metrics,
-                               wire_dtype=s.wire_dtype)
+        self._load_args = (resolved.path, dtype, device, weights, gguf, budget)
         self.grammar = GrammarEngine(resolved.path, self.shard.vocab_size, eos_ids_of(resolved.path, self.shard.config))
         shape = kv_shape(self.shard)
-        handoff_limits = HandoffLimits(max_held=s.handoff_max_held, max_bytes=s.handoff_max_bytes,
-                                       position_bytes=shape.position_bytes_per_layer)
+        self._handoff_limits = HandoffLimits(max_held=s.handoff_max_held, max_bytes=s.handoff_max_bytes,
+                                             position_bytes=shape.position_bytes_per_layer)
         if s.bootstrap is not None and s.role != "prefill":
             self.puller = KvPuller(node_id=self.node_id, hop_key=self.hop_key, trust=self.trust,
                                    model_id=self.model_id, bootstrap_url=s.bootstrap, shape=shape,
@@ -179,37 +201,10 @@ class NodeRuntime:
             else:
                 self.membership = PrefillMembership(bootstrap_url=s.bootstrap, public_url=s.public_url(), shape=shape,
                                                     node_id=self.node_id, hop_key=self.hop_key)
-        self.forward = ForwardService(node_id=self.node_id, model_id=self.model_id, auth=self.hop_auth,
-                                      runner=self.runner, sessions=self.sessions, hops=self.hops, stepper=stepper,
-                                      metrics=self.metrics, frame_limits=FrameLimits(max_bytes=s.max_frame_bytes),
-                                      grammar=self.grammar, puller=self.puller, handoff_limits=handoff_limits)
-        if self.membership is not None:
-            self.kv_serve = KvServeService(
-                node_id=self.node_id, model_id=self.model_id, auth=self.hop_auth, hop_key=self.hop_key,
-                runner=self.runner, sessions=self.sessions,
-                chains=ChainOpener(self.runner, self.sessions, self.hops, stepper), metrics=self.metrics,
-                membership=self.membership, shape=shape, limits=handoff_limits, max_chunk_bytes=s.max_frame_bytes,
-                prefill_chunk_tokens=s.prefill_chunk_tokens, max_prompt_tokens=s.max_prompt_tokens)
-        if self.shard.is_head:
-            tokenizer = await asyncio.to_thread(HeadTokenizer.from_folder, resolved.path, self.shard.config)
-            draft_model = None
-            if s.draft_model is not None:  # a vocabulary that differs raises DraftModelError: the node does not start
-                draft_model = await asyncio.to_thread(load_draft_model, s.draft_model, tokenizer.vocabulary,
-                                                      self.worker)
-            self.sampling_defaults = SamplingDefaults.from_folder(resolved.path)
-            self.generator = Generator(runner=self.runner, sessions=self.sessions, hops=self.hops, stepper=stepper,
-                                       tokenizer=tokenizer, metrics=self.metrics,
-                                       prefill_chunk_tokens=s.prefill_chunk_tokens,
-                                       routes=self.tracker_routes, model_id=self.model_id, grammar=self.grammar,
-                                       pd=None if self.puller is None else PdHead(
-                                           http=self.http, node_id=self.node_id, hop_key=self.hop_key,
-                                           puller=self.puller,
-                                           timeout_s=s.hop_timeout_s),
-                                       speculate=s.speculate, speculate_max=s.speculate_max,
-                                       draft_model=draft_model)
-        elif s.draft_model is not None:
-            logger.warning("--draft-model %s is ignored: this node is not a head (layers %d-%d)", s.draft_model,
-                           self.shard.start, self.shard.end)
+        self._install(*await self._serving(self.shard, ShardRunner(
+            self.shard, self.worker, max_batch=s.max_batch, max_step_tokens=s.max_step_tokens,
+            on_batch=self.metrics.batch_rows.observe)))
+        assert self.runner is not None
         await self.runner.warm_up()
         self._tasks.append(asyncio.create_task(
             run_sweeper(self.sessions, self.metrics.sessions_expired.inc), name="idle-sweeper"))
@@ -218,12 +213,150 @@ class NodeRuntime:
         if s.tracker is not None:
             self.registrar = Registrar(self.http, s.tracker, s.mesh_credential(), self.registration, s.heartbeat_s,
                                        on_new_lease=self.trust.refresh,
-                                       on_answer=None if self.membership is None else self.membership.on_answer)
+                                       on_answer=self._on_answer)
             self._tasks.append(asyncio.create_task(self.registrar.run(), name="registration"))
         self.state = "ready"
         logger.info("node %s ready in %.1f s: %s layers %d-%d of %d on %s as %s at %s", self.node_id,
                     time.perf_counter() - began, self.model_id, start, end, self.shard.num_layers, device,
                     DTYPE_NAMES[dtype], s.public_url())
+
+    async def _serving(self, shard: Shard, runner: ShardRunner) -> tuple[Shard, ShardRunner, ForwardService,
+                                                                           KvServeService | None, Generator | None]:
+        """Everything that serves ``shard`` through ``runner``, built but not installed (see :meth:`_install`)."""
+        s = self.settings
+        assert self.grammar is not None
+        path = self._load_args[0]
+        stepper = RouteStepper(node_id=self.node_id, runner=runner, sessions=self.sessions,
+                               sender=RowSender(self.hops, max_rows=s.max_batch), metrics=self.metrics,
+                               wire_dtype=s.wire_dtype)
+        forward = ForwardService(node_id=self.node_id, model_id=self.model_id, auth=self.hop_auth,
+                                 runner=runner, sessions=self.sessions, hops=self.hops, stepper=stepper,
+                                 metrics=self.metrics, frame_limits=FrameLimits(max_bytes=s.max_frame_bytes),
+                                 grammar=self.grammar, puller=self.puller, handoff_limits=self._handoff_limits)
+        kv_serve = None
+        if self.membership is not None:
+            kv_serve = KvServeService(
+                node_id=self.node_id, model_id=self.model_id, auth=self.hop_auth, hop_key=self.hop_key,
+                runner=runner, sessions=self.sessions, chains=ChainOpener(runner, self.sessions, self.hops, stepper),
+                metrics=self.metrics, membership=self.membership, shape=kv_shape(shard), limits=self._handoff_limits,
+                max_chunk_bytes=s.max_frame_bytes, prefill_chunk_tokens=s.prefill_chunk_tokens,
+                max_prompt_tokens=s.max_prompt_tokens)
+        generator = None
+        if shard.is_head:
+            tokenizer = await asyncio.to_thread(HeadTokenizer.from_folder, path, shard.config)
+            draft_model = None
+            if s.draft_model is not None:  # a vocabulary that differs raises DraftModelError: the node does not start
+                draft_model = await asyncio.to_thread(load_draft_model, s.draft_model, tokenizer.vocabulary,
+                                                      self.worker)
+            self.sampling_defaults = SamplingDefaults.from_folder(path)
+            generator = Generator(runner=runner, sessions=self.sessions, hops=self.hops, stepper=stepper,
+                                  tokenizer=tokenizer, metrics=self.metrics,
+                                  prefill_chunk_tokens=s.prefill_chunk_tokens,
+                                  routes=self.tracker_routes, model_id=self.model_id, grammar=self.grammar,
+                                  pd=None if self.puller is None else PdHead(
+                                      http=self.http, node_id=self.node_id, hop_key=self.hop_key,
+                                      puller=self.puller,
+                                      timeout_s=s.hop_timeout_s),
+                                  speculate=s.speculate, speculate_max=s.speculate_max,
+                                  draft_model=draft_model)
+        elif s.draft_model is not None:
+            logger.warning("--draft-model %s is ignored: this node is not a head (layers %d-%d)", s.draft_model,
+                           shard.start, shard.end)
+        return shard, runner, forward, kv_serve, generator
+
+    def _install(self, shard: Shard, runner: ShardRunner, forward: ForwardService, kv_serve: KvServeService | None,
+                 generator: Generator | None) -> None:
+        """Serve from now on with these (no await: requests see either the old set or the new one)."""
+        self.shard, self.runner, self.forward, self.kv_serve, self.generator = shard, runner, forward, kv_serve, \
+            generator
+
+    def _on_answer(self, answer: RegistrationAnswer) -> None:
+        """A tracker's registration answer: a prefill group's place, or a move to another range."""
+        if self.membership is not None:
+            self.membership.on_answer(answer)
+        move = answer.move
+        if move is None or self.shard is None or self._moving is not None or self.state != "ready":
+            return
+        if (move.shard_start, move.shard_end) == (self.shard.start, self.shard.end):
+            self.placement = move.reason  # told to stay: it now holds them for another reason
+            return
+        if self.membership is not None or self.puller is not None:
+            logger.warning("the tracker asks this node to hold layers %d-%d; a node in prefill/decode handoffs "
+                           "stays where it is", move.shard_start, move.shard_end)
+            return
+        self._moving = asyncio.create_task(self._move(move), name="placement-move")
+        self._tasks.append(self._moving)
+
+    async def _move(self, move: PlacementAnswer) -> None:
+        """Load the new range while serving the old one, let sessions finish, switch, and register it."""
+        s = self.settings
+        path, dtype, device, weights, gguf, budget = self._load_args
+        old = self.runner
+        assert old is not None and self.shard is not None
+        logger.info("moving: the tracker asks this node (layers %d-%d) to hold layers %d-%d (%s); loading them "
+                    "while serving", self.shard.start, self.shard.end, move.shard_start, move.shard_end, move.reason)
+        try:
+            shard = await asyncio.to_thread(load_shard, path, move.shard_start, move.shard_end, dtype, device,
+                                            weights, gguf, s.kv_dtype)
+            runner = ShardRunner(shard, self.worker, max_batch=s.max_batch, max_step_tokens=s.max_step_tokens,
+                                 on_batch=self.metrics.batch_rows.observe)
+            await runner.warm_up()
+            built = await self._serving(shard, runner)
+            drain_until = time.monotonic() + MOVE_DRAIN_S
+            while len(self.sessions) and time.monotonic() < drain_until:
+                await asyncio.sleep(MOVE_DRAIN_POLL_S)
+            left = [session.session_id for session in self.sessions]
+            self._install(*built)
+            for session_id in left:  # their heads fail over and replay them along a new route
+                self.sessions.close(session_id)
+            self.placement = move.reason
+            if budget is not None:
+                self._cap_kv(budget, shard.weight_bytes())
+            self.metrics.weight_bytes.set(shard.weight_bytes())
+            logger.info("moved: now serving layers %d-%d (%d sessions closed for failover)", shard.start, shard.end,
+                        len(left))
+            await old.engine.stop()
+            if self.registrar is not None:
+                await self.registrar.beat()
+        except Exception:  # a failed move leaves the node serving its old range
+            logger.exception("moving to layers %d-%d failed; serving layers as before", move.shard_start,
+                             move.shard_end)
+        finally:
+            self._moving = None
+
+    async def _ask_placement(self, path: Path, dtype: torch.dtype, device: torch.device, weights: str,
+                             gguf: Path | None, budget: int) -> tuple[int, int]:
+        """Measure one layer here, and ask the tracker which layers to load within ``budget`` bytes."""
+        s = self.settings
+        assert s.tracker is not None
+        probe = await self.worker.run(measure_layer_costs, path, dtype, device, weights, gguf, s.kv_dtype)
+        ask = PlacementRequest(node_id=self.node_id, model=self.model_id, num_layers=probe.num_layers,
+                               max_memory_bytes=budget, layer_bytes=probe.layer_bytes, head_bytes=probe.head_bytes,
+                               tail_bytes=probe.tail_bytes, kv_bytes_per_token=probe.kv_bytes_per_token,
+                               seconds_per_layer=max(probe.seconds_per_layer, MIN_PROBE_SECONDS))
+        try:
+            answer = await ask_placement(self.http, s.tracker, s.mesh_credential(), ask)
+        except PlacementRefused as exc:
+            logger.error("node %s does not start: %s", self.node_id, exc)
+            raise
+        self.placement = answer.reason
+        logger.info("the tracker placed this node on layers %d-%d (%s) within --max-memory %d bytes",
+                    answer.shard_start, answer.shard_end, answer.reason, budget)
+        return answer.shard_start, answer.shard_end
+
+    def _cap_kv(self, budget: int, weight_bytes: int) -> None:
+        """Keep weights plus every session's KV within ``budget``: the KV budget gets what the weights leave."""
+        assert self.shard is not None
+        itemsize = torch.empty((), dtype=self.shard.kv_dtype or self.shard.dtype).element_size()
+        per_token = kv_bytes_per_token(self.shard.config, itemsize) * (self.shard.end - self.shard.start + 1)
+        tokens = (budget - weight_bytes) // per_token
+        if tokens < 1:
+            raise PlacementRefused(f"layers {self.shard.start}-{self.shard.end} take {weight_bytes} bytes of weights, "
+                                   f"which leaves no KV cache within --max-memory {budget} bytes")
+        if tokens < self.sessions.kv_budget_tokens:
+            logger.info("KV budget %d tokens (was %d): what --max-memory %d bytes leaves after %d bytes of weights",
+                        tokens, self.sessions.kv_budget_tokens, budget, weight_bytes)
+            self.sessions.kv_budget_tokens = tokens
 
     def _start_relay_peer(self, app: ASGIApp) -> None:
         if RelayPeer is None:
@@ -248,7 +381,7 @@ class NodeRuntime:
             active_sessions=len(self.sessions), decode_tokens_per_s=round(self.runner.decode_tokens_per_s, 3),
             weights=self.shard.weights_format, weight_bytes=self.shard.weight_bytes(),
             kv_bytes=self.sessions.cache_bytes(), hop_key=self.hop_key.public_text, role=self.settings.role,
-            pd_rank=None if self.membership is None else self.membership.pd_rank,
+            pd_rank=None if self.membership is None else self.membership.pd_rank, placement=self.placement,
         )
 
     # --- stop -------------------------------------------------------------------------

@@ -62,6 +62,25 @@ WireDType = Literal["native", "int8"]
 """``--wire-dtype``: how hidden states travel to the next hop (see :mod:`meshwire.q8`)."""
 """``--weights``: see :mod:`services.node.model.quant.quant_load`."""
 
+MAX_MEMORY_LIMIT: Final = 1 << 50
+"""Largest ``--max-memory`` accepted (a petabyte)."""
+_SIZE = re.compile(r"^\s*(\d{1,16}(?:\.\d{1,6})?)\s*([KMGT]i?B|B)?\s*$", re.IGNORECASE)
+_SIZE_UNITS: Final = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+                      "KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30, "TIB": 1 << 40}
+
+
+def parse_size(value: object) -> object:
+    """``"6GiB"``, ``"80MB"``, ``"512"`` (bytes) -> an int of bytes; ``None`` or empty -> ``None``."""
+    if value is None or (isinstance(value, str) and not value.strip()):
+        return None
+    if isinstance(value, str):
+        match = _SIZE.match(value)
+        if match is None:
+            raise ValueError(f"a size is a number and a unit (B, KB, MB, GB, TB, KiB, MiB, GiB, TiB), got {value[:40]!r}")
+        return int(float(match.group(1)) * _SIZE_UNITS[(match.group(2) or "B").upper()])
+    return value
+
+
 _LAYERS = re.compile(r"^\s*(\d{1,5})\s*-\s*(\d{1,5})\s*$")
 _DEVICE = re.compile(r"^(auto|cpu|cuda(:\d{1,3})?|mps)$")
 
@@ -117,7 +136,12 @@ class NodeSettings(BaseSettings, SlowClientSettings, TlsClientSettings):
     model: str = Field(default=DEFAULT_MODEL, min_length=1, max_length=limits.MAX_URL_CHARS)
     """A local folder of a Hugging Face causal LM, a GGUF file (or the first of a split set), or a hub name."""
     layers: str | None = None
-    """Layers this node holds, ``"A-B"`` inclusive; ``None`` holds every layer."""
+    """Layers this node holds, ``"A-B"`` inclusive; ``None``: the tracker places the node (with ``tracker``),
+    else every layer."""
+    max_memory: Annotated[Annotated[int, Field(ge=1, le=MAX_MEMORY_LIMIT)] | None, BeforeValidator(parse_size)] = None
+    """Memory this node may use for weights and KV cache together (``6GiB``, ``80MB``). Without ``layers`` the
+    tracker places the node within it; its KV budget is capped to what is left after the weights. Default: most
+    of the memory found free (the GPU's on CUDA)."""
     tracker: Annotated[TrackerUrls | None, NoDecode, BeforeValidator(_tracker_urls)] = None
     """Tracker base URLs, comma-separated (``URL1,URL2``): heartbeats go to the first that answers; none: no tracker."""
     host: str = "127.0.0.1"

@@ -11,6 +11,8 @@ Routes, each group in its own module:
   ``POST /v1/nodes/{id}/failures``, ``GET /v1/route``, ``GET /v1/mesh``
   (the three ``GET`` views need an API key, a join token or the mesh secret when
   ``MESHNET_API_KEYS`` is set);
+- placement (:mod:`.placement_api`): ``POST /v1/placement`` (a node's credential): the layers a node
+  started without ``--layers`` should load (:mod:`.placement`);
 - trust (:mod:`.admin_api`): ``GET /v1/keys`` (the route-signing public keys),
   ``POST /v1/tokens/check`` (the relay asks whether a join token admits a peer),
   and the operator's ``/v1/admin/tokens`` and ``/v1/admin/keys/rotate``.
@@ -36,7 +38,7 @@ from meshwire import exposure, tls
 from meshwire.body_guard import BodyGuard
 from meshwire.logs import configure_logging
 
-from . import admin_api, mesh_api, openai_api, service_api
+from . import admin_api, mesh_api, openai_api, placement_api, service_api
 from .error_answers import add_error_handlers
 from .key_limits import KeyLimits
 from .settings import TrackerSettings
@@ -60,7 +62,7 @@ def create_app(settings: TrackerSettings | None = None, *, clock: Callable[[], f
     app = FastAPI(title="meshnet tracker", lifespan=_lifespan(state), docs_url=None, redoc_url=None,
                   openapi_url=None)
     app.state.tracker = state
-    for router in (service_api.router, openai_api.router, mesh_api.router, admin_api.router):
+    for router in (service_api.router, openai_api.router, mesh_api.router, placement_api.router, admin_api.router):
         app.include_router(router)
     _add_middleware(app, state)
     add_error_handlers(app)

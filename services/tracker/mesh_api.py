@@ -63,6 +63,7 @@ from meshwire.routes import RouteError, verify_route
 
 from .endpoint_policy import EndpointPolicy
 from .failure_reports import ROUTE_GRACE_S, TooManyReports, run_of
+from .healing import heal_move
 from .join_tokens import TokenRefused
 from .registry import MAX_REASON_CHARS, Registered, RegistryError, UnknownNode
 from .responses import HTTPError, read_body, require_api_key
@@ -195,7 +196,8 @@ async def register(request: Request) -> JSONResponse:
         raise
     state.metrics.registrations.labels("new" if registered.new_lease else "heartbeat").inc()
     answer = RegistrationAnswer(lease=registered.lease, heartbeat_s=state.settings.heartbeat_s,
-                                ttl_s=state.settings.node_ttl_s, prefill_group=state.prefill_assignment(registration))
+                                ttl_s=state.settings.node_ttl_s, prefill_group=state.prefill_assignment(registration),
+                                move=heal_move(request, registration))
     return JSONResponse(answer.model_dump(mode="json"))
 
 

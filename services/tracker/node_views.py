@@ -9,6 +9,7 @@ from __future__ import annotations
 from pydantic import BaseModel
 
 from meshwire.fields import STRICT_MODEL, DType
+from meshwire.placement import PlacementReason
 from meshwire.registry import NodeRole, NodeState, WeightsFormat
 
 from .planner import LayerRange
@@ -59,6 +60,9 @@ class NodeInfo(BaseModel):
     """What the node serves: ``prefill``, ``decode`` or ``both`` (``meshnet node --role``)."""
     pd_rank: int | None = None
     """A prefill node: the ``engine_rank`` the bootstrap registry accepted it under."""
+    placement: PlacementReason | None = None
+    """Why it holds its range: ``pinned`` (``--layers``), ``covering`` (the tracker gave it layers nobody held)
+    or ``replica`` (a copy of the slowest stage), as it registered."""
 
 
 class ModelCoverage(BaseModel):

@@ -476,7 +476,7 @@ class Registry:
             last_heartbeat_age_s=round(max(now - entry.last_seen, 0.0), 3),
             registered_for_s=round(max(now - entry.registered_at, 0.0), 3), heartbeats=entry.heartbeats,
             failures=entry.failures, backoff_remaining_s=round(max(entry.backoff_until - now, 0.0), 3),
-            last_failure_reason=entry.last_failure_reason, role=reg.role, pd_rank=reg.pd_rank,
+            last_failure_reason=entry.last_failure_reason, role=reg.role, pd_rank=reg.pd_rank, placement=reg.placement,
         )
 
     def __len__(self) -> int:

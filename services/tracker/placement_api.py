@@ -1,0 +1,87 @@
+"""``POST /v1/placement``: a node without ``--layers`` asks which layers to load.
+
+Authenticated as registration is (the node's join token, or the mesh secret;
+see :func:`.mesh_api.require_member`), checked before the body is read; a join
+token may ask only for its own node id (403). The body is a
+:class:`~meshwire.placement.PlacementRequest`; the answer a
+:class:`~meshwire.placement.PlacementAnswer` chosen by :func:`.placement.place`
+from the model's routable nodes and the placements handed out but not yet
+registered. A budget that cannot hold one layer is a 422
+``cannot_hold_layer`` naming the budget and what one layer needs.
+
+Handed-out placements are remembered (:class:`.healing.PlacementBook`) until the node
+registers or :data:`.healing.PENDING_S` pass, so nodes that start together are given
+different ranges instead of all being told to cover the same gap. The book
+is this tracker's own: nodes asking two trackers of one shared store at the
+same moment may be given the same range (they then serve it as replicas).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Final
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse
+from pydantic import ValidationError
+
+from meshwire import errors, limits
+from meshwire.placement import PlacementAnswer, PlacementRequest
+
+from .healing import PlacedNode, book_of
+from .mesh_api import require_member
+from .placement import DEFAULT_KV_RESERVE_TOKENS, CannotHoldLayer, Holder, LayerCosts, clamp_speed, place
+from .planner import Candidate
+from .responses import HTTPError, read_body
+from .state import tracker_state
+
+logger = logging.getLogger(__name__)
+
+MAX_PLACEMENT_BYTES: Final = 4 * limits.KIB
+"""Largest placement request body read."""
+
+router = APIRouter()
+
+
+def seconds_per_layer(candidate: Candidate) -> float:
+    """A registered node's speed, seconds a layer for one decode row (0: it reported none)."""
+    layers = candidate.shard_end - candidate.shard_start + 1
+    return 1.0 / (candidate.decode_tokens_per_s * layers) if candidate.decode_tokens_per_s > 0 else 0.0
+
+
+@router.post("/v1/placement")
+async def placement(request: Request) -> JSONResponse:
+    """Answer the range the asking node should load, and remember it until the node registers."""
+    state = tracker_state(request)
+    member = await require_member(request, state)
+    body = await read_body(request, MAX_PLACEMENT_BYTES)
+    try:
+        ask = PlacementRequest.model_validate_json(body)
+    except ValidationError as exc:
+        raise HTTPError(400, f"invalid placement request: {exc.errors()[0]['msg']} "
+                        f"({'.'.join(str(p) for p in exc.errors()[0]['loc'])})", errors.INVALID_REQUEST,
+                        "invalid_body") from None
+    if member.startswith("token:") and member != f"token:{ask.node_id}":
+        raise HTTPError(403, f"this join token is not node {ask.node_id!r}'s", errors.PERMISSION,
+                        "token_node_mismatch")
+    now = state.now()
+    candidates = [c for c in state.registry.candidates(ask.model, now) if c.node_id != ask.node_id]
+    book = book_of(request)
+    holders = [Holder(c.node_id, c.shard_start, c.shard_end, seconds_per_layer(c)) for c in candidates]
+    holders += [h for h in book.pending(ask.model, now, {c.node_id for c in candidates}) if h.node_id != ask.node_id]
+    costs = LayerCosts(num_layers=ask.num_layers, layer_bytes=ask.layer_bytes,
+                       kv_bytes_per_token=ask.kv_bytes_per_token, head_bytes=ask.head_bytes,
+                       tail_bytes=ask.tail_bytes)
+    try:
+        placed = place(costs, ask.max_memory_bytes, holders, DEFAULT_KV_RESERVE_TOKENS)
+    except CannotHoldLayer as exc:
+        logger.warning("node %s cannot be placed: %s", ask.node_id, exc)
+        raise HTTPError(422, str(exc), errors.INVALID_REQUEST, "cannot_hold_layer", "max_memory_bytes",
+                        budget_bytes=exc.budget_bytes, needed_bytes=exc.needed_bytes) from None
+    book.hold(ask.model, Holder(ask.node_id, placed.start, placed.end, ask.seconds_per_layer), now,
+              PlacedNode(ask.model, costs, ask.max_memory_bytes, clamp_speed(ask.seconds_per_layer)))
+    logger.info("placed node %s on layers %d-%d of %s (%s; budget %d bytes, %d holders)", ask.node_id, placed.start,
+                placed.end, ask.model, placed.reason, ask.max_memory_bytes, len(holders))
+    answer = PlacementAnswer(shard_start=placed.start, shard_end=placed.end, reason=placed.reason,
+                             kv_reserve_tokens=DEFAULT_KV_RESERVE_TOKENS)
+    return JSONResponse(answer.model_dump(mode="json"))
