@@ -91,7 +91,7 @@ def measure(folder: Path, dtype: torch.dtype, steps: int, max_batch: int) -> For
     from transformers import AutoConfig, AutoTokenizer
 
     from benchmarks.prompts import prompt_token_ids
-    from services.node.model.shard import load_shard
+    from services.node.model.shard_load import load_shard
 
     config = AutoConfig.from_pretrained(folder)
     shard = load_shard(folder, 0, config.num_hidden_layers - 1, dtype, torch.device("cpu"))

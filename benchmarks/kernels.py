@@ -40,7 +40,8 @@ import torch
 from services.node.model.model_source import resolve_model
 from services.node.model.quant import quant_kernel
 from services.node.model.quant.packed import QUANTIZED_DTYPE, QuantMatrix, groups_of
-from services.node.model.shard import Shard, load_shard
+from services.node.model.shard import Shard
+from services.node.model.shard_load import load_shard
 
 logger = logging.getLogger(__name__)
 

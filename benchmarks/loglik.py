@@ -40,7 +40,7 @@ from services.node.model.model_source import resolve_model
 from services.node.model.quant.gguf_file import read_index
 from services.node.model.quant.packed import QUANTIZED_DTYPE
 from services.node.model.quant.quant_load import resolve_format
-from services.node.model.shard import load_shard
+from services.node.model.shard_load import load_shard
 
 logger = logging.getLogger(__name__)
 

@@ -24,7 +24,7 @@ from meshwire import headers as h
 from meshwire.limits import ROUTE_TTL_S
 from meshwire.routes import Route, RouteNode, plan_start_layers, sign_route
 from services.node.model.gguf_model import prepare_gguf_folder
-from services.node.model.shard import load_shard
+from services.node.model.shard_load import load_shard
 from tests.gguf_models import LAYERS, GgufModel, build_gguf_model
 from tests.procs import (
     TEST_ROUTE_KEY,

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from services.node.engine.background import MAX_NICE, BackgroundPool
-from services.node.model.shard import load_shard
+from services.node.model.shard_load import load_shard
 from services.node.pd.kv_pull import _PullJob, _Stopped
 from services.node.pd.kv_transfer import held_positions
 

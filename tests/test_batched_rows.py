@@ -8,7 +8,8 @@ from typing import Final
 import pytest
 import torch
 
-from services.node.model.shard import Shard, ShardCache, load_shard
+from services.node.model.shard import Shard, ShardCache
+from services.node.model.shard_load import load_shard
 
 CPU: Final = torch.device("cpu")
 PROMPT_LENGTHS: Final = (3, 9, 1, 17, 5)

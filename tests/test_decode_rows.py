@@ -16,7 +16,8 @@ import torch
 
 from services.node.model.kv_cache import GrowingLayer
 from services.node.model.quant import quant_kernel
-from services.node.model.shard import Shard, ShardCache, load_shard
+from services.node.model.shard import Shard, ShardCache
+from services.node.model.shard_load import load_shard
 from tests.requirements import needs
 
 CPU: Final = torch.device("cpu")

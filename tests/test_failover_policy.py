@@ -20,7 +20,8 @@ import torch
 
 from services.node.head.failover import Failover, FailoverGaveUp, FailoverPolicy
 from services.node.hop.routing import TrackerRoutes
-from services.node.model.shard import Shard, load_shard
+from services.node.model.shard import Shard
+from services.node.model.shard_load import load_shard
 from services.tracker.app import create_app
 from services.tracker.settings import TrackerSettings
 from tests.procs import TEST_SECRET

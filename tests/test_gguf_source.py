@@ -17,7 +17,7 @@ from transformers import AutoTokenizer, GenerationConfig, LlamaConfig, Qwen2Conf
 from services.node.model.gguf_model import GGUF_MARKER, GgufModelError, check_servable, prepare_gguf_folder
 from services.node.model.model_source import ModelSourceError, resolve_model
 from services.node.model.quant.quant_load import GgufSource
-from services.node.model.shard import load_shard
+from services.node.model.shard_load import load_shard
 from tests.gguf_mesh import reference, serve_family, shards_generate
 from tests.gguf_models import LAYERS, build_gguf_model
 from tests.procs import REPO_ROOT, free_port

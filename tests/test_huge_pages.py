@@ -8,10 +8,10 @@ from typing import Final
 import pytest
 import torch
 
-from services.node.model import shard as shard_module
+from services.node.model import shard_load as shard_module
 from services.node.model.quant.huge_pages import HUGE_PAGE_BYTES, gather
 from services.node.model.quant.packed import QuantMatrix
-from services.node.model.shard import load_shard
+from services.node.model.shard_load import load_shard
 
 CPU: Final = torch.device("cpu")
 PROMPT: Final = [5, 6, 7, 8, 9]

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from services.node.model.lean_decode import lean_decoder_for
-from services.node.model.shard import Shard, load_shard
+from services.node.model.shard import Shard
+from services.node.model.shard_load import load_shard
 
 CPU = torch.device("cpu")
 STEPS = 24

@@ -23,7 +23,7 @@ from services.node.model.model_source import (
     has_chat_template,
     resolve_model,
 )
-from services.node.model.shard import load_shard
+from services.node.model.shard_load import load_shard
 
 CPU = torch.device("cpu")
 

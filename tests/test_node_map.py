@@ -18,6 +18,8 @@ NODE: Final = REPO / "services" / "node"
 LEAVES: Final = frozenset({"settings", "metrics"})
 """Node modules every wing may import; they import nothing of the node."""
 MAX_ROOT_MODULES: Final = 8
+MAX_MODULE_LINES: Final = 700
+"""No module of services/, libs/ or the CLI grows past this: split it by concept first."""
 HEADING: Final = re.compile(r"^(root|[a-z_]+(?:/[a-z_]+)*/) — ", re.MULTILINE)
 ENTRY: Final = re.compile(r"^    ``([a-z_.]+)``", re.MULTILINE)
 
@@ -155,3 +157,9 @@ def test_no_import_cycle_in_services_libs_or_the_cli() -> None:
     for module in sorted(graph):
         if module not in seen:
             visit(module)
+
+
+def test_no_module_grows_past_700_lines() -> None:
+    long = {str(p.relative_to(REPO)): n for p in _project_files()
+            if (n := len(p.read_text().splitlines())) > MAX_MODULE_LINES}
+    assert not long, f"over {MAX_MODULE_LINES} lines: {long}"

@@ -39,7 +39,8 @@ from services.node.model.quant.packed import (
     unpack,
 )
 from services.node.model.quant.quant_load import resolve_format
-from services.node.model.shard import Shard, ShardError, load_shard
+from services.node.model.shard import Shard, ShardError
+from services.node.model.shard_load import load_shard
 from services.node.settings import DEFAULT_MAX_BATCH
 
 CPU = torch.device("cpu")

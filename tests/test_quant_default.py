@@ -23,7 +23,8 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 from services.node.model.model_source import ResolvedModel, resolve_model
 from services.node.model.quant.packed import QUANTIZED_DTYPE
 from services.node.model.quant.quant_load import resolve_format
-from services.node.model.shard import Shard, load_shard
+from services.node.model.shard import Shard
+from services.node.model.shard_load import load_shard
 from tests.procs import Service, start_service, wait_healthy
 from tests.test_quant import _float_reference
 from tests.tiny_mesh import wait_until_servable

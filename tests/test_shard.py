@@ -23,7 +23,8 @@ from services.node.model.chunk_precision import (
 )
 from services.node.model.device import chunk_compute_dtype
 from services.node.model.model_source import resolve_model
-from services.node.model.shard import Shard, ShardCache, ShardError, load_shard
+from services.node.model.shard import Shard, ShardCache, ShardError
+from services.node.model.shard_load import load_shard
 from services.node.sampling.sampler import Sampler, SamplingParams
 from tests.transformers_reference import reference_generate
 

@@ -13,7 +13,8 @@ import torch
 from meshwire.sampling_params import SamplingParams
 from services.node.engine.compute import ComputeWorker, ShardRunner
 from services.node.engine.step_engine import StepResult
-from services.node.model.shard import ShardCache, ShardError, load_shard
+from services.node.model.shard import ShardCache, ShardError
+from services.node.model.shard_load import load_shard
 from services.node.sampling.sampler import Pick, Sampler, SamplingFailed
 
 CPU: Final = torch.device("cpu")

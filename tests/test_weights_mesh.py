@@ -31,7 +31,7 @@ from meshwire import headers as h
 from meshwire.limits import ROUTE_TTL_S
 from meshwire.registry import NodeRegistration
 from meshwire.routes import Route, RouteNode, plan_start_layers, sign_route
-from services.node.model.shard import load_shard
+from services.node.model.shard_load import load_shard
 from tests.procs import (
     TEST_ROUTE_KEY,
     TEST_SECRET,

@@ -86,6 +86,7 @@ model/ — the layers themselves (torch lives here)
     ``model.architecture``    what differs by architecture around the decoder layers (rotary kinds, soft-capping)
     ``model.device``          which device and number format a node runs in
     ``model.shard``           a contiguous range of layers: embed, run layers, LM head; ``run_ragged`` batches
+    ``model.shard_load``      loading a shard: only its layers' tensors, as float or packed, from a folder or a GGUF
     ``model.kv_cache``        a session's KV cache on a shard, grown in place
     ``model.lean_decode``     fused products: decode rows, and a quantized shard's prompt chunks beside them
     ``model.memory_budget``   what one layer costs here (bytes, KV a token, a decode row's time); free memory

@@ -58,7 +58,8 @@ from services.node.model.memory_budget import default_budget_bytes, kv_bytes_per
 from services.node.model.model_source import resolve_model
 from services.node.model.quant.packed import QUANTIZED_DTYPE
 from services.node.model.quant.quant_load import resolve_format
-from services.node.model.shard import Shard, load_shard
+from services.node.model.shard import Shard
+from services.node.model.shard_load import load_shard
 from services.node.pd.handoff_limits import HandoffLimits
 from services.node.pd.kv_pull import KvPuller
 from services.node.pd.kv_transfer import kv_shape

@@ -57,7 +57,7 @@ NodeState = Literal["starting", "ready", "draining", "stopped"]
 """Where a node is in its life: loading, serving, finishing its sessions, gone."""
 WeightsMode = Literal["auto", "float", "int8", "int4"]
 KvDType = Literal["auto", "float16", "bfloat16"]
-"""``--kv-dtype``: what a quantized shard's KV cache keeps (see :func:`services.node.model.shard.load_shard`)."""
+"""``--kv-dtype``: what a quantized shard's KV cache keeps (see :func:`services.node.model.shard_load.load_shard`)."""
 WireDType = Literal["native", "int8"]
 """``--wire-dtype``: how hidden states travel to the next hop (see :mod:`meshwire.q8`)."""
 """``--weights``: see :mod:`services.node.model.quant.quant_load`."""

@@ -20,7 +20,8 @@ from typing import Final
 import torch
 from transformers import PretrainedConfig
 
-from services.node.model.shard import Shard, load_shard
+from services.node.model.shard import Shard
+from services.node.model.shard_load import load_shard
 
 logger = logging.getLogger(__name__)
 

@@ -3,7 +3,7 @@
 A node holds layers ``start..end`` (inclusive) of a Llama-like causal LM
 (Llama, Mistral, Qwen2/Qwen3, SmolLM: ``model.model.layers``,
 ``model.model.embed_tokens``, ``model.model.norm``, ``model.lm_head``,
-``model.model.rotary_emb``). :func:`load_shard` builds the model skeleton on
+``model.model.rotary_emb``). :func:`~services.node.model.shard_load.load_shard` builds the model skeleton on
 the meta device, keeps only the modules this shard needs and reads only their
 tensors from the safetensors files, so the memory of the other layers is never
 allocated. The head (``start == 0``) also holds the token embedding; the tail
@@ -33,15 +33,12 @@ linear layers in float32 too while decode steps stay in half precision: see
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Callable, Sequence
-from pathlib import Path
 from typing import Final, Literal
 
 import torch
-from safetensors import safe_open
 from torch import nn
-from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
+from transformers import PretrainedConfig
 from transformers.cache_utils import get_layer_types_and_kwargs
 from transformers.masking_utils import (
     create_causal_mask,
@@ -50,27 +47,15 @@ from transformers.masking_utils import (
 
 from services.node.model.architecture import (
     PositionEmbeddings,
-    attention_for,
-    divide_rope,
-    materialize_buffers,
     soft_cap,
 )
-from services.node.model.chunk_precision import FLOAT32_ATTENTION, attention_kernel, compute_chunks_in_float32
-from services.node.model.device import chunk_compute_dtype
-from services.node.model.gguf_model import GgufWeights, gguf_of_folder
+from services.node.model.chunk_precision import FLOAT32_ATTENTION, attention_kernel
 from services.node.model.kv_cache import ShardCache
-from services.node.model.lean_decode import LeanDecoder, lean_decoder_for, quantized_lean_decoder, unsupported
-from services.node.model.quant.huge_pages import HugeRegion, gather
+from services.node.model.lean_decode import LeanDecoder
+from services.node.model.quant.huge_pages import HugeRegion
 from services.node.model.quant.packed import KERNEL_MAX_ROWS, QuantLinear
 from services.node.model.quant.quant_load import (
-    GgufSource,
-    SafetensorsSource,
     WeightsFormat,
-    float_state,
-    load_quantized,
-    quantized_problem,
-    returned_transients,
-    strip_linears,
 )
 
 logger = logging.getLogger(__name__)
@@ -137,7 +122,7 @@ class Shard:
         self._norm = norm
         self._lm_head = lm_head
         self._rotary_emb = rotary_emb
-        self._mask_kinds: dict[int, MaskKind] = _mask_kinds(config, start, end)
+        self._mask_kinds: dict[int, MaskKind] = mask_kinds_of(config, start, end)
         self._positions = PositionEmbeddings(rotary_emb, set(self._mask_kinds.values()))
         self.lean = lean
         self.huge_region: HugeRegion | None = None
@@ -438,7 +423,7 @@ def _check_follows(position_offset: int, held: int) -> None:
         raise ShardError(f"position offset {position_offset} does not follow the {held} tokens in the KV cache")
 
 
-def _mask_kinds(config: PretrainedConfig, start: int, end: int) -> dict[int, MaskKind]:
+def mask_kinds_of(config: PretrainedConfig, start: int, end: int) -> dict[int, MaskKind]:
     layer_types, _ = get_layer_types_and_kwargs(config.get_text_config(decoder=True))
     kinds: dict[int, MaskKind] = {}
     for index in range(start, end + 1):
@@ -447,228 +432,3 @@ def _mask_kinds(config: PretrainedConfig, start: int, end: int) -> dict[int, Mas
             raise ShardError(f"layer {index} has attention type {kind!r}, which meshnet does not support")
         kinds[index] = kind  # type: ignore[assignment]
     return kinds
-
-
-def load_shard(path: Path, start: int, end: int, dtype: torch.dtype, device: torch.device,
-               weights: WeightsFormat = "float", gguf: Path | None = None, kv_dtype: str = "auto") -> Shard:
-    """Load layers ``start..end`` (inclusive) of the model in folder ``path``.
-
-    Only the tensors of the kept modules are read from the safetensors files;
-    the rest of the model exists only as a meta-device skeleton while loading.
-    ``weights`` ``int8``/``int4`` packs the layers' products (and the embedding
-    / LM head) as they are read, from ``gguf``'s blocks when given
-    (:mod:`services.node.model.quant.quant_load`); layers the quantized path cannot take
-    load as ``float``, and the log says why.
-    """
-    began = time.perf_counter()
-    if not (path / "config.json").is_file():
-        raise ShardError(f"{path} is not a model folder (no config.json)")
-    config = AutoConfig.from_pretrained(path, local_files_only=True)
-    num_layers = config.num_hidden_layers
-    if not 0 <= start <= end < num_layers:
-        raise ShardError(
-            f"layers {start}-{end} are not a range within the model's {num_layers} layers (0-{num_layers - 1})"
-        )
-
-    weights_file = gguf_of_folder(path)  # --model FILE.gguf: the weights are in the file, not the folder
-    chunk_dtype = chunk_compute_dtype(dtype, device)
-    attention = attention_kernel(dtype, device)
-    model_class = AutoModelForCausalLM._model_mapping[type(config)]
-    attention = attention_for(model_class, attention, config)
-    with torch.device("meta"):
-        skeleton = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=attention)
-    config = skeleton.config  # the object the layers read at run time (attention kernel, layer types)
-    decoder = _decoder_of(skeleton)
-    is_head, is_tail = start == 0, end == num_layers - 1
-
-    modules = nn.Module()
-    modules.model = nn.Module()
-    modules.model.layers = nn.ModuleDict({str(i): decoder.layers[i] for i in range(start, end + 1)})
-    if is_head:
-        modules.model.embed_tokens = decoder.embed_tokens
-    if is_tail:
-        modules.model.norm = decoder.norm
-        modules.lm_head = skeleton.lm_head
-    layers = {i: modules.model.layers[str(i)] for i in range(start, end + 1)}
-    mask_kinds = _mask_kinds(config, start, end)
-    served: WeightsFormat = "float"
-    if weights != "float":
-        why = quantized_problem(config, device, unsupported(config, layers, mask_kinds))
-        if why is None:
-            served = weights
-        else:
-            logger.warning("--weights %s: layers %d-%d load as float instead: %s", weights, start, end, why)
-    if served == "float":
-        if chunk_dtype != dtype:
-            compute_chunks_in_float32(modules.model.layers)
-        if weights_file is not None:
-            _load_gguf_weights(weights_file, modules, config, dtype, device)
-        else:
-            _load_weights(path, modules, config, dtype, device)
-    else:
-        chunk_dtype = dtype
-        _load_packed(path, gguf or weights_file, modules, layers, config, served, dtype, device, is_head=is_head,
-                     is_tail=is_tail)
-    huge = gather(modules) if served != "float" and device.type == "cpu" else None
-
-    with torch.device(device):
-        rotary_emb = type(decoder.rotary_emb)(config=config)
-    rotary_emb.eval()
-    if weights_file is not None:
-        with GgufWeights(weights_file, config) as source:
-            if (divisors := source.rope_divisors()) is not None:
-                divide_rope(rotary_emb, divisors.to(device))
-    modules.eval()
-    if served == "float":
-        lean = lean_decoder_for(config, layers, dtype, device, mask_kinds)
-    else:
-        lean = quantized_lean_decoder(config, layers)
-
-    shard = Shard(
-        config=config,
-        start=start,
-        end=end,
-        modules=modules,
-        layers=layers,
-        embed_tokens=modules.model.embed_tokens if is_head else None,
-        norm=modules.model.norm if is_tail else None,
-        lm_head=modules.lm_head if is_tail else None,
-        rotary_emb=rotary_emb,
-        dtype=dtype,
-        device=device,
-        chunk_dtype=chunk_dtype,
-        lean=lean,
-        weights_format=served,
-    )
-    shard.huge_region = huge
-    if kv_dtype != "auto":
-        if served == "float":
-            logger.warning("--kv-dtype %s applies to quantized weights only: layers %d-%d keep their KV cache as %s",
-                           kv_dtype, start, end, _name(shard.kv_dtype or dtype))
-        else:
-            shard.kv_dtype = KV_DTYPES[kv_dtype]
-    chunks = (
-        ""
-        if chunk_dtype == dtype
-        else f" (multi-token chunks in {_name(chunk_dtype)}: no native {_name(dtype)} matrix kernels here)"
-    )
-    logger.info(
-        "loaded layers %d-%d of %d (%s) as %s%s on %s%s, KV cache as %s: %.1f MiB in %.2f s",
-        start,
-        end,
-        num_layers,
-        shard.role,
-        _name(dtype),
-        "" if served == "float" else f" with {served} weights" + (f" from {gguf.name}" if gguf else ""),
-        device,
-        chunks,
-        _name(shard.kv_dtype or dtype),
-        shard.weight_bytes() / (1 << 20),
-        time.perf_counter() - began,
-    )
-    return shard
-
-
-def _name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
-def _decoder_of(skeleton: nn.Module) -> nn.Module:
-    """The inner decoder (``model.model``), checked for the parts a shard needs."""
-    decoder = getattr(skeleton, "model", None)
-    needed = ("layers", "embed_tokens", "norm", "rotary_emb")
-    if (
-        decoder is None
-        or not all(hasattr(decoder, name) for name in needed)
-        or not hasattr(skeleton, "lm_head")
-    ):
-        raise ShardError(
-            f"{type(skeleton).__name__} is not a Llama-like decoder-only model "
-            "(needs model.layers, model.embed_tokens, model.norm, model.rotary_emb and lm_head)"
-        )
-    return decoder
-
-
-def _load_weights(
-    path: Path,
-    modules: nn.Module,
-    config: PretrainedConfig,
-    dtype: torch.dtype,
-    device: torch.device,
-) -> None:
-    """Read exactly the tensors ``modules`` names from the safetensors files and assign them."""
-    wanted = set(modules.state_dict().keys())
-    # A tied LM head *is* the embedding (as in transformers), whatever else the checkpoint stores.
-    tied = LM_HEAD_KEY in wanted and bool(getattr(config, "tie_word_embeddings", False))
-    files = sorted(path.glob("*.safetensors"))
-    if not files:
-        raise ShardError(f"no .safetensors files in {path}")
-
-    state: dict[str, torch.Tensor] = {}
-    for file in files:
-        with safe_open(str(file), framework="pt", device="cpu") as reader:
-            for key in reader.keys():  # noqa: SIM118 - safe_open is not a mapping
-                if tied and key == LM_HEAD_KEY:
-                    continue
-                if key in wanted:
-                    state[key] = _cast(reader.get_tensor(key), dtype, device)
-                elif tied and key == EMBED_KEY:
-                    state[LM_HEAD_KEY] = _cast(reader.get_tensor(key), dtype, device)
-    if tied and EMBED_KEY in state:
-        state[LM_HEAD_KEY] = state[EMBED_KEY]  # head and tail on one node: one matrix, two roles
-
-    missing = sorted(wanted - state.keys())
-    if missing:
-        raise ShardError(f"checkpoint in {path} lacks {len(missing)} tensors, e.g. {missing[:3]}")
-    modules.load_state_dict(state, strict=True, assign=True)
-    materialize_buffers(modules, device)
-    leftover = [name for name, t in [*modules.named_parameters(), *modules.named_buffers()] if t.is_meta]
-    if leftover:
-        raise ShardError(f"tensors not in the checkpoint and not computable: {leftover[:3]}")
-
-
-def _load_gguf_weights(gguf: Path, modules: nn.Module, config: PretrainedConfig, dtype: torch.dtype,
-                       device: torch.device) -> None:
-    """Read exactly the tensors ``modules`` names from the GGUF (:class:`GgufWeights`) and assign them."""
-    wanted = set(modules.state_dict().keys())
-    tied = LM_HEAD_KEY in wanted and bool(getattr(config, "tie_word_embeddings", False))
-    state: dict[str, torch.Tensor] = {}
-    with GgufWeights(gguf, config) as source:
-        for key in sorted(wanted):
-            tensor = source.tensor(EMBED_KEY if tied and key == LM_HEAD_KEY else key)
-            if tensor is not None:
-                state[key] = _cast(tensor, dtype, device)
-    if tied and EMBED_KEY in state:
-        state[LM_HEAD_KEY] = state[EMBED_KEY]
-    missing = sorted(wanted - state.keys())
-    if missing:
-        raise ShardError(f"{gguf.name} lacks {len(missing)} tensors this shard needs, e.g. {missing[:3]}")
-    modules.load_state_dict(state, strict=True, assign=True)
-    materialize_buffers(modules, device)
-    leftover = [name for name, t in [*modules.named_parameters(), *modules.named_buffers()] if t.is_meta]
-    if leftover:
-        raise ShardError(f"tensors not in {gguf.name} and not computable: {leftover[:3]}")
-
-
-def _load_packed(path: Path, gguf: Path | None, modules: nn.Module, layers: dict[int, nn.Module],
-                 config: PretrainedConfig, fmt: WeightsFormat, dtype: torch.dtype, device: torch.device, *,
-                 is_head: bool, is_tail: bool) -> None:
-    """The quantized load: norms and biases as floats, every product packed as it is read."""
-    assert fmt != "float"
-    strip_linears(layers)
-    if is_head:
-        del modules.model.embed_tokens
-    if is_tail:
-        del modules.lm_head
-    source = GgufSource(gguf, config) if gguf is not None else SafetensorsSource(path)
-    wanted = set(modules.state_dict().keys())
-    modules.load_state_dict(float_state(source, wanted, dtype, device), strict=True, assign=True)
-    with returned_transients():
-        load_quantized(source, modules, layers, fmt, dtype, has_embedding=is_head, has_head=is_tail,
-                       tied=bool(getattr(config, "tie_word_embeddings", False)))
-
-
-def _cast(tensor: torch.Tensor, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    if tensor.is_floating_point():
-        return tensor.to(device=device, dtype=dtype)
-    return tensor.to(device=device)
