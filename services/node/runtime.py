@@ -32,6 +32,7 @@ from services.node.api.forward import ForwardService
 from services.node.api.kv_serve import KvServeService
 from services.node.engine.compute import ComputeWorker, ShardRunner, one_torch_thread
 from services.node.engine.cpu_gate import cpu_gate_for
+from services.node.engine.faults import FaultInjector
 from services.node.engine.sessions import SessionTable, run_sweeper
 from services.node.head.draft_model import load_draft_model
 from services.node.head.generation import Generator
@@ -160,7 +161,9 @@ class NodeRuntime:
                                   on_batch=self.metrics.batch_rows.observe)
         stepper = RouteStepper(node_id=self.node_id, runner=self.runner, sessions=self.sessions,
                                sender=RowSender(self.hops, max_rows=s.max_batch), metrics=self.metrics,
-                               wire_dtype=s.wire_dtype)
+                               wire_dtype=s.wire_dtype, faults=FaultInjector(s.fault, self.metrics))
+        if s.fault is not None and s.fault.kind == "wrong-token" and not self.shard.is_tail:
+            logger.warning("--fault %s: this node is not a tail, so it answers no tokens to change", s.fault)
         self.grammar = GrammarEngine(resolved.path, self.shard.vocab_size, eos_ids_of(resolved.path, self.shard.config))
         shape = kv_shape(self.shard)
         handoff_limits = HandoffLimits(max_held=s.handoff_max_held, max_bytes=s.handoff_max_bytes,

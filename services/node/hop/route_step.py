@@ -40,6 +40,7 @@ from meshwire.frames import Encoding, encode_frame
 from meshwire.routes import RouteNode
 from meshwire.sampling_params import TokenLogprobs
 from services.node.engine.compute import ShardRunner
+from services.node.engine.faults import FaultInjector
 from services.node.engine.sessions import Session, SessionTable
 from services.node.hop.hop_client import ChainFailure, hop_failed
 from services.node.hop.row_sender import RowSender
@@ -87,13 +88,15 @@ class RouteStepper:
     """Runs a session's step on this node's layers and passes the result down the route."""
 
     def __init__(self, *, node_id: str, runner: ShardRunner, sessions: SessionTable, sender: RowSender,
-                 metrics: NodeMetrics, wire_dtype: WireDType = "native") -> None:
+                 metrics: NodeMetrics, wire_dtype: WireDType = "native", faults: FaultInjector | None = None) -> None:
         self.node_id = node_id
         self._runner = runner
         self._sessions = sessions
         self._sender = sender
         self._metrics = metrics
         self._encoding = WIRE_ENCODINGS[wire_dtype]
+        self._faults = faults or FaultInjector(None, metrics)
+        """``--fault``: what this node's output is perturbed with as it leaves (nothing, but in tests)."""
         self._plain_hops: set[str] = set()
         """Next hops (node ids) that refused ``self._encoding``: they are sent exact frames."""
         self._unspeculative_hops: set[str] = set()
@@ -113,6 +116,8 @@ class RouteStepper:
         only: the rows of rejected drafts are dropped as the answer passes back.
         """
         self._sessions.ensure_room(session, position_offset + tokens)
+        if onward is None and hidden is not None:  # a tail sends no hidden states on: its layers compute wrong
+            hidden = self._faults.hidden(position_offset, hidden)
         result = await self._runner.step(session.cache, position_offset=position_offset, from_layer=from_layer,
                                          ids=ids, hidden=hidden, sampler=sampler,
                                          score=score if onward is None else None,
@@ -122,11 +127,12 @@ class RouteStepper:
         self._metrics.positions_computed.inc(tokens)
         timings = {self.node_id: round(result.compute_ms, 3)}
         if onward is None:
-            if draft is not None and result.run is not None:
-                self._keep(session, position_offset, len(result.run))
-            return StepDone(result.token, timings, result.logprobs, result.scored, result.run)
+            token, run = self._answered(position_offset, result.token, result.run)
+            if draft is not None and run is not None:
+                self._keep(session, position_offset, len(run))
+            return StepDone(token, timings, result.logprobs, result.scored, run)
         assert result.hidden is not None, "a shard that is not the tail always passes hidden states on"
-        hidden = result.hidden
+        hidden = self._faults.hidden(position_offset, result.hidden)
         if onward.info.draft is not None and _address(onward.node) in self._unspeculative_hops:
             hidden, onward = self._unspeculative(session, position_offset, hidden, onward)
         encoding = "identity" if onward.node.node_id in self._plain_hops else self._encoding
@@ -158,6 +164,17 @@ class RouteStepper:
             self._keep(session, position_offset, len(run))
         return StepDone(answer.token, {**timings, **answer.node_timings_ms}, answer.logprobs, answer.scored,
                         run, unverified=bool(answer.unverified))
+
+    def _answered(self, position_offset: int, token: int | None,
+                  run: tuple[Pick, ...] | None) -> tuple[int | None, tuple[Pick, ...] | None]:
+        """The token (and speculative run) this tail answers: what it sampled, unless ``--fault wrong-token``
+        picks this step (then a run is cut to its first, wrong, token)."""
+        if token is None:
+            return token, run
+        answered = self._faults.token(position_offset, token, self._runner.shard.vocab_size)
+        if answered == token:
+            return token, run
+        return answered, None if run is None else (Pick(answered, run[0].logprobs),)
 
     def _unspeculative(self, session: Session, position_offset: int, hidden: torch.Tensor,
                        onward: Onward) -> tuple[torch.Tensor, Onward]:
