@@ -23,7 +23,16 @@ from pydantic import ValidationError
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from meshwire import headers as h
+from meshwire.frames import encode_frame
 from meshwire.limits import ROUTE_TTL_S
+from meshwire.receipts import (
+    RECEIPT,
+    ReceiptProblem,
+    answer_digest,
+    parse_receipt,
+    sha256_hex,
+    verify_receipt,
+)
 from meshwire.routes import Route, RouteNode, plan_start_layers, sign_route
 from services.node.engine.faults import FaultInjector
 from services.node.metrics import NodeMetrics
@@ -39,6 +48,7 @@ from tests.procs import (
 )
 
 NUM_LAYERS = 4
+HIDDEN = 64
 PROMPT = [{"role": "user", "content": "Where does the river run before it reaches the sea?"}]
 MAX_TOKENS = 16
 LAYERS = {"front": (0, 1), "front_corrupt": (0, 1), "back": (2, 3), "back_corrupt": (2, 3), "back_wrong": (2, 3)}
@@ -189,3 +199,38 @@ def test_a_faulty_node_changes_the_answer_the_same_way_each_time(
     assert answer != _expected(reference, tokenizer)
     assert _faults_injected(faulty) > before
     assert _ask(nodes, front, back) == answer  # drawn per position: reproducible
+
+
+# --- receipts from real hops (meshwire.receipts) ------------------------------------------------------------
+
+
+def test_a_hop_answers_a_step_with_a_receipt_binding_its_input_and_its_output(nodes: dict[str, Service]) -> None:
+    """A raw frame to the tail of ``front -> back``: its receipt verifies with ``back``'s hop key, binds the
+    body sent and the token answered, and is refused when shown for another step (a replay)."""
+    hops = [RouteNode(node_id=name, endpoint=nodes[name].url, shard_start=LAYERS[name][0], shard_end=LAYERS[name][1],
+                      start_layer=LAYERS[name][0], hop_key=node_hop_key(name).public_text) for name in ("front", "back")]
+    model = httpx.get(f"{nodes['back'].url}/health").json()["model"]
+    route = sign_route(Route(model=model, nodes=plan_start_layers(hops), num_layers=NUM_LAYERS), TEST_ROUTE_KEY,
+                       ttl_s=ROUTE_TTL_S)
+    hidden = torch.randn((1, 3, HIDDEN), generator=torch.Generator().manual_seed(5))
+    headers, body = encode_frame(hidden, session="receipt-session", extra={
+        h.ROUTE: route, h.HOP_INDEX: "1", h.START_LAYER: "2", h.STEP: "0", h.POSITION_OFFSET: "0",
+        h.SAMPLING: '{"temperature": 0.0, "top_p": 1.0, "top_k": 0, "seed": 0}',
+        "Authorization": f"Bearer {TEST_SECRET}"})
+    response = httpx.post(f"{nodes['back'].url}/forward", headers=headers, content=body, timeout=30)
+    assert response.status_code == 200, response.text
+    receipt = parse_receipt(response.headers[RECEIPT])
+    step = {"route_token": route, "session": "receipt-session", "node_id": "back", "hop_index": 1,
+            "position_offset": 0, "positions": 3}
+    key = node_hop_key("back").private.public_key()
+    verify_receipt(receipt, key, **step, step=0)
+    assert receipt.fields.input_sha256 == sha256_hex(body)
+    assert receipt.fields.output_sha256 == answer_digest([response.json()["token"]])
+    with pytest.raises(ReceiptProblem, match="replay"):
+        verify_receipt(receipt, key, **step, step=1)
+    with pytest.raises(ReceiptProblem, match="forged"):
+        verify_receipt(receipt, node_hop_key("back_corrupt").private.public_key(), **{**step, "node_id": "back"},
+                       step=0)
+    httpx.post(f"{nodes['back'].url}/forward", timeout=30, content=b"", headers={
+        h.WIRE: h.WIRE_VERSION, h.SESSION: "receipt-session", h.CONTROL: "close", h.ROUTE: route, h.HOP_INDEX: "1",
+        h.START_LAYER: "2", "Authorization": f"Bearer {TEST_SECRET}"})

@@ -17,10 +17,10 @@ from meshwire.receipts import (
     Receipt,
     ReceiptProblem,
     SeenReceipts,
+    answer_digest,
     make_receipt,
     parse_receipt,
     sha256_hex,
-    token_digest,
     verify_receipt,
 )
 from meshwire.route_keys import SigningKey, b64encode
@@ -33,7 +33,7 @@ NOW = 1_800_000_000.0
 
 def _receipt(**changes: Any) -> Receipt:
     return make_receipt(HOP_KEY, **{**STEP, **changes}, input_sha256=sha256_hex(b"frame in"),
-                        output_sha256=token_digest(17), now=NOW)
+                        output_sha256=answer_digest([17]), now=NOW)
 
 
 def _verify(receipt: Receipt, key: SigningKey = HOP_KEY, **changes: Any) -> None:
@@ -47,12 +47,12 @@ def test_an_honest_receipt_travels_as_one_line_and_verifies() -> None:
     parsed = parse_receipt(line)
     assert parsed == receipt
     _verify(parsed)
-    assert parsed.fields.output_sha256 == token_digest(17) != token_digest(18)
+    assert parsed.fields.output_sha256 == answer_digest([17]) != answer_digest([18])
 
 
 def test_a_receipt_with_a_field_changed_is_refused_as_forged() -> None:
     receipt = _receipt()
-    for name, value in (("output_sha256", token_digest(18)), ("input_sha256", sha256_hex(b"other")),
+    for name, value in (("output_sha256", answer_digest([18])), ("input_sha256", sha256_hex(b"other")),
                         ("step", 4), ("node_id", "mid")):
         forged = Receipt(fields=receipt.fields.model_copy(update={name: value}), signature=receipt.signature)
         with pytest.raises(ReceiptProblem, match="forged"):

@@ -7,7 +7,7 @@ signed route names for it, :mod:`meshwire.route_keys`), a digest binding:
 - the session, the step, the hop's index in the route and the node id,
 - the positions it ran (first position and count),
 - the SHA-256 of its input (the frame body it received) and of its output
-  (the frame body it sent on; at a tail, :func:`token_digest` of its answer).
+  (the frame body it sent on; at a tail, :func:`answer_digest` of the tokens it answered).
 
 It travels back in :data:`RECEIPT` (one compact line). Whoever checks it (the
 tracker, keeping a bounded window of recent receipts) verifies the signature
@@ -25,7 +25,7 @@ import hashlib
 import re
 import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Annotated, Final
 
 import orjson
@@ -111,9 +111,10 @@ def route_digest(route_token: str) -> str:
     return sha256_hex(route_token.encode("utf-8"))
 
 
-def token_digest(token: int) -> str:
-    """A tail's output as a receipt hashes it: the token id it answered."""
-    return sha256_hex(b"token:" + str(token).encode("ascii"))
+def answer_digest(tokens: Sequence[int]) -> str:
+    """A tail's output as a receipt hashes it: the token ids it answered (a speculative run's several; none on
+    a prompt chunk that samples nothing)."""
+    return sha256_hex(b"tokens:" + ",".join(str(int(token)) for token in tokens).encode("ascii"))
 
 
 def make_receipt(key: SigningKey, *, route_token: str, session: str, node_id: str, hop_index: int, step: int,

@@ -184,7 +184,8 @@ class NodeRuntime:
         self.forward = ForwardService(node_id=self.node_id, model_id=self.model_id, auth=self.hop_auth,
                                       runner=self.runner, sessions=self.sessions, hops=self.hops, stepper=stepper,
                                       metrics=self.metrics, frame_limits=FrameLimits(max_bytes=s.max_frame_bytes),
-                                      grammar=self.grammar, puller=self.puller, handoff_limits=handoff_limits)
+                                      grammar=self.grammar, puller=self.puller, handoff_limits=handoff_limits,
+                                      hop_key=self.hop_key)
         if self.membership is not None:
             self.kv_serve = KvServeService(
                 node_id=self.node_id, model_id=self.model_id, auth=self.hop_auth, hop_key=self.hop_key,

@@ -37,6 +37,7 @@ import torch
 
 from meshwire.forward_step import ForwardAnswer, Scoring, StepInfo
 from meshwire.frames import Encoding, encode_frame
+from meshwire.receipts import answer_digest, sha256_hex
 from meshwire.routes import RouteNode
 from meshwire.sampling_params import TokenLogprobs
 from services.node.engine.compute import ShardRunner
@@ -82,6 +83,9 @@ class StepDone:
     """On a speculative step: the verified run (``token`` is its first)."""
     unverified: bool = False
     """On a speculative step: a hop of the route does not take speculative frames, so nothing was verified."""
+    output_sha256: str | None = None
+    """What this node's own output hashes to, for its receipt (:mod:`meshwire.receipts`): the frame body it sent
+    on, or at the end of the route the tokens it answered."""
 
 
 class RouteStepper:
@@ -130,14 +134,15 @@ class RouteStepper:
             token, run = self._answered(position_offset, result.token, result.run)
             if draft is not None and run is not None:
                 self._keep(session, position_offset, len(run))
-            return StepDone(token, timings, result.logprobs, result.scored, run)
+            answered = () if token is None else [pick.token for pick in run] if run is not None else [token]
+            return StepDone(token, timings, result.logprobs, result.scored, run, output_sha256=answer_digest(answered))
         assert result.hidden is not None, "a shard that is not the tail always passes hidden states on"
         hidden = self._faults.hidden(position_offset, result.hidden)
         if onward.info.draft is not None and _address(onward.node) in self._unspeculative_hops:
             hidden, onward = self._unspeculative(session, position_offset, hidden, onward)
         encoding = "identity" if onward.node.node_id in self._plain_hops else self._encoding
         try:
-            answer = await self._send(session, hidden, onward, encoding)
+            answer, sent = await self._send(session, hidden, onward, encoding)
         except ChainFailure as exc:
             if exc.failed_node != onward.node.node_id:
                 raise
@@ -153,7 +158,7 @@ class RouteStepper:
                 encoding = "identity"
             else:
                 raise
-            answer = await self._send(session, hidden, onward, encoding)
+            answer, sent = await self._send(session, hidden, onward, encoding)
         if onward.info.draft is None and draft is not None:  # the route past here verified nothing: a run of one
             if answer.token is None:
                 raise hop_failed(onward.node.node_id, "it answered a decode step without a token")
@@ -163,7 +168,7 @@ class RouteStepper:
         if run is not None:
             self._keep(session, position_offset, len(run))
         return StepDone(answer.token, {**timings, **answer.node_timings_ms}, answer.logprobs, answer.scored,
-                        run, unverified=bool(answer.unverified))
+                        run, unverified=bool(answer.unverified), output_sha256=sent)
 
     def _answered(self, position_offset: int, token: int | None,
                   run: tuple[Pick, ...] | None) -> tuple[int | None, tuple[Pick, ...] | None]:
@@ -189,13 +194,15 @@ class RouteStepper:
         """Drop the KV rows of a speculative step's rejected positions: keep ``positions`` from ``position_offset``."""
         session.cache.truncate(position_offset + positions)
 
-    async def _send(self, session: Session, hidden: torch.Tensor, onward: Onward, encoding: Encoding) -> ForwardAnswer:
+    async def _send(self, session: Session, hidden: torch.Tensor, onward: Onward,
+                    encoding: Encoding) -> tuple[ForwardAnswer, str]:
+        """Send ``hidden`` on as one frame; the answer, and the SHA-256 of the body sent (for this hop's receipt)."""
         headers, body = encode_frame(hidden, session=session.session_id, chunk_index=onward.chunk_index,
                                      chunk_total=onward.chunk_total, encoding=encoding,
                                      wire_version=onward.info.wire_version, extra=onward.info.headers())
         self._metrics.frame_bytes_sent.labels(encoding=encoding).inc(len(body))
         self._metrics.frame_tokens_sent.labels(encoding=encoding).inc(int(hidden.shape[1]))
-        return await self._sender.send(onward.node, headers, body)
+        return await self._sender.send(onward.node, headers, body), sha256_hex(body)
 
 
 def _address(node: RouteNode) -> str:
