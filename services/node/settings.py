@@ -176,8 +176,9 @@ class NodeSettings(BaseSettings, SlowClientSettings, TlsClientSettings):
     """``auto`` (the first CUDA GPU, else the CPU), ``cpu``, ``cuda`` or ``cuda:N``."""
     weights: WeightsMode = "auto"
     """Format the layers' weights are held in: ``float`` (the ``dtype``), or ``int8``/``int4`` packed with
-    group-wise scales; ``auto`` serves a quantized file (the default model's Q4_1 GGUF) quantized, a float
-    checkpoint as float."""
+    group-wise scales (a GGUF's Q4_0/Q4_1/Q4_K/Q5_0/Q5_1/Q5_K/Q6_K/Q8_0 matrices as the file holds them: see "Weights held quantized");
+    ``auto`` serves a quantized file (the default model's Q4_1 GGUF, a Q4_K_M file) packed, a float checkpoint, or a file
+    holding another type (Q3_K, IQ*), as float."""
     kv_dtype: KvDType = "auto"
     """Format of the KV cache of quantized layers: ``auto`` keeps the compute format (float32, exact), ``float16``
     or ``bfloat16`` half the bytes, so long contexts take half the memory and their decode steps read half
