@@ -73,6 +73,7 @@ engine/ — the compute thread, the session table, batched turns
     ``engine.cpu_gate``    co-located nodes take turns on the machine's cores
     ``engine.openmp``      how OpenMP threads wait (set before torch loads)
     ``engine.background``  threads for background work at a lower CPU priority
+    ``engine.faults``      ``--fault``: perturbing this node's output on purpose (tests and demonstrations)
 
 sampling/ — choosing the next token at the tail
     ``sampling.sampler``      the tail's seeded, replayable sampler

@@ -115,6 +115,9 @@ class NodeMetrics:
                                        registry=r)
         self.kv_pull_seconds = Histogram("meshnet_node_kv_pull_seconds", "Time to pull one handoff's KV",
                                          buckets=LATENCY_BUCKETS_S, registry=r)
+        self.faults_injected = Counter("meshnet_node_faults_injected",
+                                       "Outputs this node perturbed on purpose (--fault, tests only), by kind "
+                                       "(corrupt-output, wrong-token)", ["kind"], registry=r)
         self.pd_requests = Counter("meshnet_node_pd_requests",
                                    "Requests this head prefilled on prefill nodes, by outcome (handoff: decoded on "
                                    "the pulled KV; fallback: the decode route prefilled itself)", ["outcome"],

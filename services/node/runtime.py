@@ -37,6 +37,7 @@ from services.node.api.forward import ForwardService
 from services.node.api.kv_serve import KvServeService
 from services.node.engine.compute import ComputeWorker, ShardRunner, one_torch_thread
 from services.node.engine.cpu_gate import cpu_gate_for
+from services.node.engine.faults import FaultInjector
 from services.node.engine.sessions import SessionTable, run_sweeper
 from services.node.head.chain import ChainOpener
 from services.node.head.draft_model import load_draft_model
@@ -229,11 +230,14 @@ class NodeRuntime:
         path = self._load_args[0]
         stepper = RouteStepper(node_id=self.node_id, runner=runner, sessions=self.sessions,
                                sender=RowSender(self.hops, max_rows=s.max_batch), metrics=self.metrics,
-                               wire_dtype=s.wire_dtype)
+                               wire_dtype=s.wire_dtype, faults=FaultInjector(s.fault, self.metrics))
+        if s.fault is not None and s.fault.kind == "wrong-token" and not shard.is_tail:
+            logger.warning("--fault %s: this node is not a tail, so it answers no tokens to change", s.fault)
         forward = ForwardService(node_id=self.node_id, model_id=self.model_id, auth=self.hop_auth,
                                  runner=runner, sessions=self.sessions, hops=self.hops, stepper=stepper,
                                  metrics=self.metrics, frame_limits=FrameLimits(max_bytes=s.max_frame_bytes),
-                                 grammar=self.grammar, puller=self.puller, handoff_limits=self._handoff_limits)
+                                 grammar=self.grammar, puller=self.puller, handoff_limits=self._handoff_limits,
+                                 hop_key=self.hop_key)
         kv_serve = None
         if self.membership is not None:
             kv_serve = KvServeService(

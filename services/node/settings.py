@@ -8,12 +8,13 @@ operator can tighten it and a reviewer can find it.
 
 from __future__ import annotations
 
+import os
 import re
 import uuid
 from pathlib import Path
 from typing import Annotated, Final, Literal
 
-from pydantic import BeforeValidator, Field, field_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from meshwire import limits, tls
@@ -83,6 +84,49 @@ def parse_size(value: object) -> object:
 
 _LAYERS = re.compile(r"^\s*(\d{1,5})\s*-\s*(\d{1,5})\s*$")
 _DEVICE = re.compile(r"^(auto|cpu|cuda(:\d{1,3})?|mps)$")
+
+
+ALLOW_FAULTS_ENV: Final = "MESHNET_ALLOW_FAULTS"
+"""The variable that must be ``1`` for a node to take ``--fault`` (fault injection is for tests and demonstrations)."""
+FaultKind = Literal["corrupt-output", "wrong-token"]
+"""``corrupt-output``: perturb the hidden states sent on; ``wrong-token``: a tail answers another token than it sampled."""
+MAX_FAULT_SPEC_CHARS: Final = 64
+_FAULT_SPEC = re.compile(r"^\s*([a-z-]{1,32})\s*:\s*([0-9.eE+-]{1,24})\s*$")
+
+
+class FaultSpec(BaseModel):
+    """``--fault KIND:P``: which fault a node injects, and in what fraction ``P`` (0 < P <= 1) of its steps."""
+
+    model_config = ConfigDict(frozen=True, strict=True, extra="forbid")
+
+    kind: FaultKind
+    rate: float = Field(gt=0.0, le=1.0)
+
+    def __str__(self) -> str:
+        return f"{self.kind}:{self.rate:g}"
+
+
+def _fault_spec(value: object) -> object:
+    """``"corrupt-output:0.5"`` -> :class:`FaultSpec` (``None`` when empty); a clear error naming the form."""
+    if value is None or isinstance(value, FaultSpec):
+        return value
+    if not isinstance(value, str):
+        raise ValueError("fault must be a string KIND:P")  # noqa: TRY004 - pydantic reports ValueError only
+    if not value.strip():
+        return None
+    match = _FAULT_SPEC.match(value) if len(value) <= MAX_FAULT_SPEC_CHARS else None
+    if match is None:
+        raise ValueError(f"fault must be 'corrupt-output:P' or 'wrong-token:P' (0 < P <= 1), got {value[:80]!r}")
+    kind, rate_text = match.groups()
+    if kind not in ("corrupt-output", "wrong-token"):
+        raise ValueError(f"fault kind must be corrupt-output or wrong-token, got {kind!r}")
+    try:
+        rate = float(rate_text)
+    except ValueError:
+        raise ValueError(f"fault rate {rate_text!r} is not a number") from None
+    if not 0.0 < rate <= 1.0:  # also refuses nan
+        raise ValueError(f"fault rate must be in (0, 1], got {rate_text}")
+    return FaultSpec(kind=kind, rate=rate)
 
 
 MAX_TRACKERS: Final = 16
@@ -156,8 +200,9 @@ class NodeSettings(BaseSettings, SlowClientSettings, TlsClientSettings):
     """``auto`` (the first CUDA GPU, else the CPU), ``cpu``, ``cuda`` or ``cuda:N``."""
     weights: WeightsMode = "auto"
     """Format the layers' weights are held in: ``float`` (the ``dtype``), or ``int8``/``int4`` packed with
-    group-wise scales; ``auto`` serves a quantized file (the default model's Q4_1 GGUF) quantized, a float
-    checkpoint as float."""
+    group-wise scales (a GGUF's Q4_0/Q4_1/Q4_K/Q5_0/Q5_1/Q5_K/Q6_K/Q8_0 matrices as the file holds them: see "Weights held quantized");
+    ``auto`` serves a quantized file (the default model's Q4_1 GGUF, a Q4_K_M file) packed, a float checkpoint, or a file
+    holding another type (Q3_K, IQ*), as float."""
     kv_dtype: KvDType = "auto"
     """Format of the KV cache of quantized layers: ``auto`` keeps the compute format (float32, exact), ``float16``
     or ``bfloat16`` half the bytes, so long contexts take half the memory and their decode steps read half
@@ -218,6 +263,10 @@ class NodeSettings(BaseSettings, SlowClientSettings, TlsClientSettings):
     wire_dtype: WireDType = "native"
     """Hidden states sent to the next hop: ``native`` (exact, the layers' format) or ``int8`` (8-bit blockwise
     quantised, a scale per 32 values: about a quarter of float32's bytes, lossy; for slow links)."""
+    fault: Annotated[FaultSpec | None, NoDecode, BeforeValidator(_fault_spec)] = None
+    """For tests and demonstrations only, refused unless ``MESHNET_ALLOW_FAULTS=1``: ``corrupt-output:P`` perturbs
+    a fraction P of the hidden states this node sends on, ``wrong-token:P`` makes a tail answer another token
+    than it sampled in a fraction P of its steps (which steps: drawn per position, the same on every run)."""
     cpu_lock: str = Field(default=DEFAULT_CPU_LOCK, max_length=limits.MAX_URL_CHARS)
     """File CPU nodes on one machine lock so their forwards take turns on its cores; ``off`` disables."""
 
@@ -243,6 +292,14 @@ class NodeSettings(BaseSettings, SlowClientSettings, TlsClientSettings):
     @classmethod
     def _empty_is_none(cls, value: object) -> object:
         return None if isinstance(value, str) and not value.strip() else value
+
+    @field_validator("fault")
+    @classmethod
+    def _faults_allowed(cls, value: FaultSpec | None) -> FaultSpec | None:
+        if value is not None and os.environ.get(ALLOW_FAULTS_ENV) != "1":
+            raise ValueError(f"fault injection is for tests and demonstrations: refused unless {ALLOW_FAULTS_ENV}=1 "
+                             "is set")
+        return value
 
     @field_validator("route_keys")
     @classmethod

@@ -59,6 +59,8 @@ from meshwire.forward_step import (
 )
 from meshwire.frames import Frame, FrameError, FrameLimits, body_bound, decode_frame_body
 from meshwire.kv_handoff import HANDOFF_FAILED
+from meshwire.receipts import RECEIPT, make_receipt, sha256_hex
+from meshwire.route_keys import SigningKey
 from meshwire.row_batch import MAX_INDEX_BYTES, RowAnswer, decode_rows, encode_answers
 from meshwire.sampling_params import SamplingParams
 from services.node.engine.compute import ShardRunner
@@ -108,9 +110,12 @@ def _answer(status: int, body: dict[str, Any], retry_after: str | None = None) -
     return RowAnswer.model_construct(status=status, body=body, retry_after=retry_after)
 
 
-def _response(answer: RowAnswer) -> Response:
-    """One frame's answer as the ``POST /forward`` response (JSON, with ``Retry-After`` when it has one)."""
-    headers = None if answer.retry_after is None else {"Retry-After": answer.retry_after}
+def _response(answer: RowAnswer, receipt: str | None = None) -> Response:
+    """One frame's answer as the ``POST /forward`` response (JSON, with ``Retry-After`` when it has one, and this
+    hop's receipt when it ran the step)."""
+    headers = {} if answer.retry_after is None else {"Retry-After": answer.retry_after}
+    if receipt is not None:
+        headers[RECEIPT] = receipt
     return Response(orjson.dumps(answer.body), status_code=answer.status, media_type=JSON, headers=headers)
 
 
@@ -120,7 +125,8 @@ class ForwardService:
     def __init__(self, *, node_id: str, model_id: str, auth: HopAuth,
                  runner: ShardRunner, sessions: SessionTable, hops: HopClient, stepper: RouteStepper,
                  metrics: NodeMetrics, frame_limits: FrameLimits, grammar: GrammarEngine | None = None,
-                 puller: KvPuller | None = None, handoff_limits: HandoffLimits | None = None) -> None:
+                 puller: KvPuller | None = None, handoff_limits: HandoffLimits | None = None,
+                 hop_key: SigningKey | None = None) -> None:
         self.node_id = node_id
         self.model_id = model_id
         self._auth = auth
@@ -133,6 +139,8 @@ class ForwardService:
         self._grammar = grammar
         self._puller = puller
         self._handoff_limits = handoff_limits
+        self._hop_key = hop_key
+        """Signs this hop's receipt of each step it ran (:mod:`meshwire.receipts`); ``None``: no receipts."""
 
     # --- entry point ---------------------------------------------------------------
 
@@ -143,10 +151,11 @@ class ForwardService:
             credential = self._auth.credential(request.headers, FORWARD_PATH)
         except HopRefused as exc:
             return _response(self._refuse(ForwardRefusal(exc.status, exc.code, str(exc))))
-        answer = await self._frame(request.headers, lambda max_bytes: self._read_body(request, max_bytes), credential)
+        answer, receipt = await self._frame(request.headers, lambda max_bytes: self._read_body(request, max_bytes),
+                                            credential)
         if answer.status == 200:
             self._metrics.forward_latency.observe(time.perf_counter() - began)
-        return _response(answer)
+        return _response(answer, receipt)
 
     async def handle_rows(self, request: Request) -> Response:
         """Answer one ``POST /forward/rows``: every frame of the batch as ``/forward`` would, side by side.
@@ -168,28 +177,29 @@ class ForwardService:
         answers = await asyncio.gather(*(self._frame(frame.headers, _given(frame.body), credential)
                                          for frame in frames))
         self._metrics.forward_latency.observe(time.perf_counter() - began)
-        return Response(encode_answers(answers), media_type=JSON)
+        return Response(encode_answers([answer for answer, _ in answers]), media_type=JSON)
 
-    async def _frame(self, headers: Mapping[str, str], read_body: BodyReader, credential: Credential) -> RowAnswer:
+    async def _frame(self, headers: Mapping[str, str], read_body: BodyReader,
+                     credential: Credential) -> tuple[RowAnswer, str | None]:
         """One frame, after the credential's form: its route and sender, then a close or a data frame; every
-        refusal answered."""
+        refusal answered. With the answer, this hop's receipt of a step it ran (``None`` otherwise)."""
         try:
             request = parse_forward(headers, self._limits)
             closing = isinstance(request, CloseRequest)
             hop = await self._route(request.address, request.session, credential, closing=closing)
             if isinstance(request, CloseRequest):
                 credential.check_body(b"")
-                return await self._close(request.session, hop)
+                return await self._close(request.session, hop), None
             return await self._data_frame(request, headers, read_body, hop, credential)
         except FrameError as exc:
-            return self._refuse(ForwardRefusal(400, exc.code, str(exc)))
+            return self._refuse(ForwardRefusal(400, exc.code, str(exc))), None
         except HopRefused as exc:
-            return self._refuse(ForwardRefusal(exc.status, exc.code, str(exc)))
+            return self._refuse(ForwardRefusal(exc.status, exc.code, str(exc))), None
         except ForwardRefusal as exc:
-            return self._refuse(exc)
+            return self._refuse(exc), None
         except ChainFailure as exc:
             self._metrics.frames_refused.labels(code=str(exc.body.get("error", {}).get("code"))).inc()
-            return _answer(exc.status, exc.body, exc.retry_after or None)
+            return _answer(exc.status, exc.body, exc.retry_after or None), None
 
     def _refuse(self, refusal: ForwardRefusal) -> RowAnswer:
         self._metrics.frames_refused.labels(code=refusal.code).inc()
@@ -244,9 +254,9 @@ class ForwardService:
     # --- data frames ------------------------------------------------------------------
 
     async def _data_frame(self, request: DataRequest, headers: Mapping[str, str], read_body: BodyReader,
-                          hop: RoutedHop, credential: Credential) -> RowAnswer:
-        """One data frame, its sender already verified: its body, its session, its step, its answer."""
-        frame = await self._received(request, headers, read_body, hop, credential)
+                          hop: RoutedHop, credential: Credential) -> tuple[RowAnswer, str | None]:
+        """One data frame, its sender already verified: its body, its session, its step, its answer and receipt."""
+        frame, input_sha256 = await self._received(request, headers, read_body, hop, credential)
         info, tokens = request.info, request.tokens
         samples = self._runner.shard.is_tail and frame.chunk_index == frame.chunk_total - 1
         params = await self._sampling(info, tokens) if samples else None
@@ -259,11 +269,21 @@ class ForwardService:
             if info.hold is not None and frame.chunk_index == frame.chunk_total - 1:
                 self._sessions.hold(session)
                 self._metrics.handoffs_held.inc()
-            return _answer(200, _step_body(done))
+            return _answer(200, _step_body(done)), self._receipt(hop, frame.session, info, tokens, input_sha256, done)
+
+    def _receipt(self, hop: RoutedHop, session_id: str, info: StepInfo, tokens: int, input_sha256: str,
+                 done: StepDone) -> str | None:
+        """This hop's signed receipt of the step it ran (:mod:`meshwire.receipts`), one header line."""
+        if self._hop_key is None or done.output_sha256 is None:
+            return None
+        return make_receipt(self._hop_key, route_token=hop.token, session=session_id, node_id=self.node_id,
+                            hop_index=hop.hop_index, step=info.step, position_offset=info.position_offset,
+                            positions=tokens, input_sha256=input_sha256, output_sha256=done.output_sha256).encode()
 
     async def _received(self, request: DataRequest, headers: Mapping[str, str], read_body: BodyReader,
-                        hop: RoutedHop, credential: Credential) -> Frame:
-        """The frame's body, read within the bound its headers give, the one its proof signed, decoded."""
+                        hop: RoutedHop, credential: Credential) -> tuple[Frame, str]:
+        """The frame's body, read within the bound its headers give, the one its proof signed, decoded; with the
+        body's SHA-256 (this hop's input, as its receipt binds it)."""
         shard = self._runner.shard
         if hop.hop_index == 0:
             raise FrameError("bad_header", f"{h.HOP_INDEX} 0 is the head, which takes tokens through the chat API, "
@@ -274,7 +294,7 @@ class ForwardService:
                                           "(this model's hidden size)")
         body = await read_body(body_bound(spec))
         credential.check_body(body)
-        return decode_frame_body(spec, headers, body)
+        return decode_frame_body(spec, headers, body), sha256_hex(body)
 
     async def _sampling(self, info: StepInfo, tokens: int) -> SamplingParams | None:
         """The request's sampling parameters at the tail, its grammar engine made ready when it needs one;

@@ -37,9 +37,11 @@ import torch
 
 from meshwire.forward_step import ForwardAnswer, Scoring, StepInfo
 from meshwire.frames import Encoding, encode_frame
+from meshwire.receipts import answer_digest, sha256_hex
 from meshwire.routes import RouteNode
 from meshwire.sampling_params import TokenLogprobs
 from services.node.engine.compute import ShardRunner
+from services.node.engine.faults import FaultInjector
 from services.node.engine.sessions import Session, SessionTable
 from services.node.hop.hop_client import ChainFailure, hop_failed
 from services.node.hop.row_sender import RowSender
@@ -81,19 +83,24 @@ class StepDone:
     """On a speculative step: the verified run (``token`` is its first)."""
     unverified: bool = False
     """On a speculative step: a hop of the route does not take speculative frames, so nothing was verified."""
+    output_sha256: str | None = None
+    """What this node's own output hashes to, for its receipt (:mod:`meshwire.receipts`): the frame body it sent
+    on, or at the end of the route the tokens it answered."""
 
 
 class RouteStepper:
     """Runs a session's step on this node's layers and passes the result down the route."""
 
     def __init__(self, *, node_id: str, runner: ShardRunner, sessions: SessionTable, sender: RowSender,
-                 metrics: NodeMetrics, wire_dtype: WireDType = "native") -> None:
+                 metrics: NodeMetrics, wire_dtype: WireDType = "native", faults: FaultInjector | None = None) -> None:
         self.node_id = node_id
         self._runner = runner
         self._sessions = sessions
         self._sender = sender
         self._metrics = metrics
         self._encoding = WIRE_ENCODINGS[wire_dtype]
+        self._faults = faults or FaultInjector(None, metrics)
+        """``--fault``: what this node's output is perturbed with as it leaves (nothing, but in tests)."""
         self._plain_hops: set[str] = set()
         """Next hops (node ids) that refused ``self._encoding``: they are sent exact frames."""
         self._unspeculative_hops: set[str] = set()
@@ -113,6 +120,8 @@ class RouteStepper:
         only: the rows of rejected drafts are dropped as the answer passes back.
         """
         self._sessions.ensure_room(session, position_offset + tokens)
+        if onward is None and hidden is not None:  # a tail sends no hidden states on: its layers compute wrong
+            hidden = self._faults.hidden(position_offset, hidden)
         result = await self._runner.step(session.cache, position_offset=position_offset, from_layer=from_layer,
                                          ids=ids, hidden=hidden, sampler=sampler,
                                          score=score if onward is None else None,
@@ -122,16 +131,18 @@ class RouteStepper:
         self._metrics.positions_computed.inc(tokens)
         timings = {self.node_id: round(result.compute_ms, 3)}
         if onward is None:
-            if draft is not None and result.run is not None:
-                self._keep(session, position_offset, len(result.run))
-            return StepDone(result.token, timings, result.logprobs, result.scored, result.run)
+            token, run = self._answered(position_offset, result.token, result.run)
+            if draft is not None and run is not None:
+                self._keep(session, position_offset, len(run))
+            answered = () if token is None else [pick.token for pick in run] if run is not None else [token]
+            return StepDone(token, timings, result.logprobs, result.scored, run, output_sha256=answer_digest(answered))
         assert result.hidden is not None, "a shard that is not the tail always passes hidden states on"
-        hidden = result.hidden
+        hidden = self._faults.hidden(position_offset, result.hidden)
         if onward.info.draft is not None and _address(onward.node) in self._unspeculative_hops:
             hidden, onward = self._unspeculative(session, position_offset, hidden, onward)
         encoding = "identity" if onward.node.node_id in self._plain_hops else self._encoding
         try:
-            answer = await self._send(session, hidden, onward, encoding)
+            answer, sent = await self._send(session, hidden, onward, encoding)
         except ChainFailure as exc:
             if exc.failed_node != onward.node.node_id:
                 raise
@@ -147,7 +158,7 @@ class RouteStepper:
                 encoding = "identity"
             else:
                 raise
-            answer = await self._send(session, hidden, onward, encoding)
+            answer, sent = await self._send(session, hidden, onward, encoding)
         if onward.info.draft is None and draft is not None:  # the route past here verified nothing: a run of one
             if answer.token is None:
                 raise hop_failed(onward.node.node_id, "it answered a decode step without a token")
@@ -157,7 +168,18 @@ class RouteStepper:
         if run is not None:
             self._keep(session, position_offset, len(run))
         return StepDone(answer.token, {**timings, **answer.node_timings_ms}, answer.logprobs, answer.scored,
-                        run, unverified=bool(answer.unverified))
+                        run, unverified=bool(answer.unverified), output_sha256=sent)
+
+    def _answered(self, position_offset: int, token: int | None,
+                  run: tuple[Pick, ...] | None) -> tuple[int | None, tuple[Pick, ...] | None]:
+        """The token (and speculative run) this tail answers: what it sampled, unless ``--fault wrong-token``
+        picks this step (then a run is cut to its first, wrong, token)."""
+        if token is None:
+            return token, run
+        answered = self._faults.token(position_offset, token, self._runner.shard.vocab_size)
+        if answered == token:
+            return token, run
+        return answered, None if run is None else (Pick(answered, run[0].logprobs),)
 
     def _unspeculative(self, session: Session, position_offset: int, hidden: torch.Tensor,
                        onward: Onward) -> tuple[torch.Tensor, Onward]:
@@ -172,13 +194,15 @@ class RouteStepper:
         """Drop the KV rows of a speculative step's rejected positions: keep ``positions`` from ``position_offset``."""
         session.cache.truncate(position_offset + positions)
 
-    async def _send(self, session: Session, hidden: torch.Tensor, onward: Onward, encoding: Encoding) -> ForwardAnswer:
+    async def _send(self, session: Session, hidden: torch.Tensor, onward: Onward,
+                    encoding: Encoding) -> tuple[ForwardAnswer, str]:
+        """Send ``hidden`` on as one frame; the answer, and the SHA-256 of the body sent (for this hop's receipt)."""
         headers, body = encode_frame(hidden, session=session.session_id, chunk_index=onward.chunk_index,
                                      chunk_total=onward.chunk_total, encoding=encoding,
                                      wire_version=onward.info.wire_version, extra=onward.info.headers())
         self._metrics.frame_bytes_sent.labels(encoding=encoding).inc(len(body))
         self._metrics.frame_tokens_sent.labels(encoding=encoding).inc(int(hidden.shape[1]))
-        return await self._sender.send(onward.node, headers, body)
+        return await self._sender.send(onward.node, headers, body), sha256_hex(body)
 
 
 def _address(node: RouteNode) -> str:
