@@ -57,14 +57,22 @@ READY_TIMEOUT_S = 120.0
 STOP_TIMEOUT_S = 10.0
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    """An ephemeral TCP port that is free right now on `host`."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return int(sock.getsockname()[1])
-
-
 MAX_PORT_TRIES = 100
+_HANDED_OUT: set[int] = set()
+"""Ports :func:`free_port` already gave this test process: the kernel may hand a port just released to the
+next ``bind(0)``, and services started together (``wait_ready=False``) would then race for one port."""
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """An ephemeral TCP port that is free right now on `host`, and not one this process was given before."""
+    for _ in range(MAX_PORT_TRIES):
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            sock.bind((host, 0))
+            port = int(sock.getsockname()[1])
+        if port not in _HANDED_OUT:
+            _HANDED_OUT.add(port)
+            return port
+    raise RuntimeError(f"no fresh free port found in {MAX_PORT_TRIES} tries")
 
 
 def free_ports_in_a_row(count: int, host: str = "127.0.0.1") -> int:
