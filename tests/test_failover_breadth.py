@@ -13,13 +13,15 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Final
 
 import httpx
 import orjson
+import pytest
 
 from meshwire.sse import parse_sse_line
-from tests.failover_mesh import STREAM_TIMEOUT_S, FailoverMesh, mesh_fixtures
+from tests.failover_mesh import STREAM_TIMEOUT_S, FailoverMesh, mesh_fixtures, start_mesh
 
 HEADS: Final = ("head-a", "head-b")
 LAYERS: Final = {"head-a": (0, 1), "head-b": (0, 1), "tail": (2, 3)}
@@ -109,3 +111,27 @@ def test_n_seeded_choices_go_on_across_a_head_failover(mesh: FailoverMesh) -> No
     assert broken.killed in HEADS and broken.errors == []
     assert broken.text == whole_run.text
     assert broken.finish == whole_run.finish and set(broken.finish) == {0, 1}
+
+
+@pytest.mark.parametrize(("setting", "value", "says"), [
+    ("MESHNET_CONTINUE_ATTEMPTS", "0", "within 0 attempts"),
+    # Any failover comes later than a millisecond after the stream began (it waited for content first).
+    ("MESHNET_CONTINUE_DEADLINE_S", "0.001", "within the 0.001 s deadline"),
+])
+def test_a_tracker_told_not_to_continue_ends_the_stream_with_an_error_though_another_head_is_up(
+        tiny_model_dir: Path, setting: str, value: str, says: str) -> None:
+    """``MESHNET_CONTINUE_ATTEMPTS=0`` (no new head tried) and a deadline already past when the head dies:
+    either way the stream ends with one ``head_failed`` error event and ``[DONE]``, although ``head-b``, the
+    other head, is up and was never asked."""
+    limited = start_mesh(tiny_model_dir, LAYERS, {"MESHNET_IDLE_TIMEOUT_S": "5"}, {setting: value})
+    try:
+        broken = limited.stream(MAX_TOKENS, kill_one_of=HEADS, kill_after_chunks=KILL_AFTER_CHUNKS)
+        assert broken.killed in HEADS and broken.done and broken.events_after_done == 0
+        assert len(broken.errors) == 1 and broken.errors[0]["code"] == "head_failed", broken.errors
+        assert broken.killed in broken.errors[0]["message"] and says in broken.errors[0]["message"], broken.errors
+        assert broken.finish_reason is None
+        survivor = next(name for name in HEADS if name != broken.killed)
+        assert "continues on" not in limited.tracker.log()
+        assert limited.nodes[survivor].alive()
+    finally:
+        limited.stop()
