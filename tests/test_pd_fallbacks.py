@@ -1,7 +1,8 @@
 """PD fallback reasons with real processes, beyond those test_pd_handoff asserts: a prefill node whose
 handoffs may hold fewer bytes than a prompt's KV (``MESHNET_HANDOFF_MAX_BYTES``) cannot hand the prompt
-over; the decode route prefills it itself, the answer equals the plain route's, and the decode head counts
-the fallback under its reason."""
+over; and a decode head whose bootstrap registry is gone cannot look the prefill group up. Either way the
+decode route prefills the prompt itself and answers, and the decode head counts the fallback under its
+reason and logs why."""
 
 from __future__ import annotations
 
@@ -60,3 +61,29 @@ def test_a_handoff_over_the_prefill_node_s_byte_bound_falls_back_as_prefill_fail
     refusals = [line for line in mesh.nodes["d"].log().splitlines() if "(prefill_failed)" in line]
     assert refusals and "does not fit" in refusals[-1] and f"of {HANDOFF_MAX_BYTES} bytes are held for handoffs" \
         in refusals[-1], refusals
+
+
+@pytest.fixture(scope="module")
+def plain_pd(tiny_model_dir: Path) -> Iterator[PdMesh]:
+    running = start_pd_mesh(tiny_model_dir, {"p": (0, 3)}, {"d": (0, 3)})
+    try:
+        yield running
+    finally:
+        running.stop()
+
+
+def test_a_decode_head_without_its_registry_falls_back_as_bootstrap(plain_pd: PdMesh) -> None:
+    """The registry stops after every node registered: the prefill route still prefills, but the decode head
+    cannot look up where the prompt's KV is, so its route prefills the prompt itself."""
+    mesh = plain_pd
+    mesh.bootstrap.stop()
+    before = pd_counts(mesh, "d")
+    answer = httpx.post(f"{mesh.tracker.url}/v1/chat/completions", timeout=120,
+                        json={"model": mesh.model, "messages": LONG, "max_tokens": 8, "temperature": 0})
+    assert answer.status_code == 200, answer.text
+    after = pd_counts(mesh, "d")
+    assert answer.json()["usage"]["completion_tokens"] == 8
+    assert moved(after, before, "bootstrap") == 1 and moved(after, before, "fallback") == 1, after
+    assert moved(after, before, "handoff") == 0, after
+    refusals = [line for line in mesh.nodes["d"].log().splitlines() if "(bootstrap)" in line]
+    assert refusals and "the bootstrap registry could not be asked" in refusals[-1], refusals
