@@ -218,9 +218,11 @@ def wait_for(condition: Callable[[], bool], what: str, timeout_s: float = SETTLE
 
 
 def start_mesh(model_dir: Path, layers: Mapping[str, tuple[int, int]],
-               node_env: Mapping[str, str] | None = None) -> FailoverMesh:
-    """A tracker and one node per entry of ``layers`` (node id -> inclusive layer range), all registered."""
-    tracker = start_service("tracker", TRACKER_ENV)
+               node_env: Mapping[str, str] | None = None,
+               tracker_env: Mapping[str, str] | None = None) -> FailoverMesh:
+    """A tracker and one node per entry of ``layers`` (node id -> inclusive layer range), all registered;
+    ``tracker_env`` is added to the tracker's :data:`TRACKER_ENV`."""
+    tracker = start_service("tracker", {**TRACKER_ENV, **(tracker_env or {})})
     common = {"MESHNET_MODEL": str(model_dir), "MESHNET_DTYPE": "float32", "MESHNET_DEVICE": "cpu",
               "MESHNET_TRACKER": tracker.url, "MESHNET_THREADS": "1", **(node_env or {})}
     specs = {name: {**common, "MESHNET_NODE_ID": name, "MESHNET_LAYERS": f"{start}-{end}",

@@ -30,6 +30,33 @@ KILL_AFTER_CHUNKS: Final = 15
 SEEDED: Final = {"temperature": 0.8, "seed": 7}
 
 
+def tokens_generated(mesh: FailoverMesh, name: str) -> float:
+    """The head ``name``'s ``meshnet_node_tokens_generated_total``."""
+    text = httpx.get(f"{mesh.nodes[name].url}/metrics", timeout=10).text
+    return sum(sample.value for family in text_string_to_metric_families(text) for sample in family.samples
+               if sample.name == "meshnet_node_tokens_generated_total")
+
+
+class FailoverEvidence:
+    """What shows a failover happened: taken before a request, checked after it named the head it killed."""
+
+    def __init__(self, mesh: FailoverMesh) -> None:
+        self._mesh = mesh
+        self._log_lines = {name: self._continued_lines(name) for name in HEADS}
+        self._tokens = {name: tokens_generated(mesh, name) for name in HEADS}
+
+    def _continued_lines(self, head: str) -> int:
+        """The tracker's log lines saying ``head`` broke mid-answer and the answer goes on elsewhere."""
+        return sum(f"head {head} stopped answering" in line and "continuing elsewhere" in line
+                   for line in self._mesh.tracker.log().splitlines())
+
+    def check(self, killed: str) -> None:
+        """The tracker logged that ``killed`` broke mid-answer, and the other head generated the rest."""
+        survivor = next(name for name in HEADS if name != killed)
+        assert self._continued_lines(killed) == self._log_lines[killed] + 1, self._mesh.tracker.log()[-3000:]
+        assert tokens_generated(self._mesh, survivor) > self._tokens[survivor], f"{survivor} generated nothing"
+
+
 # A dead head cannot close its session on the tail: the tail's idle expiry frees it, soon enough for the
 # next test's wait for an idle mesh.
 mesh, whole = mesh_fixtures(LAYERS, {"MESHNET_IDLE_TIMEOUT_S": "5"})
@@ -39,7 +66,10 @@ def test_a_greedy_stream_outlives_its_head_and_equals_the_uninterrupted_run(mesh
     whole_run = mesh.stream(MAX_TOKENS)
     assert whole_run.finish_reason == "length" and whole_run.content_chunks > KILL_AFTER_CHUNKS
 
+    evidence = FailoverEvidence(mesh)
     broken = mesh.stream(MAX_TOKENS, kill_one_of=HEADS, kill_after_chunks=KILL_AFTER_CHUNKS)
+    assert broken.killed is not None
+    evidence.check(broken.killed)
 
     assert broken.killed in HEADS and broken.chunks_before_kill < whole_run.content_chunks
     assert broken.errors == []
@@ -50,8 +80,10 @@ def test_a_greedy_stream_outlives_its_head_and_equals_the_uninterrupted_run(mesh
 
 def test_a_seeded_stream_outlives_its_head_and_samples_the_same_tokens(mesh: FailoverMesh) -> None:
     whole_run = mesh.stream(MAX_TOKENS, SEEDED)
+    evidence = FailoverEvidence(mesh)
     broken = mesh.stream(MAX_TOKENS, SEEDED, kill_one_of=HEADS, kill_after_chunks=KILL_AFTER_CHUNKS)
     assert broken.errors == [] and broken.killed in HEADS
+    evidence.check(broken.killed)
     assert broken.text == whole_run.text and broken.finish_reason == whole_run.finish_reason
 
 
@@ -59,8 +91,10 @@ def test_a_structured_stream_outlives_its_head_and_the_grammar_goes_on_from_the_
         mesh: FailoverMesh) -> None:
     whole_run = mesh.stream(MAX_TOKENS, STRUCTURED)
     assert whole_run.finish_reason == "stop" and whole_run.content_chunks > KILL_AFTER_CHUNKS, whole_run
+    evidence = FailoverEvidence(mesh)
     broken = mesh.stream(MAX_TOKENS, STRUCTURED, kill_one_of=HEADS, kill_after_chunks=KILL_AFTER_CHUNKS)
     assert broken.errors == [] and broken.killed in HEADS
+    evidence.check(broken.killed)
     assert broken.text == whole_run.text and broken.finish_reason == "stop"
     jsonschema.validate(json.loads(broken.text), JSON_LIST_SCHEMA)
 
@@ -99,13 +133,6 @@ def test_when_no_other_head_exists_the_stream_ends_with_an_error_event(mesh: Fai
     assert broken.finish_reason is None
 
 
-def tokens_generated(mesh: FailoverMesh, name: str) -> float:
-    """The head ``name``'s ``meshnet_node_tokens_generated_total``."""
-    text = httpx.get(f"{mesh.nodes[name].url}/metrics", timeout=10).text
-    return sum(sample.value for family in text_string_to_metric_families(text) for sample in family.samples
-               if sample.name == "meshnet_node_tokens_generated_total")
-
-
 def test_a_non_streamed_answer_outlives_its_head_and_equals_the_uninterrupted_one(mesh: FailoverMesh) -> None:
     whole_run = mesh.chat(MAX_TOKENS)
     assert whole_run.status_code == 200, whole_run.text
@@ -119,12 +146,14 @@ def test_a_non_streamed_answer_outlives_its_head_and_equals_the_uninterrupted_on
         mesh.kill(victim)
         killed.append(victim)
 
+    evidence = FailoverEvidence(mesh)
     killer = threading.Thread(target=kill_when_under_way)
     killer.start()
     answer = mesh.chat(MAX_TOKENS)
     killer.join()
     assert answer.status_code == 200, answer.text
     assert killed and killed[0] in HEADS
+    evidence.check(killed[0])
     body, whole = answer.json(), whole_run.json()
     assert body["choices"][0]["message"]["content"] == whole["choices"][0]["message"]["content"]
     assert body["choices"][0]["finish_reason"] == "length" and body["usage"] == whole["usage"]

@@ -88,3 +88,7 @@ def test_meshnet_chat_verifies_an_https_tracker_with_its_ca(mesh: tuple[Service,
     untrusted = subprocess.run(args, cwd=REPO_ROOT, env=service_env(), capture_output=True, text=True,
                                timeout=CHAT_TIMEOUT_S, check=False)
     assert untrusted.returncode != 0
+    # refused for the certificate, by the CLI's own verification (not, say, a connection or usage error)
+    assert "cannot reach the mesh" in untrusted.stderr and "CERTIFICATE_VERIFY_FAILED" in untrusted.stderr, \
+        untrusted.stderr
+    assert not untrusted.stdout.strip()

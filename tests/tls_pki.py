@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime
 import ipaddress
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -13,6 +14,8 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
 VALID_FOR = datetime.timedelta(days=1)
+LOCAL_HOSTS: tuple[str, ...] = ("127.0.0.1", "::1", "localhost")
+"""The names a test service's certificate carries by default: where the tests reach it."""
 
 
 @dataclass(frozen=True)
@@ -28,8 +31,16 @@ def _name(common_name: str) -> x509.Name:
     return x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, common_name)])
 
 
-def make_pki(folder: Path, common_name: str = "meshnet test CA") -> Pki:
-    """A CA, and a certificate it signs for ``127.0.0.1``, ``::1`` and ``localhost``, written under ``folder``."""
+def _alt_name(host: str) -> x509.GeneralName:
+    try:
+        return x509.IPAddress(ipaddress.ip_address(host))
+    except ValueError:
+        return x509.DNSName(host)
+
+
+def make_pki(folder: Path, common_name: str = "meshnet test CA", hosts: Sequence[str] = LOCAL_HOSTS) -> Pki:
+    """A CA, and a certificate it signs for ``hosts`` (``127.0.0.1``, ``::1`` and ``localhost`` unless told),
+    written under ``folder``."""
     now = datetime.datetime.now(datetime.UTC)
     ca_key = ec.generate_private_key(ec.SECP256R1())
     ca_cert = (
@@ -45,12 +56,10 @@ def make_pki(folder: Path, common_name: str = "meshnet test CA") -> Pki:
     )
     key = ec.generate_private_key(ec.SECP256R1())
     cert = (
-        x509.CertificateBuilder().subject_name(_name("127.0.0.1")).issuer_name(ca_cert.subject)
+        x509.CertificateBuilder().subject_name(_name(hosts[0])).issuer_name(ca_cert.subject)
         .public_key(key.public_key()).serial_number(x509.random_serial_number())
         .not_valid_before(now - datetime.timedelta(minutes=5)).not_valid_after(now + VALID_FOR)
-        .add_extension(x509.SubjectAlternativeName([
-            x509.IPAddress(ipaddress.ip_address("127.0.0.1")), x509.IPAddress(ipaddress.ip_address("::1")),
-            x509.DNSName("localhost")]), critical=False)
+        .add_extension(x509.SubjectAlternativeName([_alt_name(host) for host in hosts]), critical=False)
         .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
         .add_extension(x509.ExtendedKeyUsage([x509.oid.ExtendedKeyUsageOID.SERVER_AUTH]), critical=False)
         .add_extension(x509.AuthorityKeyIdentifier.from_issuer_public_key(ca_key.public_key()), critical=False)

@@ -135,9 +135,12 @@ class ContinuedStream:
             opened = None
             while opened is None:
                 continuations += 1
-                if continuations > self._attempts or time.monotonic() - started > self._deadline_s:
+                spent = time.monotonic() - started
+                if continuations > self._attempts or spent > self._deadline_s:
+                    bound = (f"{self._attempts} attempts" if continuations > self._attempts
+                             else f"the {self._deadline_s:g} s deadline")
                     for payload in self._give_up(f"the head node {head} stopped answering mid-stream and no other "
-                                                 f"head could continue within {self._attempts} attempts"):
+                                                 f"head could continue within {bound}"):
                         yield payload
                     return
                 try:
