@@ -20,8 +20,8 @@ import pytest
 
 from meshwire import errors
 from meshwire.serving import MAX_BODY_TIMEOUT_S
-from services.tracker.key_limits import STREAM_LEASE_S, key_id
-from tests.procs import Service, running, start_service
+from services.tracker.key_limits import STREAM_LEASE_S, KeyNames
+from tests.procs import TEST_SECRET, Service, running, start_service
 from tests.redis_server import RedisServer, redis_server
 
 KEY: Final = "sk-held-key-0123456789"
@@ -67,7 +67,7 @@ def redis_ms(redis: RedisServer) -> int:
 def lease_expiries(redis: RedisServer) -> list[float]:
     """When each held slot of :data:`KEY` expires, on the Redis clock (ms)."""
     client = redis.client()
-    keys = [name for name in client.scan_iter(match=f"*keyflight:{key_id(KEY)}")]
+    keys = [name for name in client.scan_iter(match=f"*keyflight:{KeyNames([KEY], TEST_SECRET).store_id(KEY)}")]
     return [score for name in keys for _, score in client.zrange(name, 0, -1, withscores=True)]
 
 
