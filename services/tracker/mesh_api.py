@@ -261,26 +261,6 @@ def _route_reporter(state: TrackerState, member: str, node_id: str, token: str |
     return head
 
 
-def _route_reporter(state: TrackerState, member: str, node_id: str, token: str | None) -> str:
-    """The head of the signed route ``token`` names, when ``member`` may report ``node_id`` on it (else 4xx)."""
-    if token is None:
-        raise HTTPError(400, "a failure report names the signed route the failure happened on ('route'), and "
-                             "comes from that route's head", errors.INVALID_REQUEST, "route_required", "route")
-    try:  # a stream outlives its route: a route expired for at most ROUTE_GRACE_S may still be named
-        route = verify_route(token, KeySet.from_jwks(state.trust.jwks()), now=time.time() - ROUTE_GRACE_S)
-    except RouteError as exc:
-        raise HTTPError(403, f"the route of this report is not one this tracker signed: {exc}", errors.PERMISSION,
-                        "bad_route", "route") from None
-    head = route.nodes[0].node_id
-    if member.startswith("token:") and member != f"token:{head}":
-        raise HTTPError(403, f"only the route's head ({head!r}) reports failures on it", errors.PERMISSION,
-                        "not_route_head", "route")
-    if node_id == head or node_id not in {hop.node_id for hop in route.nodes}:
-        raise HTTPError(403, f"node {node_id[:limits.MAX_ID_CHARS]!r} is not a hop after the head of this route",
-                        errors.PERMISSION, "not_on_route", "route")
-    return head
-
-
 @router.post("/v1/nodes/{node_id}/failures")
 async def report_failure(node_id: str, request: Request) -> JSONResponse:
     """The head of a signed route could not use ``node_id``, a hop of it: back it off (on the gate's terms)."""
