@@ -87,7 +87,7 @@ def test_seen_receipts_are_bounded() -> None:
     seen = SeenReceipts(max_seen=8, clock=lambda: NOW)
     receipts = [_receipt(step=step) for step in range(20)]
     assert all(seen.first_time(receipt) for receipt in receipts)
-    assert len(seen._seen) <= 8
+    assert len(seen) <= 8
 
 
 def test_a_stale_receipt_is_refused() -> None:

@@ -172,6 +172,32 @@ MAX_SEEN_PROOFS: Final = 4096
 """Most proofs a :class:`SeenProofs` remembers (the oldest are forgotten first)."""
 
 
+class SeenSignatures:
+    """Signatures already accepted within ``window_s``, at most ``max_seen`` of them: one presented again is a
+    replay. What outlives the window is refused by its own age check anyway, so it is forgotten then (after
+    twice the window, for clock skew); a flood of fresh signatures pushes the oldest out."""
+
+    def __init__(self, window_s: float, max_seen: int, clock: Callable[[], float] = time.time) -> None:
+        self._seen: OrderedDict[bytes, float] = OrderedDict()
+        self._window_s = window_s
+        self._max = max_seen
+        self._clock = clock
+
+    def __len__(self) -> int:
+        return len(self._seen)
+
+    def first_time(self, signature: bytes) -> bool:
+        """``True`` (and remember it) when ``signature`` was not seen before, ``False`` for a replay."""
+        now = self._clock()
+        while self._seen and (len(self._seen) >= self._max
+                              or next(iter(self._seen.values())) < now - 2 * self._window_s):
+            self._seen.popitem(last=False)
+        if signature in self._seen:
+            return False
+        self._seen[signature] = now
+        return True
+
+
 class SeenProofs:
     """The proofs already answered within :data:`MAX_PROOF_AGE_S`: a request that must be answered once (a
     KV handoff's prefill) is refused when its proof comes again.
@@ -181,18 +207,9 @@ class SeenProofs:
     """
 
     def __init__(self, max_seen: int = MAX_SEEN_PROOFS, clock: Callable[[], float] = time.time) -> None:
-        self._seen: OrderedDict[bytes, float] = OrderedDict()
-        self._max = max_seen
-        self._clock = clock
+        self._seen = SeenSignatures(MAX_PROOF_AGE_S, max_seen, clock)
 
     def first_time(self, claim: Claim) -> bool:
         """``True`` (and remember it) when ``claim``'s signature was not seen before, ``False`` for a replay."""
-        now = self._clock()
-        while self._seen and (len(self._seen) >= self._max
-                              or next(iter(self._seen.values())) < now - 2 * MAX_PROOF_AGE_S):
-            self._seen.popitem(last=False)
-        if claim.signature in self._seen:
-            return False
-        self._seen[claim.signature] = now
-        return True
+        return self._seen.first_time(claim.signature)
 

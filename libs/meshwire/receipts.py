@@ -24,7 +24,6 @@ from __future__ import annotations
 import hashlib
 import re
 import time
-from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import Annotated, Final
 
@@ -34,6 +33,7 @@ from pydantic import BaseModel, Field, ValidationError
 
 from meshwire import limits
 from meshwire.fields import STRICT_MODEL
+from meshwire.hop_proof import SeenSignatures
 from meshwire.route_keys import (
     SIGNATURE_BYTES,
     KeyProblem,
@@ -166,17 +166,11 @@ class SeenReceipts:
     """The receipts already accepted within :data:`SEEN_WINDOW_S`, bounded: one presented again is a replay."""
 
     def __init__(self, max_seen: int = MAX_SEEN_RECEIPTS, clock: Callable[[], float] = time.time) -> None:
-        self._seen: OrderedDict[bytes, float] = OrderedDict()
-        self._max = max_seen
-        self._clock = clock
+        self._seen = SeenSignatures(SEEN_WINDOW_S, max_seen, clock)
+
+    def __len__(self) -> int:
+        return len(self._seen)
 
     def first_time(self, receipt: Receipt) -> bool:
         """``True`` (and remember it) the first time ``receipt`` is seen, ``False`` for a replay."""
-        now = self._clock()
-        while self._seen and (len(self._seen) >= self._max
-                              or next(iter(self._seen.values())) < now - 2 * SEEN_WINDOW_S):
-            self._seen.popitem(last=False)
-        if receipt.signature in self._seen:
-            return False
-        self._seen[receipt.signature] = now
-        return True
+        return self._seen.first_time(receipt.signature)
