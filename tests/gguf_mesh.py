@@ -153,3 +153,21 @@ def gguf_mesh(served: Served) -> Iterator[GgufMesh]:
 
 def expected_text(served: Served, tokens: list[int]) -> str:
     return served.tokenizer.decode(tokens, skip_special_tokens=True)
+
+
+def check_every_split(served: Served) -> None:
+    """The whole model in one shard, then every two-shard split, each generates what transformers does."""
+    expected = reference(served)
+    assert shards_generate(served, [(0, LAYERS - 1)]) == expected
+    for first, cut, second, last in SPLITS:
+        assert shards_generate(served, [(first, cut), (second, last)]) == expected, f"split after layer {cut}"
+
+
+def check_one_and_two_nodes(family: str, dest: Path) -> None:
+    """One and two real node processes given the family's GGUF answer as transformers does, greedy and seeded."""
+    served = serve_family(family, dest)
+    greedy, seeded = reference(served), reference(served, SAMPLING)
+    with gguf_mesh(served) as mesh:
+        for hops in (1, 2):
+            assert mesh.answer(hops) == (expected_text(served, greedy), len(greedy)), f"{hops} node(s), greedy"
+            assert mesh.answer(hops, SAMPLING) == (expected_text(served, seeded), len(seeded)), f"{hops}, seeded"

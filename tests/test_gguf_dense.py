@@ -8,17 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.gguf_mesh import (
-    SAMPLING,
-    SPLITS,
-    Served,
-    expected_text,
-    gguf_mesh,
-    reference,
-    serve_family,
-    shards_generate,
-)
-from tests.gguf_models import LAYERS
+from tests.gguf_mesh import Served, check_every_split, check_one_and_two_nodes, serve_family
 
 FAMILIES = ("llama", "llama3", "llama_tied", "mistral", "qwen2", "qwen3", "phi3")
 MESHED = ("llama3", "qwen2", "qwen3", "phi3")
@@ -32,17 +22,9 @@ def served(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
 
 
 def test_every_split_of_the_gguf_answers_as_transformers(served: Served) -> None:
-    expected = reference(served)
-    assert shards_generate(served, [(0, LAYERS - 1)]) == expected
-    for first, cut, second, last in SPLITS:
-        assert shards_generate(served, [(first, cut), (second, last)]) == expected, f"split after layer {cut}"
+    check_every_split(served)
 
 
 @pytest.mark.parametrize("family", MESHED)
 def test_one_and_two_node_processes_answer_as_transformers(family: str, tmp_path: Path) -> None:
-    served = serve_family(family, tmp_path)
-    greedy, seeded = reference(served), reference(served, SAMPLING)
-    with gguf_mesh(served) as mesh:
-        for hops in (1, 2):
-            assert mesh.answer(hops) == (expected_text(served, greedy), len(greedy)), f"{hops} node(s), greedy"
-            assert mesh.answer(hops, SAMPLING) == (expected_text(served, seeded), len(seeded)), f"{hops}, seeded"
+    check_one_and_two_nodes(family, tmp_path)
