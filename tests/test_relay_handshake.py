@@ -16,7 +16,7 @@ import socket
 import threading
 import uuid
 from collections.abc import AsyncIterator, Iterator, Mapping
-from typing import Final
+from typing import Any, Final
 
 import httpx
 import pytest
@@ -115,8 +115,8 @@ class Peer:
 
 
 @contextlib.asynccontextmanager
-async def peer_on(relay: Service, peer_id: str) -> AsyncIterator[str]:
-    peer = RelayPeer(f"ws://{relay.host}:{relay.port}", peer_id, TEST_SECRET, Peer())
+async def peer_on(relay: Service, peer_id: str, service: Any = None) -> AsyncIterator[str]:
+    peer = RelayPeer(f"ws://{relay.host}:{relay.port}", peer_id, TEST_SECRET, service or Peer())
     task = asyncio.create_task(peer.run())
     try:
         await asyncio.wait_for(peer.connected.wait(), WAIT_S)
@@ -194,3 +194,22 @@ async def test_a_frame_larger_than_an_anonymous_message_passes_with_the_peer_bou
                 answer = await front.post_frame(hidden, {h.ROUTE: route(FRONT, hidden), h.SESSION: "s-big"},
                                                 b"x" * BIG_FRAME_BYTES)
                 assert answer.status == 200 and answer.json()["token"] == 5
+
+
+class BigAnswerPeer:
+    """A peer whose every answer is far over the relay's anonymous message bound."""
+
+    async def __call__(self, method: str, path: str, headers: dict[str, str],
+                       body: bytes) -> tuple[int, Mapping[str, str], bytes]:
+        return 200, {"content-type": "application/octet-stream"}, b"y" * BIG_FRAME_BYTES
+
+
+async def test_a_peer_that_registered_with_its_credential_answers_past_the_anonymous_bound() -> None:
+    """Under ``meshnet relay`` the peer's own link (its credential checked) carries answers of full size."""
+    with start_service("relay", {"MESHNET_ROUTE_KEYS": TEST_ROUTE_KEYS}, launcher="meshnet") as relay_cli:
+        async with peer_on(relay_cli, f"hidden-{uuid.uuid4().hex[:6]}", BigAnswerPeer()) as relay_addr:
+            hidden = hop(relay_addr.rsplit("/", 1)[1], f"http://127.0.0.1:{free_port()}", relay_addr)
+            async with honest_front() as front:
+                answer = await front.post_frame(hidden, {h.ROUTE: route(FRONT, hidden), h.SESSION: "s-answer"},
+                                                b"frame")
+                assert answer.status == 200 and len(answer.body) == BIG_FRAME_BYTES

@@ -146,7 +146,7 @@ async def admit_caller(websocket: WebSocket, peer_id: str, state: RelayState,
         log.debug("refused a %s %s caller of %s: %s", kind, transport, peer_id, slot.message)
         await refuse(websocket, slot.status, slot.code, slot.message)
         return None
-    if kind == "authenticated":  # a node's signed handshake carries no Authorization: tell the parser's bound
+    if kind == "authenticated":  # the secret, a join token or a node's signed handshake: full-size messages
         websocket.scope[AUTHENTICATED_SCOPE_KEY] = True
     try:
         await websocket.accept()

@@ -25,6 +25,7 @@ from services.relay.join_tokens import bearer_token
 from services.relay.peers import ClaimRefused, PeerLink
 from services.relay.state import RelayState
 from services.relay.transport import PEER_ID, WebSocketTransport, refuse
+from services.relay.ws_protocol import AUTHENTICATED_SCOPE_KEY
 
 log = logging.getLogger(__name__)
 
@@ -62,6 +63,7 @@ async def serve_peer(websocket: WebSocket, peer_id: str, state: RelayState) -> N
         log.warning("refused a connection for peer %s: %s", peer_id, exc)
         await refuse(websocket, exc.status, exc.code, str(exc))
         return
+    websocket.scope[AUTHENTICATED_SCOPE_KEY] = True  # its credential was checked: full-size messages
     try:
         await websocket.accept()
     except BaseException:

@@ -10,9 +10,9 @@ refused the message (issue 34, finding 8).
 
 :func:`credential_sized` builds the protocol class ``meshnet relay`` serves
 with. Each connection's parser bounds messages at ``anonymous_max_bytes``
-from the first byte after the handshake. When the app accepts a handshake that
-carried ``Authorization`` (the app checks that credential before it accepts,
-401/403 otherwise), the bound becomes uvicorn's ``ws_max_size`` and the
+from the first byte after the handshake. When the app accepts a connection whose
+credential it checked (it marks the scope, :data:`AUTHENTICATED_SCOPE_KEY`; a
+bad credential is refused 401/403 before), the bound becomes uvicorn's ``ws_max_size`` and the
 frame parser is restarted with it, so the first message of an authenticated
 link already has the full bound. A client sends no frame before the
 handshake's answer (RFC 6455), so nothing is lost by the restart; one that does
@@ -34,10 +34,9 @@ from websockets.server import ServerProtocol
 from meshwire import limits
 from services.relay.settings import DEFAULT_MAX_ANONYMOUS_MESSAGE_BYTES
 
-AUTHORIZATION: Final = b"authorization"
 AUTHENTICATED_SCOPE_KEY: Final = "meshnet.authenticated"
-"""Set in the connection's ASGI scope by the app when it accepts a caller it authenticated without an
-``Authorization`` header (a node's signed relay handshake, :mod:`meshwire.relay_auth`)."""
+"""Set in the connection's ASGI scope by the app when it accepts a connection whose credential it checked (a
+peer; a caller with the secret, a join token or a node's signed handshake, :mod:`meshwire.relay_auth`)."""
 ANONYMOUS_WS_SLACK: Final = 4 * limits.KIB
 """Room above ``max_anonymous_message_bytes`` at the parser, so the relay still sees, and answers ``too_large``,
 an anonymous message a little over its bound; one further over it closes the connection (1009)."""
@@ -75,9 +74,7 @@ def credential_sized(anonymous_max_bytes: int) -> type[asyncio.Protocol]:
         async def send(self, message: Any) -> None:
             accepting = message["type"] == "websocket.accept" and not self.handshake_complete
             await super().send(message)
-            credentialed = self.scope.get(AUTHENTICATED_SCOPE_KEY) or any(
-                name.lower() == AUTHORIZATION for name, _ in self.scope["headers"])
-            if accepting and credentialed:
+            if accepting and self.scope.get(AUTHENTICATED_SCOPE_KEY):
                 conn = self.conn
                 assert isinstance(conn, _SizedServer)
                 conn.opened = True
