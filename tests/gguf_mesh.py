@@ -30,10 +30,8 @@ from tests.procs import (
     TEST_ROUTE_KEY,
     TEST_SECRET,
     Service,
+    named_nodes,
     node_hop_key,
-    pinned_node_env,
-    start_service,
-    wait_healthy,
 )
 
 MESSAGES: Final = [{"role": "user", "content": "Where does the river run before it reaches the sea?"}]
@@ -138,17 +136,8 @@ def gguf_mesh(served: Served) -> Iterator[GgufMesh]:
     """The three nodes of :class:`GgufMesh` as real processes given ``--model FILE.gguf``; stopped afterwards."""
     common = {"MESHNET_MODEL": str(served.gguf.path), "MESHNET_MODEL_CACHE_DIR": str(served.cache),
               "MESHNET_DTYPE": "float32", "MESHNET_DEVICE": "cpu"}
-    nodes: dict[str, Service] = {}
-    try:
-        for name, (start, end) in NODES.items():
-            nodes[name] = start_service("node", {**common, "MESHNET_NODE_ID": name, "MESHNET_LAYERS": f"{start}-{end}",
-                                                 **pinned_node_env(name)}, wait_ready=False)
-        for service in nodes.values():
-            wait_healthy(service)
+    with named_nodes(NODES, common) as nodes:
         yield GgufMesh(nodes=nodes, model=httpx.get(f"{nodes['full'].url}/health").json()["model"])
-    finally:
-        for service in nodes.values():
-            service.stop()
 
 
 def expected_text(served: Served, tokens: list[int]) -> str:

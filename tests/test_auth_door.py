@@ -29,10 +29,8 @@ from tests.procs import (
     TEST_ROUTE_KEY,
     TEST_SECRET,
     Service,
+    named_nodes,
     node_hop_key,
-    pinned_node_env,
-    start_service,
-    wait_healthy,
 )
 
 NUM_LAYERS = 4
@@ -48,17 +46,8 @@ LARGE_BODY = 60 * MIB
 @pytest.fixture(scope="module")
 def nodes(tiny_model_dir: Path) -> Iterator[dict[str, Service]]:
     common = {"MESHNET_MODEL": str(tiny_model_dir), "MESHNET_DTYPE": "float32", "MESHNET_DEVICE": "cpu"}
-    started: dict[str, Service] = {}
-    try:
-        for name, (start, end) in LAYERS.items():
-            started[name] = start_service("node", {**common, "MESHNET_NODE_ID": name, "MESHNET_LAYERS": f"{start}-{end}",
-                                                   **pinned_node_env(name)}, wait_ready=False)
-        for service in started.values():
-            wait_healthy(service)
+    with named_nodes(LAYERS, common) as started:
         yield started
-    finally:
-        for service in started.values():
-            service.stop()
 
 
 def model_of(nodes: dict[str, Service]) -> str:

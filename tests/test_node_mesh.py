@@ -48,10 +48,8 @@ from tests.procs import (
     TEST_ROUTE_KEY,
     TEST_SECRET,
     Service,
+    named_nodes,
     node_hop_key,
-    pinned_node_env,
-    start_service,
-    wait_healthy,
 )
 
 NUM_LAYERS = 4
@@ -116,17 +114,8 @@ def mesh(tiny_model_dir: Path) -> Iterator[Mesh]:
         "front": {"MESHNET_PREFILL_CHUNK_TOKENS": str(FRONT_CHUNK_TOKENS)},
         "back": {"MESHNET_KV_BUDGET_TOKENS": str(BACK_KV_BUDGET), "MESHNET_IDLE_TIMEOUT_S": str(BACK_IDLE_TIMEOUT_S)},
     }
-    nodes: dict[str, Service] = {}
-    try:
-        for name, (start, end) in LAYERS.items():
-            nodes[name] = start_service("node", {**common, "MESHNET_NODE_ID": name, "MESHNET_LAYERS": f"{start}-{end}",
-                                                 **pinned_node_env(name), **extra.get(name, {})}, wait_ready=False)
-        for service in nodes.values():
-            wait_healthy(service)
+    with named_nodes(LAYERS, common, extra) as nodes:
         yield Mesh(nodes=nodes, model=httpx.get(f"{nodes['full'].url}/health").json()["model"])
-    finally:
-        for service in nodes.values():
-            service.stop()
 
 
 @dataclass(frozen=True)
