@@ -20,6 +20,7 @@ import datetime as dt
 import importlib
 import logging
 import os
+import signal
 import sys
 import tempfile
 import time
@@ -88,8 +89,19 @@ def command_for(name: BenchmarkName, quick: bool) -> str:
     return f"{ENTRY} --only {name}" + (" --quick" if quick else "")
 
 
+def _stop_on_sigterm() -> None:
+    """Turn SIGTERM (``kill``, ``timeout``) into KeyboardInterrupt, so every mesh's context manager stops its
+    processes on the way out instead of leaving a tracker and nodes running with no parent."""
+
+    def interrupt(signum: int, _frame: object) -> None:
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    signal.signal(signal.SIGTERM, interrupt)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
+    _stop_on_sigterm()
     began = time.time()
     _setup_logging(began)
     machine = describe_machine()

@@ -14,6 +14,17 @@ if TYPE_CHECKING:
 pytest_plugins = ["pytester"]
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    """Turn SIGTERM (``timeout``, a CI runner giving up) into KeyboardInterrupt, so pytest tears its fixtures
+    down and every service a test started is stopped, instead of living on with no parent."""
+    import signal
+
+    def interrupt(signum: int, _frame: object) -> None:
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    signal.signal(signal.SIGTERM, interrupt)
+
+
 def pytest_sessionstart(session: pytest.Session) -> None:
     """Build meshnet's quantized-product kernel once before any node starts (a no-op once built): nodes
     started by tests would otherwise each wait on the build inside their start-up time."""
