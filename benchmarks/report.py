@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Final
 
 from benchmarks.machine import Machine
+from benchmarks.quiet import loaded_note, run_load
 from benchmarks.results import Result
 from benchmarks.stats import Spread
 
@@ -40,12 +41,14 @@ def render_section(results: Sequence[Result]) -> str:
               "| --- | --- | ---: | ---: | ---: | --- | --- |"]
     for result in results:
         mode = " (quick)" if result.quick else ""
+        loaded = loaded_note(result)
         for row in result.outcome.rows:
+            note = "; ".join(part for part in (row.note, loaded) if part)
             lines.append(f"| {result.benchmark}{mode} | {row.label} | {_value(row.value, row.unit)} | "
-                         f"{_range(row.value, row.unit)} | {row.value.n} | {_escape(row.note)} | "
+                         f"{_range(row.value, row.unit)} | {row.value.n} | {_escape(note)} | "
                          f"`{result.command}` |")
     lines += ["", "Runs: " + "; ".join(f"{r.benchmark} {r.started_at} ({r.elapsed_s:.0f} s, "
-                                       f"load average {r.machine.load_average_1m:.2f} at start)" for r in results)]
+                                       f"load average up to {run_load(r):.2f})" for r in results)]
     notes = [(r.benchmark, note) for r in results for note in r.outcome.notes]
     if notes:
         lines += ["", "Notes from the runs:", ""] + [f"- {name}: {_escape(note)}" for name, note in notes]

@@ -65,6 +65,9 @@ class Result(BaseModel):
     elapsed_s: float
     machine: Machine
     outcome: Outcome
+    peak_load_1m: float | None = None
+    """The highest load average seen at the run's start or end (:mod:`benchmarks.quiet`); ``None`` in results
+    written before it was recorded."""
 
 
 def result_path(name: BenchmarkName, directory: Path = RESULTS_DIR) -> Path:
@@ -83,15 +86,18 @@ def write_result(result: Result, directory: Path = RESULTS_DIR) -> Path:
     return path
 
 
+def load_result(path: Path) -> Result | None:
+    """The result at ``path``; ``None`` when there is none or it cannot be read (logged)."""
+    if not path.is_file():
+        return None
+    try:
+        return Result.model_validate_json(path.read_text(encoding="utf-8"))
+    except (OSError, ValidationError) as exc:
+        logger.warning("skipping %s: %s", path, exc)
+        return None
+
+
 def load_results(directory: Path = RESULTS_DIR) -> list[Result]:
     """Every readable result in ``directory``, in :data:`BENCHMARK_ORDER`; unreadable files are skipped."""
-    found: list[Result] = []
-    for name in BENCHMARK_ORDER:
-        path = result_path(name, directory)
-        if not path.is_file():
-            continue
-        try:
-            found.append(Result.model_validate_json(path.read_text(encoding="utf-8")))
-        except (OSError, ValidationError) as exc:
-            logger.warning("skipping %s: %s", path, exc)
-    return found
+    found = (load_result(result_path(name, directory)) for name in BENCHMARK_ORDER)
+    return [result for result in found if result is not None]

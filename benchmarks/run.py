@@ -31,6 +31,7 @@ from typing import Final, cast, get_args
 
 from benchmarks.harness import Harness
 from benchmarks.machine import describe_machine
+from benchmarks.quiet import QUIET_LOAD_MAX, peak_load, save_result
 from benchmarks.report import update_readme
 from benchmarks.results import (
     BENCHMARK_ORDER,
@@ -39,7 +40,6 @@ from benchmarks.results import (
     Result,
     load_results,
     plot_path,
-    write_result,
 )
 
 logger = logging.getLogger("benchmarks.run")
@@ -72,6 +72,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--results", type=Path, default=RESULTS_DIR,
                         help="where JSON and PNG results go (elsewhere than the default: the README is left alone)")
     parser.add_argument("--no-readme", action="store_true", help="do not rebuild the table in benchmarks/README.md")
+    parser.add_argument("--replace-quiet", action="store_true",
+                        help=f"let a run on a loaded machine (load average above {QUIET_LOAD_MAX:g}) replace a "
+                             "quiet result; without it the loaded one is kept beside it as <name>.loaded.json")
     return parser.parse_args(argv)
 
 
@@ -113,7 +116,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="meshnet-bench-") as scratch:
         harness = Harness(quick=args.quick, scratch=Path(scratch))
         for name in cast(tuple[BenchmarkName, ...], args.only):
-            if not _run_one(name, harness, args.results):
+            if not _run_one(name, harness, args.results, replace_quiet=args.replace_quiet):
                 failed.append(name)
     if args.no_readme or args.results.resolve() != RESULTS_DIR:
         logger.info("README left as it is (its table shows %s only)", RESULTS_DIR)
@@ -127,7 +130,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 1 if failed else 0
 
 
-def _run_one(name: BenchmarkName, harness: Harness, results: Path) -> bool:
+def _run_one(name: BenchmarkName, harness: Harness, results: Path, *, replace_quiet: bool = False) -> bool:
     """Run, save and plot one benchmark; False (logged, not raised) when it failed."""
     module: ModuleType = importlib.import_module(f"benchmarks.{name}")
     log = harness.logger(name)
@@ -142,8 +145,9 @@ def _run_one(name: BenchmarkName, harness: Harness, results: Path) -> bool:
         return False
     result = Result(benchmark=name, title=module.TITLE, command=command_for(name, harness.quick),
                     quick=harness.quick, started_at=started.isoformat(timespec="seconds"),
-                    elapsed_s=round(time.perf_counter() - began, 1), machine=machine, outcome=outcome)
-    path = write_result(result, results)
+                    elapsed_s=round(time.perf_counter() - began, 1), machine=machine, outcome=outcome,
+                    peak_load_1m=peak_load(machine.load_average_1m))
+    path = save_result(result, results, replace_quiet=replace_quiet)
     png = module.plot(outcome, plot_path(name, results), caption=f"{machine.one_line()}; {result.command}")
     for row in outcome.rows:
         log.info("%s: %s %s%s", row.label, row.value.short(2 if row.unit == "x" else 1), row.unit,

@@ -21,6 +21,7 @@ from benchmarks.load import hammer
 from benchmarks.machine import describe_machine
 from benchmarks.mesh import MeshSpec, split_layers
 from benchmarks.prompts import messages_of_length, prompt_token_ids
+from benchmarks.quiet import save_result
 from benchmarks.results import Outcome, Result, Row, load_results, write_result
 from benchmarks.rounds import interleave
 from benchmarks.run import command_for, parse_args
@@ -112,12 +113,38 @@ def test_a_written_result_reads_back_and_its_rows_reach_the_table_with_their_com
     result = Result(benchmark="hops", title="t", command=command_for("hops", quick=True), quick=True,
                     started_at=dt.datetime.now(dt.UTC).isoformat(), elapsed_s=1.0, machine=describe_machine(),
                     outcome=Outcome(rows=(Row(label="tiny model, 2 nodes", value=spread([4.0, 5.0]),
-                                              unit="ms/token", note="a | note"),)))
+                                              unit="ms/token", note="a | note"),)), peak_load_1m=0.0)
     write_result(result, tmp_path)
     assert load_results(tmp_path) == [result]
     table = report.render_section(load_results(tmp_path))
     assert "| hops (quick) | tiny model, 2 nodes | 4.5 ms/token | 4.0–5.0 | 2 | a \\| note |" in table
     assert "`.venv/bin/python -m benchmarks.run --only hops --quick`" in table
+
+
+def _result_under_load(load: float | None, started_at: str = "2026-12-03T00:00:00+00:00") -> Result:
+    machine = describe_machine().model_copy(update={"load_average_1m": 0.0})
+    return Result(benchmark="decode", title="t", command=command_for("decode", quick=False), quick=False,
+                  started_at=started_at, elapsed_s=1.0, machine=machine, peak_load_1m=load,
+                  outcome=Outcome(rows=(Row(label="mesh", value=spread([10.0]), unit="tok/s", note="goal"),)))
+
+
+def test_a_loaded_run_is_marked_in_the_table_and_a_quiet_one_is_not(tmp_path: Path) -> None:
+    loaded = report.render_section([_result_under_load(7.5)])
+    assert "| goal; loaded machine (load average up to 7.5) |" in loaded and "load average up to 7.50" in loaded
+    assert "loaded machine" not in report.render_section([_result_under_load(0.4)])
+    assert "loaded machine" not in report.render_section([_result_under_load(None)])  # older results: start load
+
+
+def test_a_loaded_run_never_replaces_a_quiet_result_unless_asked(tmp_path: Path) -> None:
+    quiet, loaded = _result_under_load(0.2, "quiet"), _result_under_load(9.0, "loaded")
+    save_result(quiet, tmp_path)
+    aside = save_result(loaded, tmp_path)
+    assert aside.name == "decode.loaded.json" and load_results(tmp_path) == [quiet]
+    save_result(loaded, tmp_path, replace_quiet=True)
+    assert load_results(tmp_path) == [loaded]
+    newer_quiet = _result_under_load(0.1, "newer quiet")
+    save_result(newer_quiet, tmp_path)  # a quiet run replaces a loaded one, and a loaded one a loaded one
+    assert load_results(tmp_path) == [newer_quiet]
 
 
 def test_only_names_known_benchmarks_and_keeps_the_documented_order() -> None:
