@@ -39,9 +39,10 @@ from tests.tcp_proxy import PIPE, STALL, Proxy, answer
 LONG: Final = [{"role": "user", "content": " ".join(["Tell me a long story about the river and the old mill."] * 12)}]
 HANDOFF_MAX_BYTES: Final = 1 << 16
 """The least the setting allows: below the long prompt's KV on the tiny model."""
-PULL_TIMEOUT_S: Final = 3.0
+PULL_TIMEOUT_S: Final = 8.0
 """The decode node's ``MESHNET_HANDOFF_PULL_TIMEOUT_S`` where pulls go through the proxy: what a stalled pull
-costs the test."""
+costs the test, and ample for a refused or overfilled pull to fail on its own reason first (the pull runs on
+a background thread at a lower CPU priority, which a loaded machine may keep waiting)."""
 MAX_TOKENS: Final = 8
 
 
@@ -183,18 +184,6 @@ def test_a_pull_that_fails_on_the_wire_falls_back_under_its_reason_and_answers_e
     assert_fell_back(mesh, before, reason, why)
     assert any(line.startswith(f"POST {PULL_PATH} ".encode()) for line in proxy.lines[seen:]), \
         "the decode node pulled through the proxy"
-
-
-def test_through_the_proxy_a_pull_that_is_passed_on_hands_the_prompt_over(proxied: tuple[PdMesh, Proxy],
-                                                                          greedy_answer: str) -> None:
-    """The proxy itself changes nothing: pulls it passes on hand the prompt over (the other tests' failures
-    are the policies')."""
-    mesh, _ = proxied
-    before = pd_counts(mesh, "d")
-    response = ask_long(mesh)
-    assert response.status_code == 200, response.text
-    assert response.json()["choices"][0]["message"]["content"] == greedy_answer
-    assert moved(pd_counts(mesh, "d"), before, "handoff") == 1
 
 
 def test_a_decode_head_serving_alone_has_no_route_to_hand_the_kv_to(proxied: tuple[PdMesh, Proxy],
