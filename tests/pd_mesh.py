@@ -115,11 +115,13 @@ def join_token(tracker: Service, node_id: str) -> str:
 
 def start_pd_mesh(model_dir: Any, prefill: Mapping[str, tuple[int, int]], decode: Mapping[str, tuple[int, int]],
                   node_env: Mapping[str, Mapping[str, str]] | None = None,
-                  prefill_env: Mapping[str, str] | None = None, join_by_token: bool = False) -> PdMesh:
+                  prefill_env: Mapping[str, str] | None = None, join_by_token: bool = False,
+                  ports: Mapping[str, int] | None = None) -> PdMesh:
     """The registry, a tracker and the nodes (id -> inclusive layers), every prefill node registered.
 
     With ``join_by_token`` every node joins by a join token and holds a wrong mesh secret; decode nodes then
-    pin the test's route key and hop key too (:func:`~tests.procs.pinned_node_env`).
+    pin the test's route key and hop key too (:func:`~tests.procs.pinned_node_env`). ``ports`` gives nodes
+    a port chosen beforehand (a proxy in front of one must know it before the node registers).
     """
     bootstrap = start_service("bootstrap", {"MESHNET_REGISTRY": "cache-layouts"})
     tracker = start_service("tracker", {"MESHNET_HEARTBEAT_S": "1", "MESHNET_NODE_TTL_S": "6",
@@ -145,7 +147,8 @@ def start_pd_mesh(model_dir: Any, prefill: Mapping[str, tuple[int, int]], decode
     for name, env in (node_env or {}).items():
         specs[name].update(env)
     try:
-        started = start_together([("node", spec) for spec in specs.values()])
+        started = start_together([("node", spec) for spec in specs.values()],
+                                 [(ports or {}).get(name) for name in specs])
     except Exception:
         tracker.stop()
         bootstrap.stop()

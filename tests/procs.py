@@ -238,12 +238,16 @@ def running(*services: Service) -> Iterator[tuple[Service, ...]]:
             service.stop()
 
 
-def start_together(specs: Sequence[tuple[ServiceKind, Mapping[str, str]]]) -> list[Service]:
-    """Start several services at once (they load in parallel), then wait until each is healthy.
+def start_together(specs: Sequence[tuple[ServiceKind, Mapping[str, str]]],
+                   ports: Sequence[int | None] | None = None) -> list[Service]:
+    """Start several services at once (they load in parallel), then wait until each is healthy; ``ports``
+    gives each its port (``None``: a free one).
 
     If any fails to come up, every one started is stopped before the error propagates.
     """
-    services = [start_service(kind, env, wait_ready=False) for kind, env in specs]
+    chosen = list(ports) if ports is not None else [None] * len(specs)
+    services = [start_service(kind, env, port, wait_ready=False) for (kind, env), port in zip(specs, chosen,
+                                                                                              strict=True)]
     try:
         for service in services:
             wait_healthy(service)

@@ -1,7 +1,10 @@
 """``n > 1`` from one prefill (``meshwire.fork``): the choices share their prompt's KV and still equal
 ``n`` separate seeded requests, token for token.
 
-A real tracker and two nodes splitting the tiny model in float32; the official client.
+A real tracker and two nodes splitting the tiny model in float32; the official client. A second mesh serves
+a tiny Qwen2 whose last two layers are sliding-window layers, which cannot be forked (a window keeps only its
+last tokens): the node holding them refuses every fork, so each follower falls back to a prefill of its own,
+and the metrics and the head's log show it did.
 """
 
 from __future__ import annotations
@@ -14,10 +17,15 @@ from typing import Any, Final
 import httpx
 import openai
 import pytest
+import torch
 from prometheus_client.parser import text_string_to_metric_families
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, Qwen2Config, Qwen2ForCausalLM
 
+from meshwire.sampling_params import SamplingParams
+from tests import tiny_model
 from tests.procs import Service, start_service, wait_healthy
 from tests.tiny_mesh import HEARTBEAT_S, wait_until_servable
+from tests.transformers_reference import reference_generate
 
 PROMPT: Final = [{"role": "user", "content": "Where does the river run, and why?"}]
 NODES: Final = (("front-node", "0-1"), ("back-node", "2-3"))
@@ -152,3 +160,67 @@ def test_with_speculation_on_the_choices_still_equal_separate_requests(speculati
     singles = [chat(speculating, temperature=temperature, seed=7 + i, max_tokens=12) for i in range(N)]
     assert [c.message.content for c in several.choices] == [s.choices[0].message.content for s in singles]
     assert all(value == (N - 1) * (several.usage.prompt_tokens - 1) for value in copied.values()), copied
+
+
+# --- a node that cannot fork: every follower falls back to a prefill ------------------------------------
+
+SLIDING_WINDOW: Final = tiny_model.MAX_POSITIONS
+"""As long as the model's context: the sliding layers attend as full ones do (transformers' answers are the
+same), but their cache is a sliding window, which a fork cannot copy."""
+FULL_LAYERS: Final = 2
+"""Layers 0-1 (the front node's) are full attention, 2-3 (the back node's) sliding."""
+COMPLETION_PROMPT: Final = "The river runs to the sea because"
+
+
+def build_sliding_model(tiny: Path, dest: Path) -> Path:
+    """A tiny Qwen2 with the tiny model's tokenizer whose layers from :data:`FULL_LAYERS` on slide."""
+    config = Qwen2Config(
+        vocab_size=tiny_model.VOCAB_SIZE, hidden_size=tiny_model.HIDDEN_SIZE,
+        intermediate_size=tiny_model.INTERMEDIATE_SIZE, num_hidden_layers=tiny_model.NUM_LAYERS,
+        num_attention_heads=tiny_model.NUM_HEADS, num_key_value_heads=tiny_model.NUM_KV_HEADS,
+        max_position_embeddings=tiny_model.MAX_POSITIONS, initializer_range=tiny_model.INIT_STD,
+        use_sliding_window=True, sliding_window=SLIDING_WINDOW, max_window_layers=FULL_LAYERS,
+        tie_word_embeddings=False, bos_token_id=None, eos_token_id=2, pad_token_id=0)
+    assert config.layer_types == ["full_attention"] * FULL_LAYERS + ["sliding_attention"] * FULL_LAYERS
+    torch.manual_seed(tiny_model.SEED)
+    Qwen2ForCausalLM(config).eval().save_pretrained(dest)
+    AutoTokenizer.from_pretrained(tiny).save_pretrained(dest)
+    return dest
+
+
+@pytest.fixture(scope="module")
+def sliding_dir(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_sliding_model(tiny_model_dir, tmp_path_factory.mktemp("sliding") / "tiny-sliding")
+
+
+@pytest.fixture(scope="module")
+def unforkable(sliding_dir: Path) -> Iterator[Mesh]:
+    with started_mesh(sliding_dir, "off") as running:
+        yield running
+
+
+def test_a_node_that_cannot_fork_makes_every_follower_prefill_and_the_choices_equal_transformers(
+        unforkable: Mesh, sliding_dir: Path) -> None:
+    mesh = unforkable
+    before = mesh.counts()
+    answer = mesh.client.completions.create(model=mesh.model, prompt=COMPLETION_PROMPT, max_tokens=8, n=N,
+                                            temperature=0.9, seed=3)
+    after = mesh.counts()
+    for name in mesh.nodes:  # (positions computed, positions copied by forks, forks refused)
+        assert after[name][1] == before[name][1], f"{name} copied no prompt: no fork went through"
+        assert after[name][2] - before[name][2] == N - 1, f"{name} counted every follower's fork refused"
+    prompt = answer.usage.prompt_tokens
+    computed = {name: after[name][0] - before[name][0] for name in mesh.nodes}
+    assert all(value >= N * prompt for value in computed.values()), ("every choice ran its prompt", computed)
+    refusals = [line for line in mesh.nodes["front-node"].log().splitlines()
+                if "could not fork the first choice's prompt" in line]
+    assert len(refusals) >= N - 1 and "back-node cannot fork" in refusals[-1], refusals
+
+    reference: PreTrainedModel = AutoModelForCausalLM.from_pretrained(sliding_dir, dtype=torch.float32).eval()
+    tokenizer = AutoTokenizer.from_pretrained(sliding_dir)
+    ids = torch.tensor([tokenizer(COMPLETION_PROMPT).input_ids])
+    assert ids.shape[1] == prompt
+    expected = [tokenizer.decode(reference_generate(reference, ids, SamplingParams(temperature=0.9, seed=3 + i), 8),
+                                 skip_special_tokens=True) for i in range(N)]
+    assert [choice.text for choice in answer.choices] == expected
+    assert len(set(expected)) > 1, "each choice draws its own tokens"

@@ -6,7 +6,9 @@ the others served, ``/metrics`` by key id) against a real tiny mesh with the
 official OpenAI client; and the sharing of a key's budget by two trackers on
 one Redis against real trackers. A request held in flight is one whose body
 the client has not finished sending: it stays in flight for as long as the
-test needs, with no timing involved.
+test needs, with no timing involved. A streamed answer is held open by a proxy
+in front of its head node (:mod:`tests.tcp_proxy`), which stops the stream after
+its first event until the test lets it go on.
 """
 
 from __future__ import annotations
@@ -23,11 +25,13 @@ import openai
 import pytest
 
 from services.tracker.key_limits import KeyNames, MemoryKeyLimiter, Refused
-from tests.procs import Service, running, start_service
+from tests.procs import Service, free_port, running, start_service
 from tests.redis_server import redis_server
-from tests.tiny_mesh import tiny_mesh
+from tests.tcp_proxy import Proxy
+from tests.tiny_mesh import HEARTBEAT_S, tiny_mesh, wait_until_servable
 
 KEY, OTHER_KEY, THIRD_KEY = "sk-first-key-0123456789", "sk-second-key-9876543210", "key1"
+STREAM_KEY = "sk-streaming-key-5555555555"
 PER_MINUTE = 3
 WAIT_S = 60.0
 MESSAGES = [{"role": "user", "content": "hi"}]
@@ -199,6 +203,53 @@ def test_several_choices_in_one_request_count_as_that_many_streams(limited_mesh:
     alone = _client(tracker, THIRD_KEY).chat.completions.create(model=model, messages=MESSAGES, max_tokens=2,
                                                                  temperature=0)
     assert alone.choices[0].message.content is not None  # its slots were all given back
+
+
+@pytest.fixture(scope="module")
+def held_streams(tiny_model_dir: Path) -> Iterator[tuple[Service, str, Proxy]]:
+    """A tracker whose key may hold one stream at a time, and one node holding every layer that the tracker
+    reaches through a :class:`~tests.tcp_proxy.Proxy` (the node advertises the proxy's address)."""
+    port = free_port()
+    with Proxy(port) as proxy:
+        tracker = start_service("tracker", {"MESHNET_API_KEYS": STREAM_KEY, "MESHNET_KEY_MAX_STREAMS": "1",
+                                            "MESHNET_HEARTBEAT_S": HEARTBEAT_S, "MESHNET_STORE": "memory"})
+        with running(tracker):
+            node = start_service("node", {
+                "MESHNET_MODEL": str(tiny_model_dir), "MESHNET_LAYERS": "0-3", "MESHNET_TRACKER": tracker.url,
+                "MESHNET_NODE_ID": "proxied-node", "MESHNET_DTYPE": "float32", "MESHNET_DEVICE": "cpu",
+                "MESHNET_HEARTBEAT_S": HEARTBEAT_S, "MESHNET_ADVERTISE": proxy.url}, port=port)
+            with running(node):
+                model = wait_until_servable(tracker, tiny_model_dir.name, {"Authorization": f"Bearer {STREAM_KEY}"})
+                yield tracker, model, proxy
+
+
+def test_a_streamed_answer_holds_its_slot_until_it_ends(held_streams: tuple[Service, str, Proxy]) -> None:
+    """With one stream allowed, a second request is refused while the first streams (its first chunk is read,
+    the rest held by the proxy), and admitted once the stream has ended."""
+    tracker, model, proxy = held_streams
+    client = _client(tracker, STREAM_KEY)
+    url, headers = f"{tracker.url}/v1/chat/completions", {"Authorization": f"Bearer {STREAM_KEY}"}
+    assert httpx.post(url, headers=headers, json={}).status_code == 400  # admitted (then invalid): the slot is free
+    proxy.hold_after_first_event()
+    stream = client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=6, temperature=0,
+                                            stream=True)
+    chunks = iter(stream)
+    try:
+        first = next(chunks)
+        assert first.choices[0].delta.role == "assistant"
+        assert proxy.holding.wait(WAIT_S), "the proxy holds the stream after its first event"
+        with pytest.raises(openai.RateLimitError) as refused:
+            client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=2, temperature=0)
+        assert "in flight" in refused.value.response.json()["error"]["message"]
+        assert refused.value.response.headers["retry-after"] == "1"
+    finally:
+        proxy.release()
+    rest = list(chunks)
+    assert rest and rest[-1].choices[0].finish_reason in ("stop", "length"), rest[-1:]
+    _wait_for(lambda: httpx.post(url, headers=headers, json={}).status_code == 400,
+              "the key's slot back once the stream ended")
+    answer = client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=2, temperature=0)
+    assert answer.choices[0].message.content is not None
 
 
 # --- several trackers, one budget ----------------------------------------------------------------

@@ -47,7 +47,9 @@ CPU = torch.device("cpu")
 PRODUCT_RTOL = 2.0 ** -6
 """A product's largest error, relative to the largest value of the float result (bfloat16 has 8 significant bits)."""
 HIDDEN_RTOL = 1e-2
-"""A quantized shard's hidden states against the bfloat16-rounding float reference, relative to their magnitude."""
+"""A quantized shard's hidden states against the bfloat16-rounding float reference, relative to their magnitude.
+Loose on purpose (it holds on either kernel, whole shards, errors compounding): tests/test_decode_reference.py
+holds each decode path, layer by layer, to a float64 reference within a derived bound."""
 ROWS = (1, 2, 3, 4, 8, 16, 17, 40, 257, 2049)
 """Row counts a product sees: lone and batched decode steps and prompt chunks (the kernel), and a prompt chunk
 above :data:`KERNEL_MAX_ROWS` (the matrix dequantized for the call)."""

@@ -5,7 +5,10 @@ nodes splitting a copy of the tiny model whose chat template renders tools
 (Hermes / Qwen2.5 style, :data:`tests.tiny_model.TOOL_CHAT_TEMPLATE`), and one
 node holding every layer, serving alone; all are asked through the official
 client. The tiny model is random, so every call that parses and validates
-against its function's schema is the grammar's doing.
+against its function's schema is the grammar's doing. With ``auto`` the random
+model never writes the tag, so a third mesh serves a copy whose weights make it
+open a call (:func:`tests.tiny_model.build_caller_model`): ``auto`` then
+answers with a call the client must validate.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ from transformers import AutoTokenizer
 
 from meshwire import openai as oa
 from meshwire.resume import PROGRESS_KEY
-from meshwire.tool_calls import ToolCallAssembler, ToolCallParser
+from meshwire.tool_calls import TAG_OPEN, ToolCallAssembler, ToolCallParser
 from services.node.api.streams import ChatStream
 from services.node.head.events import Finished, TextDelta
 from services.node.head.tokens import HeadTokenizer
@@ -34,7 +37,7 @@ from services.node.sampling.tool_grammar import tool_grammar
 from services.tracker.collect import collect
 from tests.procs import TEST_SECRET, Service, start_service
 from tests.tiny_mesh import tiny_mesh
-from tests.tiny_model import VOCAB_SIZE, build_tool_model
+from tests.tiny_model import VOCAB_SIZE, build_caller_model, build_tool_model
 
 PROMPT: Final = [{"role": "user", "content": "What is the weather in Paris?"}]
 WEATHER_PARAMETERS: Final = {
@@ -321,6 +324,31 @@ def test_auto_answers_text_or_valid_calls(client: openai.OpenAI, mesh: tuple[Ser
         else:
             assert choice.message.tool_calls is None or choice.finish_reason == "length", choice
             assert "<tool_call>\n" not in (choice.message.content or "")
+
+
+@pytest.fixture(scope="module")
+def caller(tool_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[openai.OpenAI, str]]:
+    """A tracker and two nodes serving the tool model rewired to open a call as soon as it answers."""
+    tokenizer = AutoTokenizer.from_pretrained(tool_model_dir)
+    last = HeadTokenizer(tokenizer, (EOS,)).encode_chat(PROMPT, TOOLS)[-1]  # the template's ``assistant\n``
+    tag = tokenizer(TAG_OPEN, add_special_tokens=False).input_ids
+    assert last not in tag and len(set(tag)) == len(tag), "each chain token has one successor"
+    chain = list(zip([last, *tag[:-1]], tag, strict=True))
+    model_dir = build_caller_model(tool_model_dir, tmp_path_factory.mktemp("caller") / "tiny-caller", chain)
+    with tiny_mesh(model_dir) as (tracker, model):
+        yield openai.OpenAI(base_url=f"{tracker.url}/v1", api_key="unused", max_retries=0, timeout=120), model
+
+
+def test_auto_makes_the_call_a_model_opens_and_the_call_validates(caller: tuple[openai.OpenAI, str]) -> None:
+    """``auto`` with a model that writes ``<tool_call>``: the grammar holds the rest to a call of a declared
+    function whose arguments follow its schema, whole and streamed, greedy and seeded."""
+    client, model = caller
+    for extra in ({"temperature": 0}, *({"seed": seed} for seed in SEEDS)):
+        whole = ask(client, model, parallel_tool_calls=False, **extra).choices[0]
+        calls = assert_valid_calls(whole)
+        assert len(calls) == 1 and calls[0][0] in SCHEMAS, calls
+        content, streamed_calls, finish = streamed(client, model, parallel_tool_calls=False, **extra)
+        assert (content or None, streamed_calls, finish) == (None, calls, "tool_calls")
 
 
 def test_streamed_and_whole_answers_agree(client: openai.OpenAI, mesh: tuple[Service, str]) -> None:

@@ -152,6 +152,35 @@ def build_tool_model(tiny: Path, dest: Path) -> Path:
     return dest
 
 
+CALLER_LOGIT: Final = 10.0
+"""How far a :func:`build_caller_model` successor's logit stands out, per unit of the normalised hidden state
+(the model's other logits are its random ``INIT_STD`` weights times about one)."""
+
+
+def build_caller_model(tools: Path, dest: Path, chain: list[tuple[int, int]]) -> Path:
+    """A copy of the tool model in ``tools`` rewired to answer each ``(token, successor)`` of ``chain``
+    with ``successor``, whatever came before: the weights that make a call as a trained model would.
+
+    Every layer's attention and MLP output projections are zero, so the last hidden state is the input
+    token's own embedding; each chain token's embedding is a unit vector of its own, and the language
+    model head's row of its successor reads that vector :data:`CALLER_LOGIT` strong. Other tokens keep
+    their random embeddings (so a grammar still has choices to make after the chain)."""
+    shutil.copytree(tools, dest)
+    model = LlamaForCausalLM.from_pretrained(dest, dtype=torch.float32).eval()
+    if len(chain) > HIDDEN_SIZE:
+        raise ValueError(f"a chain of {len(chain)} tokens needs more than {HIDDEN_SIZE} dimensions")
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+        for dim, (token, successor) in enumerate(chain):
+            model.model.embed_tokens.weight[token] = 0.0
+            model.model.embed_tokens.weight[token, dim] = 1.0
+            model.lm_head.weight[successor, dim] = CALLER_LOGIT
+    model.save_pretrained(dest)
+    return dest
+
+
 def _build_tokenizer() -> PreTrainedTokenizerFast:
     """A byte-level BPE tokenizer trained on :data:`CORPUS`, with ChatML special tokens."""
     bpe = Tokenizer(models.BPE())
