@@ -10,6 +10,12 @@ forged routes cannot turn into a flood of requests to the tracker. The set
 fetched replaces the previous one: a key the trackers no longer publish (its
 routes have all expired) is dropped.
 
+Pins are the operator's word and a fetch over plain ``http://`` is anyone's on
+the path (issue 34, finding 12): a node with pinned keys and any ``http://``
+tracker fetches nothing (:func:`may_fetch`), so the keys it trusts are its pins
+and nothing a network attacker answers. Over ``https://`` (the tracker's
+certificate checked) the fetched keys join the pins, as they always did.
+
 A node holds no private route key, so it can verify a route and never mint one.
 """
 
@@ -18,7 +24,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Final
 
 from meshwire.route_keys import KeySet
@@ -30,6 +36,13 @@ MIN_REFRESH_S: Final = 2.0
 """Shortest time between two fetches of the tracker's keys prompted by an unknown key id."""
 
 KeyFetch = Callable[[], Awaitable[KeySet]]
+
+
+def may_fetch(pinned: KeySet, trackers: Sequence[str] | None) -> bool:
+    """Whether a node may add its trackers' keys to its pins: not over plain HTTP when it pinned any."""
+    if not trackers:
+        return False
+    return not pinned.kids or all(url.lower().startswith("https://") for url in trackers)
 
 
 class KeyFetchFailed(Exception):
