@@ -280,7 +280,13 @@ class NodeRuntime:
             generator
 
     def _on_answer(self, answer: RegistrationAnswer) -> None:
-        """A tracker's registration answer: a prefill group's place, or a move to another range."""
+        """A tracker's registration answer: revoked nodes, a prefill group's place, or a move to another range."""
+        revoked = frozenset(answer.revoked_nodes)
+        if revoked != self.trust.revoked:
+            if revoked - self.trust.revoked:
+                logger.warning("the tracker revoked %s: routes naming them are refused from now on",
+                               ", ".join(sorted(revoked - self.trust.revoked)))
+            self.trust.revoked = revoked
         if self.membership is not None:
             self.membership.on_answer(answer)
         move = answer.move

@@ -180,7 +180,7 @@ def _continued(state: TrackerState, sent: Forward, lease: RouteLease, route: Sig
         last[0] = lease.nodes
 
     def cut() -> str | None:  # a node revoked mid-stream: the stream moves to a route without it at once
-        revoked = state.revoked.intersection(lease.nodes) if state.revoked else None
+        revoked = state.revoked.among(lease.nodes) if len(state.revoked) else None
         return f"node {min(revoked)}'s join token was revoked" if revoked else None
 
     async def reopen(route: SignedRoute, body: bytes) -> httpx.Response | HeadRefused | HeadError:

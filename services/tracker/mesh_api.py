@@ -197,7 +197,7 @@ async def register(request: Request) -> JSONResponse:
     state.metrics.registrations.labels("new" if registered.new_lease else "heartbeat").inc()
     answer = RegistrationAnswer(lease=registered.lease, heartbeat_s=state.settings.heartbeat_s,
                                 ttl_s=state.settings.node_ttl_s, prefill_group=state.prefill_assignment(registration),
-                                move=heal_move(request, registration))
+                                move=heal_move(request, registration), revoked_nodes=state.revoked.notice())
     return JSONResponse(answer.model_dump(mode="json"))
 
 
@@ -212,8 +212,8 @@ async def _registered(request: Request, state: TrackerState, body: bytes) -> tup
         record = await state.trust.admit(request.headers.get("authorization"), registration)
         if record is not None and record.model is None:
             _check_model_claim(state, registration)
-        if record is not None:
-            state.revoked.discard(registration.node_id)  # it holds a valid token again
+        if record is not None and registration.node_id in state.revoked:
+            await state.store.lift_revocation(registration.node_id)  # it holds a valid token again
     except TokenRefused as exc:
         logger.warning("refused registration of %s from %s: %s", registration.node_id, registration.endpoint, exc)
         raise _token_refused(exc) from None

@@ -33,6 +33,7 @@ from .planner import Candidate, IncompleteCoverage, RouteTooLong, format_ranges,
 from .ratings import Ratings
 from .registry import Registry, RegistryPolicy, resolve_model_name
 from .responses import HTTPError
+from .revocations import Revocations
 from .settings import TrackerSettings
 from .store import NodeStore, open_store
 from .trust import NoSigningKey, TrackerTrust
@@ -58,9 +59,6 @@ class TrackerState:
     """The HTTP client to head nodes; opened and closed by the app's lifespan."""
     key_limiter: KeyLimiter | None = None
     """Counts each API key's requests against its limits (with ``MESHNET_API_KEYS`` set)."""
-    revoked: set[str] = field(default_factory=set)
-    """Node ids whose join token this tracker revoked (until they join again by a valid token): the streams it
-    relays through them leave their route at the next token (see :mod:`.admin_api`)."""
     ratings: Ratings = field(default_factory=Ratings)
     """Each node's speed as measured on the streams this tracker relayed (the planner's speeds, :mod:`.ratings`)."""
     failure_gate: FailureGate = field(default_factory=lambda: FailureGate(window_s=120.0))
@@ -82,6 +80,13 @@ class TrackerState:
                              rotate_s=settings.route_key_rotate_s, lead_s=settings.route_key_lead_s)
         return cls(settings=settings, store=store, metrics=metrics, trust=trust, clock=clock, key_limiter=limiter,
                    failure_gate=FailureGate(window_s=settings.failure_reset_s))
+
+    @property
+    def revoked(self) -> Revocations:
+        """Node ids whose join token was revoked, through any tracker of the store (until they join again by a
+        valid token): the streams this tracker relays through them leave their route at the next token, and
+        every node is told in its heartbeat answer (:mod:`.revocations`)."""
+        return self.store.revocations
 
     @property
     def registry(self) -> Registry:

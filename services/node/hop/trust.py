@@ -76,6 +76,9 @@ class RouteTrust:
         """Fetches of the tracker's keys made so far (the rate limit's witness in tests and metrics)."""
         self.keys: KeySet = pinned
         """Every key a route may be signed with (pinned and fetched)."""
+        self.revoked: frozenset[str] = frozenset()
+        """Node ids whose join token was revoked, as the tracker's last heartbeat answer named them: a route
+        naming one is refused (:func:`services.node.hop.routing.refuse_revoked`)."""
 
     async def refresh(self) -> bool:
         """Fetch the tracker's keys now; ``True`` when they were fetched."""

@@ -15,6 +15,7 @@ from meshwire.registry import NodeRegistration
 from ..join_tokens import JoinTokenRecord
 from ..key_limits import KeyLimiter
 from ..registry import Registered, Registry
+from ..revocations import Revocations
 
 
 @dataclass(frozen=True)
@@ -36,6 +37,9 @@ class NodeStore(Protocol):
     """The view routes are planned from (synchronous, ``now`` passed in)."""
     kind: str
     """``memory`` or ``redis``, for logs and ``/health``."""
+    revocations: Revocations
+    """The revoked node ids as this tracker knows them (a shared store's kept current from it): see
+    :mod:`..revocations`."""
 
     @property
     def available(self) -> bool:
@@ -72,6 +76,12 @@ class NodeStore(Protocol):
 
     async def evict(self, node_id: str, now: float) -> bool:
         """Take ``node_id`` out of every new route now, lease or not (its join token was revoked)."""
+
+    async def revoke_node(self, node_id: str, at: float) -> None:
+        """Record that ``node_id``'s join token was revoked at wall time ``at``, for every tracker of the store."""
+
+    async def lift_revocation(self, node_id: str) -> None:
+        """``node_id`` joined again with a valid token: it is no longer revoked anywhere."""
 
     # --- trust: the route-signing key ring and join tokens (see .trust) ---------------------
 

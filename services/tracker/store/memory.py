@@ -13,6 +13,7 @@ from meshwire.registry import NodeRegistration
 from ..join_tokens import MAX_TOKENS, JoinTokenRecord
 from ..key_limits import KeyLimiter, MemoryKeyLimiter
 from ..registry import Registered, Registry, RegistryPolicy, UnknownNode
+from ..revocations import Revocations
 from .base import StoreHealth
 
 MEMORY: Final = "memory"
@@ -28,6 +29,7 @@ class MemoryStore:
         self.registry = Registry(policy)
         self._docs: dict[str, str] = {}
         self._tokens: dict[str, JoinTokenRecord] = {}
+        self.revocations = Revocations()
 
     @property
     def available(self) -> bool:
@@ -66,6 +68,12 @@ class MemoryStore:
         except UnknownNode:
             return False
         return True
+
+    async def revoke_node(self, node_id: str, at: float) -> None:
+        self.revocations.add(node_id, at)
+
+    async def lift_revocation(self, node_id: str) -> None:
+        self.revocations.discard(node_id)
 
     async def read_doc(self, name: str) -> str | None:
         return self._docs.get(name)
