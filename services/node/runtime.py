@@ -118,6 +118,7 @@ class NodeRuntime:
         self.trust = RouteTrust(pinned, self.tracker_routes.fetch_keys if fetches else None)
         """The tracker's route keys this node verifies routes with (pinned, and fetched at registration)."""
         self.tracker_routes.trust = self.trust
+        self.hops.route_keys = lambda: self.trust.keys  # blame downstream only on signed evidence (hop_client)
         self.hop_auth = HopAuth(node_id=self.node_id, model_id=self.model_id, trust=self.trust,
                                 legacy_secret=None if settings.join_token else settings.secret)
         """The front door every call from the mesh passes: frames, handoffs, the tracker's calls to a head."""
