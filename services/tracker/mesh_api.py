@@ -273,13 +273,13 @@ async def report_failure(node_id: str, request: Request) -> JSONResponse:
     reporter = _route_reporter(state, member, node_id, report.route)
     now = state.now()
     try:
-        state.failure_gate.count(reporter, now)
+        await state.failure_gate.count(reporter, now)
     except TooManyReports as exc:
         raise HTTPError(429, str(exc), errors.RATE_LIMIT, "too_many_reports",
                         headers={"Retry-After": str(max(math.ceil(exc.retry_after_s), 1))}) from None
     if state.registry.state(node_id, now) is None:
         raise _refused(UnknownNode(f"no node {node_id!r} is registered"))
-    applied = state.failure_gate.judge(run_of(state.registry, node_id), reporter, now) == "apply"
+    applied = await state.failure_gate.judge(run_of(state.registry, node_id), reporter, now) == "apply"
     backoff_s = 0.0
     if applied:
         try:  # a store that is away: the app's handler answers 503

@@ -12,8 +12,10 @@ from typing import Protocol
 
 from meshwire.registry import NodeRegistration
 
+from ..failure_reports import Gate
 from ..join_tokens import JoinTokenRecord
 from ..key_limits import KeyLimiter
+from ..ratings import Ratings
 from ..registry import Registered, Registry
 from ..revocations import Revocations
 
@@ -40,6 +42,8 @@ class NodeStore(Protocol):
     revocations: Revocations
     """The revoked node ids as this tracker knows them (a shared store's kept current from it): see
     :mod:`..revocations`."""
+    ratings: Ratings
+    """Each node's measured speed (this tracker's, or shared by every tracker of the store): :mod:`..ratings`."""
 
     @property
     def available(self) -> bool:
@@ -70,6 +74,9 @@ class NodeStore(Protocol):
 
     async def health(self) -> StoreHealth:
         """Whether the store answers now."""
+
+    def failure_gate(self, window_s: float) -> Gate:
+        """Where failure reports are judged (:mod:`..failure_reports`): this process, or shared (Redis)."""
 
     def key_limiter(self, requests_per_minute: int, max_streams: int) -> KeyLimiter:
         """Where the API keys' limits are counted: this process (memory), or shared by every tracker (Redis)."""

@@ -10,8 +10,10 @@ from typing import Final
 
 from meshwire.registry import NodeRegistration
 
+from ..failure_reports import Gate, LocalGate
 from ..join_tokens import MAX_TOKENS, JoinTokenRecord
 from ..key_limits import KeyLimiter, MemoryKeyLimiter
+from ..ratings import Ratings
 from ..registry import Registered, Registry, RegistryPolicy, UnknownNode
 from ..revocations import Revocations
 from .base import StoreHealth
@@ -30,6 +32,7 @@ class MemoryStore:
         self._docs: dict[str, str] = {}
         self._tokens: dict[str, JoinTokenRecord] = {}
         self.revocations = Revocations()
+        self.ratings = Ratings()
 
     @property
     def available(self) -> bool:
@@ -55,6 +58,9 @@ class MemoryStore:
 
     async def health(self) -> StoreHealth:
         return StoreHealth(ok=True)
+
+    def failure_gate(self, window_s: float) -> Gate:
+        return LocalGate(window_s)
 
     def key_limiter(self, requests_per_minute: int, max_streams: int) -> KeyLimiter:
         return MemoryKeyLimiter(requests_per_minute, max_streams)

@@ -14,6 +14,10 @@ Keys (all under :data:`PREFIX`; one Redis database per mesh):
 - ``doc:{name}`` (the route-signing key ring, see :mod:`..trust`) and
   ``join_tokens`` (a hash: token id to its record, the secret only hashed):
   what every tracker of the mesh must agree on to sign routes and admit nodes.
+- ``rating:{id}``, ``reports:{reporter}``, ``reporters:{run}`` and
+  ``lone:{run}``: measured speeds and the failure gate, shared by every
+  tracker (:mod:`.redis_judgement`; the records of listed nodes are read
+  with the view, and changes published on ``ratings``).
 - ``revoked`` (a hash: node id to the wall time its join token was revoked,
   bounded by :data:`~..revocations.MAX_REVOKED`) and its channel
   ``revocations``: every tracker cuts its streams through a revoked node at
@@ -66,6 +70,7 @@ from redis.exceptions import RedisError
 from meshwire.headers import LEASE as LEASE_HEADER
 from meshwire.registry import NodeRegistration
 
+from ..failure_reports import Gate
 from ..join_tokens import MAX_TOKENS, JoinTokenRecord
 from ..key_limits import KeyLimiter, RedisKeyLimiter
 from ..registry import (
@@ -82,6 +87,7 @@ from ..registry import (
 from ..revocations import Revocations
 from . import redis_scripts as scripts
 from .base import StoreHealth, StoreUnavailable
+from .redis_judgement import RedisGate, RedisRatings, spawner
 from .redis_view import NodeRow, SharedView, endpoint_of, ms, redact
 
 logger = logging.getLogger(__name__)
@@ -141,6 +147,8 @@ class RedisStore:
         """Channel messages that arrived while a reload read Redis, applied after it in their order."""
         self._listener: asyncio.Task[None] | None = None
         self._background: set[asyncio.Task[None]] = set()
+        self.ratings = RedisRatings(self._redis, PREFIX, spawner(self._background))
+        """Measured speeds, shared with every tracker of the store (:mod:`.redis_judgement`)."""
         self._closing = False
         """Set by :meth:`close`: the listener returns rather than reconnect, even if its cancellation was lost."""
         self._connected = asyncio.Event()
@@ -427,6 +435,10 @@ class RedisStore:
             delivered = self._delivered
             await delivered.wait()
 
+    def failure_gate(self, window_s: float) -> Gate:
+        """The failure reports' gate in this Redis, shared by every tracker of the mesh."""
+        return RedisGate(self._redis, PREFIX, window_s)
+
     def key_limiter(self, requests_per_minute: int, max_streams: int) -> KeyLimiter:
         """The API keys' limits in this Redis, shared by every tracker of the mesh."""
         return RedisKeyLimiter(self._redis, PREFIX, requests_per_minute, max_streams)
@@ -455,13 +467,15 @@ class RedisStore:
                         pipe.pttl(self._key("lease", node_id))
                         pipe.pttl(self._key("backoff", node_id))
                         pipe.get(self._key("failures", node_id))
+                        pipe.hgetall(self.ratings.key(node_id))
                     rows = await pipe.execute()
                 revoked = await self._redis.hgetall(self._key("revoked"))
             except (RedisError, OSError) as exc:
                 raise StoreUnavailable(f"store {redact(self.url)} unreachable: {exc}") from None
             held = self._view.load(
-                [NodeRow(node_id, *rows[4 * index: 4 * index + 4]) for index, node_id in enumerate(ids)],
+                [NodeRow(node_id, *rows[5 * index: 5 * index + 4]) for index, node_id in enumerate(ids)],
                 self._lease_ms, self._clock())
+            self.ratings.load(ids, [rows[5 * index + 4] for index in range(len(ids))])
             self.revocations.replace(_revoked_times(revoked), time.time())
             self._epoch = epoch
             self._applied = int(version or 0)
@@ -495,6 +509,9 @@ class RedisStore:
         if channel == self._revocation_channel:
             self._apply_revocation(data)
             return
+        if channel == self.ratings.channel:
+            self.ratings.apply_event(data)
+            return
         if channel == self._expired_channel:
             prefix = self._key("lease", "")
             if data.startswith(prefix):
@@ -513,7 +530,8 @@ class RedisStore:
         while True:
             try:
                 async with self._sub.pubsub(ignore_subscribe_messages=True) as pubsub:
-                    await pubsub.subscribe(self._channel, self._expired_channel, self._revocation_channel)
+                    await pubsub.subscribe(self._channel, self._expired_channel, self._revocation_channel,
+                                           self.ratings.channel)
                     await self._enable_expiry_events()
                     self._epoch = None
                     await self._reload()
