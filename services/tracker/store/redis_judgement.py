@@ -26,6 +26,7 @@ import contextlib
 import hashlib
 import json
 import logging
+import secrets
 from collections.abc import Callable, Coroutine, Sequence
 from typing import Any, Final
 
@@ -175,11 +176,9 @@ class RedisGate:
         self._per_minute = per_minute
         self._count = redis.register_script(COUNT)
         self._judge = redis.register_script(JUDGE)
-        self._serial = 0
 
     async def count(self, reporter: str, now: float) -> None:
-        self._serial += 1
-        member = f"{id(self)}:{self._serial}:{now!r}"
+        member = secrets.token_hex(8)  # unique across trackers: two reports in one millisecond are two
         answer = await self._call(self._count, [f"{self._prefix}reports:{_digest(reporter)}"],
                                   [_ms(RATE_WINDOW_S), self._per_minute, member])
         if not int(answer[0]):
