@@ -1,16 +1,20 @@
 """Issue 34, finding 12, with real processes: a node that pinned route keys trusts nothing a plain-HTTP tracker serves.
 
-A tracker over ``http://`` serves its own route key at ``GET /v1/keys``: to the
-node, that is a key it did not pin, exactly what a network attacker answering the
-node's key fetch would serve. The node holds every layer, pins the test's route
-key (``MESHNET_ROUTE_KEYS``) and registers with that tracker. Before the fix it
-added the tracker's key to its pins, so a call signed with it was answered; now
-the node trusts its pins alone: the tracker's signed call is refused, and a call
-signed with the pinned key still runs.
+A tracker over ``http://``, reached across this machine's network address (not
+loopback, where nobody on a network could answer for it), serves its own route
+key at ``GET /v1/keys``: to the node, that is a key it did not pin, exactly
+what a network attacker answering the node's key fetch would serve. The node
+holds every layer, pins the test's route key (``MESHNET_ROUTE_KEYS``) and
+registers with that tracker. Before the fix it added the tracker's key to its
+pins, so a call signed with it was answered; now the node trusts its pins
+alone: the tracker's signed call is refused, and a call signed with the pinned
+key still runs.
 """
 
 from __future__ import annotations
 
+import ipaddress
+import socket
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -29,9 +33,27 @@ NUM_LAYERS = 4
 PROMPT = [{"role": "user", "content": "Hello"}]
 
 
+def network_address() -> str:
+    """This machine's address on its network (no packet is sent); skips where it has none but loopback."""
+    address = "127.0.0.1"
+    for target in ("198.51.100.1", "10.254.254.254", "8.8.8.8"):  # only the route to it is looked up
+        probe = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        try:
+            probe.connect((target, 9))
+            address = str(probe.getsockname()[0])
+            break
+        except OSError:
+            continue
+        finally:
+            probe.close()
+    if ipaddress.ip_address(address).is_loopback:
+        pytest.skip("this machine has no network address besides loopback: no network path to attack")
+    return address
+
+
 @pytest.fixture(scope="module")
 def mesh(tiny_model_dir: Path) -> Iterator[tuple[Service, Service, str]]:
-    tracker = start_service("tracker", {"MESHNET_HEARTBEAT_S": "1"})
+    tracker = start_service("tracker", {"MESHNET_HEARTBEAT_S": "1"}, host=network_address())
     node = start_service("node", {"MESHNET_MODEL": str(tiny_model_dir), "MESHNET_LAYERS": f"0-{NUM_LAYERS - 1}",
                                   "MESHNET_TRACKER": tracker.url, "MESHNET_NODE_ID": NODE, "MESHNET_DTYPE": "float32",
                                   "MESHNET_DEVICE": "cpu", "MESHNET_HEARTBEAT_S": "1", **pinned_node_env(NODE)},

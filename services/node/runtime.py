@@ -113,8 +113,8 @@ class NodeRuntime:
         pinned = settings.pinned_keys()
         fetches = may_fetch(pinned, settings.tracker)
         if self.tracker_routes.available and not fetches:
-            logger.warning("route keys: pinned by MESHNET_ROUTE_KEYS and a tracker is plain http://, so this node "
-                           "trusts its pins alone and never adds what a tracker's GET /v1/keys answers")
+            logger.warning("route keys: pinned by MESHNET_ROUTE_KEYS and a tracker is plain http:// across a network, "
+                           "so this node trusts its pins alone and never adds what a tracker's GET /v1/keys answers")
         self.trust = RouteTrust(pinned, self.tracker_routes.fetch_keys if fetches else None)
         """The tracker's route keys this node verifies routes with (pinned, and fetched at registration)."""
         self.tracker_routes.trust = self.trust
