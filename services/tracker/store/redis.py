@@ -343,7 +343,7 @@ class RedisStore:
         if at is None:
             self.revocations.discard(node_id)
         elif isinstance(at, (int, float)):
-            logger.warning("node %s's join token was revoked (through another tracker): its streams move", node_id)
+            logger.info("node %s's join token was revoked (published in the store): its streams move", node_id)
             self.revocations.add(node_id, float(at))
 
     # --- trust ----------------------------------------------------------------------------------------
