@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Literal, Self
 
 import httpx
+import orjson
 
 from meshwire.route_keys import SigningKey, b64encode, jwks_of
 from services.node.engine.openmp import OPENMP_DEFAULTS
@@ -50,9 +51,17 @@ def node_hop_key(name: str) -> SigningKey:
     return SigningKey.from_seed(b64encode(hashlib.sha256(f"meshnet test node key {name}".encode()).digest()))
 
 
-def pinned_node_env(name: str) -> dict[str, str]:
-    """What a node without a tracker needs to run routes a test signs: the test's route key and a known hop key."""
-    return {"MESHNET_ROUTE_KEYS": TEST_ROUTE_KEYS, "MESHNET_NODE_KEY": node_hop_key(name).seed_text}
+def pinned_node_env(name: str, tracker: Service | None = None) -> dict[str, str]:
+    """What a node without a tracker needs to run routes a test signs: the test's route key and a known hop key.
+
+    With ``tracker`` (one reached across a network by plain HTTP, where a node with pins fetches no keys), the
+    tracker's published keys are pinned too, read here from the test process as an operator would pin them.
+    """
+    keys = TEST_ROUTE_KEYS
+    if tracker is not None:
+        published = httpx.get(f"{tracker.url}/v1/keys", verify=tracker.verify, timeout=30).json()["keys"]
+        keys = orjson.dumps({"keys": [*orjson.loads(TEST_ROUTE_KEYS)["keys"], *published]}).decode()
+    return {"MESHNET_ROUTE_KEYS": keys, "MESHNET_NODE_KEY": node_hop_key(name).seed_text}
 READY_TIMEOUT_S = 120.0
 STOP_TIMEOUT_S = 10.0
 

@@ -191,13 +191,13 @@ def mesh(namespace: Namespace, tiny_model_dir: Path) -> Iterator[HiddenMesh]:
         # It registers an endpoint nobody can dial (it listens on its namespace's loopback only).
         hidden = start_service(
             "node", {**NODE_ENV, "MESHNET_MODEL": str(tiny_model_dir), "MESHNET_LAYERS": "2-3",
-                     "MESHNET_NODE_ID": hidden_id, "MESHNET_TRACKER": tracker.url, **pinned_node_env("hidden"),
+                     "MESHNET_NODE_ID": hidden_id, "MESHNET_TRACKER": tracker.url, **pinned_node_env("hidden", tracker),
                      "MESHNET_ADVERTISE": f"http://{namespace.inside_ip}:{hidden_port}",
                      "MESHNET_RELAY": f"ws://{namespace.host_ip}:{relay.port}"},
             port=hidden_port, host="127.0.0.1", wrapper=namespace.wrapper(), wait_ready=False)
         services.append(hidden)
         head = start_service("node", {**NODE_ENV, "MESHNET_MODEL": str(tiny_model_dir), "MESHNET_LAYERS": "0-1",
-                                      "MESHNET_TRACKER": tracker.url, **pinned_node_env("head")},
+                                      "MESHNET_TRACKER": tracker.url, **pinned_node_env("head", tracker)},
                              ready_timeout_s=READY_S)
         services.append(head)
         built = HiddenMesh(namespace=namespace, tracker=tracker, relay=relay, head=head, hidden=hidden,

@@ -165,6 +165,10 @@ class NodeRegistration(BaseModel):
         return self
 
 
+MAX_REVOKED_NOTICE: Final = 1024
+"""Most revoked node ids one registration answer names (the newest)."""
+
+
 class RegistrationAnswer(BaseModel):
     """What ``POST /v1/nodes`` answers: the lease and how often to heartbeat.
 
@@ -182,3 +186,6 @@ class RegistrationAnswer(BaseModel):
     move: PlacementAnswer | None = None
     """A placed node told to hold another range (layers lost their last holder): it loads the new range while
     serving its old one, then registers it (:mod:`meshwire.placement`)."""
+    revoked_nodes: tuple[NodeId, ...] = Field(default=(), max_length=MAX_REVOKED_NOTICE)
+    """Nodes whose join token was revoked (the newest :data:`MAX_REVOKED_NOTICE`): the node refuses from then on
+    every route, frame and relayed call whose route names one of them (issue 34, finding 11)."""

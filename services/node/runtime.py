@@ -52,7 +52,7 @@ from services.node.hop.relay_link import ASGIApp, asgi_handler
 from services.node.hop.route_step import RouteStepper
 from services.node.hop.routing import TrackerRoutes
 from services.node.hop.row_sender import RowSender
-from services.node.hop.trust import RouteTrust
+from services.node.hop.trust import RouteTrust, may_fetch
 from services.node.metrics import NodeMetrics
 from services.node.model.device import pick_device, pick_dtype
 from services.node.model.memory_budget import default_budget_bytes, kv_bytes_per_token, measure_layer_costs
@@ -110,10 +110,15 @@ class NodeRuntime:
                               hop_key=self.hop_key, tls_context=tls.client_context(settings.tls_ca),
                               own_relays=(settings.relay,) if settings.relay else ())
         self.tracker_routes = TrackerRoutes(self.http, settings.tracker, settings.mesh_credential(), self.node_id)
-        self.trust = RouteTrust(settings.pinned_keys(),
-                                self.tracker_routes.fetch_keys if self.tracker_routes.available else None)
+        pinned = settings.pinned_keys()
+        fetches = may_fetch(pinned, settings.tracker)
+        if self.tracker_routes.available and not fetches:
+            logger.warning("route keys: pinned by MESHNET_ROUTE_KEYS and a tracker is plain http:// across a network, "
+                           "so this node trusts its pins alone and never adds what a tracker's GET /v1/keys answers")
+        self.trust = RouteTrust(pinned, self.tracker_routes.fetch_keys if fetches else None)
         """The tracker's route keys this node verifies routes with (pinned, and fetched at registration)."""
         self.tracker_routes.trust = self.trust
+        self.hops.route_keys = lambda: self.trust.keys  # blame downstream only on signed evidence (hop_client)
         self.hop_auth = HopAuth(node_id=self.node_id, model_id=self.model_id, trust=self.trust,
                                 legacy_secret=None if settings.join_token else settings.secret)
         """The front door every call from the mesh passes: frames, handoffs, the tracker's calls to a head."""
@@ -276,7 +281,13 @@ class NodeRuntime:
             generator
 
     def _on_answer(self, answer: RegistrationAnswer) -> None:
-        """A tracker's registration answer: a prefill group's place, or a move to another range."""
+        """A tracker's registration answer: revoked nodes, a prefill group's place, or a move to another range."""
+        revoked = frozenset(answer.revoked_nodes)
+        if revoked != self.trust.revoked:
+            if revoked - self.trust.revoked:
+                logger.warning("the tracker revoked %s: routes naming them are refused from now on",
+                               ", ".join(sorted(revoked - self.trust.revoked)))
+            self.trust.revoked = revoked
         if self.membership is not None:
             self.membership.on_answer(answer)
         move = answer.move

@@ -71,6 +71,7 @@ from services.relay.metrics import Transport
 from services.relay.peer_socket import admit_credential
 from services.relay.peers import RelayFailure, TransportClosed
 from services.relay.state import RelayState
+from services.relay.token_watch import watch_token
 from services.relay.transport import PEER_ID, WebSocketTransport, refuse
 from services.relay.ws_protocol import AUTHENTICATED_SCOPE_KEY
 
@@ -208,6 +209,7 @@ async def _caller_loop(websocket: WebSocket, state: RelayState, transport: Trans
     loop = asyncio.get_running_loop()
     state.metrics.callers.labels(transport).inc()
     receiving: asyncio.Future[Any] | None = None
+    watch = watch_token(websocket, state, None)  # a join token revoked later closes the connection
     try:
         last_heard = loop.time()
         while True:
@@ -235,6 +237,8 @@ async def _caller_loop(websocket: WebSocket, state: RelayState, transport: Trans
             if not await on_message(data):
                 return
     finally:
+        if watch is not None:
+            watch.cancel()
         if receiving is not None and not receiving.done():
             receiving.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):

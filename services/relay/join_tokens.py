@@ -10,6 +10,12 @@ is refused by new connections at most that much later; the tracker has
 already taken its node out of every route); a refusal for
 :data:`REFUSE_TTL_S`, so a client repeating a bad token does not turn into
 as many requests to the tracker.
+
+A connection already open when its token is revoked is closed too
+(:mod:`services.relay.token_watch`): every :data:`RECHECK_S` it asks again
+(:meth:`TokenChecker.recheck`, an answer at most that old), so it is closed
+within ``2 * RECHECK_S`` (under :data:`ADMIT_TTL_S`) of the revocation. Only
+the tracker's refusal closes it: a tracker that cannot be reached closes nothing.
 """
 
 from __future__ import annotations
@@ -32,6 +38,8 @@ CHECK_PATH: Final = "/v1/tokens/check"
 ADMIT_TTL_S: Final = 10.0
 """How long a tracker's yes is believed: a revoked token is refused by new connections within this."""
 REFUSE_TTL_S: Final = 5.0
+RECHECK_S: Final = 4.0
+"""How often an open connection admitted by a token asks again, and the oldest answer it takes."""
 MAX_REMEMBERED: Final = 4096
 TRACKER_TIMEOUT_S: Final = 5.0
 
@@ -52,6 +60,7 @@ class TokenChecker:
         self._trackers = tuple(url.rstrip("/") for url in trackers)
         self._clock = clock
         self._answers: OrderedDict[str, tuple[float, AuthFailure | None]] = OrderedDict()
+        """Per token and peer id: when the tracker was asked, and what it said."""
         self._http = httpx.AsyncClient(timeout=TRACKER_TIMEOUT_S, trust_env=False)
 
     async def aclose(self) -> None:
@@ -59,19 +68,33 @@ class TokenChecker:
 
     async def check(self, token: str, peer_id: str | None) -> AuthFailure | None:
         """``None`` when ``token`` is valid (and binds ``peer_id``, when given); the refusal otherwise."""
+        return (await self._verdict(token, peer_id, None))[0]
+
+    async def recheck(self, token: str, peer_id: str | None) -> AuthFailure | None:
+        """For a connection open on ``token``: the tracker's refusal (an answer at most :data:`RECHECK_S` old),
+        or ``None`` while it still admits, or when no tracker could say."""
+        failure, known = await self._verdict(token, peer_id, RECHECK_S)
+        return failure if known else None
+
+    async def _verdict(self, token: str, peer_id: str | None, max_age_s: float | None) -> tuple[AuthFailure | None,
+                                                                                                     bool]:
+        """The tracker's answer (remembered, or asked now) and whether a tracker gave it."""
         key = hashlib.sha256(f"{token}\n{peer_id or ''}".encode()).hexdigest()
         now = self._clock()
         remembered = self._answers.get(key)
-        if remembered is not None and remembered[0] > now:
-            return remembered[1]
+        if remembered is not None:
+            asked_at, answer = remembered
+            ttl_s = ADMIT_TTL_S if answer is None else REFUSE_TTL_S
+            if now - asked_at < (ttl_s if max_age_s is None else min(ttl_s, max_age_s)):
+                return answer, True
         answer, known = await self._ask(token, peer_id)
         if not known:
-            return answer  # no tracker could say: not remembered
-        self._answers[key] = (now + (ADMIT_TTL_S if answer is None else REFUSE_TTL_S), answer)
+            return answer, False  # no tracker could say: not remembered
+        self._answers[key] = (now, answer)
         self._answers.move_to_end(key)
         while len(self._answers) > MAX_REMEMBERED:
             self._answers.popitem(last=False)
-        return answer
+        return answer, True
 
     async def _ask(self, token: str, peer_id: str | None) -> tuple[AuthFailure | None, bool]:
         """The tracker's verdict, and whether one answered at all."""

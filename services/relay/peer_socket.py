@@ -24,6 +24,7 @@ from services.relay.budgets import CallerKind, InflightBudget
 from services.relay.join_tokens import bearer_token
 from services.relay.peers import ClaimRefused, PeerLink
 from services.relay.state import RelayState
+from services.relay.token_watch import watch_token
 from services.relay.transport import PEER_ID, WebSocketTransport, refuse
 from services.relay.ws_protocol import AUTHENTICATED_SCOPE_KEY
 
@@ -82,9 +83,12 @@ async def serve_peer(websocket: WebSocket, peer_id: str, state: RelayState) -> N
     metrics.peer_connections.labels("accepted").inc()
     metrics.peers.set(len(state.peers))
     log.info("peer %s connected (%d peers)", peer_id, len(state.peers))
+    watch = watch_token(websocket, state, peer_id)  # a token revoked later closes the connection
     try:
         await _relay_answers(websocket, link, state)
     finally:
+        if watch is not None:
+            watch.cancel()
         state.peers.release(link, "peer_disconnected", f"peer {peer_id!r} disconnected from the relay")
         metrics.peers.set(len(state.peers))
         log.info("peer %s disconnected (%d peers)", peer_id, len(state.peers))

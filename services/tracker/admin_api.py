@@ -172,7 +172,7 @@ async def revoke_token(token_id: str, request: Request) -> JSONResponse:
     if record.revoked_at is None:
         record = record.model_copy(update={"revoked_at": time.time()})
         await state.store.put_token(record)
-    state.revoked.add(record.node_id)
+    await state.store.revoke_node(record.node_id, record.revoked_at or time.time())
     evicted = await state.store.evict(record.node_id, state.now())
     logger.warning("join token %s of node %s revoked%s", record.token_id, record.node_id,
                    "; the node left every route" if evicted else "")

@@ -23,9 +23,11 @@ before it report a node of its choosing (``failed_node`` in a 502). The rules:
    head that meets it, and a dead one leaves routes anyway when its
    heartbeats stop.
 
-The gate is per tracker (in memory): with several trackers on one store, a
-lone reporter gets its one backoff from each tracker it reports to at most.
-Every size is bounded (:data:`MAX_NODES`, :data:`MAX_REPORTERS`). A node is
+With one tracker the gate lives in its memory (:class:`LocalGate`); with a
+shared store (Redis) it lives there (:mod:`.store.redis_judgement`), each
+decision one atomic script, so every tracker of the store applies the same
+rules to the same reports: a lone reporter gets its one backoff in the window
+whichever trackers it reports to. Every size is bounded (:data:`MAX_NODES`, :data:`MAX_REPORTERS`). A node is
 judged per registration (:func:`run_of`: its id and lease), so a node that
 restarted starts clean, as its backoff does.
 """
@@ -34,7 +36,7 @@ from __future__ import annotations
 
 from collections import OrderedDict, deque
 from dataclasses import dataclass
-from typing import Final, Literal
+from typing import Final, Literal, Protocol
 
 from .registry import Registry
 
@@ -117,3 +119,26 @@ class FailureGate:
             entry.lone_applied_at = now
             return "apply"
         return "noted"
+
+
+class Gate(Protocol):
+    """Where the rules are applied: this tracker's memory (:class:`LocalGate`) or the shared store."""
+
+    async def count(self, reporter: str, now: float) -> None:
+        """:meth:`FailureGate.count`: :class:`TooManyReports` when ``reporter`` is over its rate."""
+
+    async def judge(self, run: str, reporter: str, now: float) -> Verdict:
+        """:meth:`FailureGate.judge` of the node registration ``run`` (:func:`run_of`)."""
+
+
+class LocalGate:
+    """The rules in this tracker's memory (a :class:`FailureGate`), behind the store-shared :class:`Gate` API."""
+
+    def __init__(self, window_s: float) -> None:
+        self.gate = FailureGate(window_s)
+
+    async def count(self, reporter: str, now: float) -> None:
+        self.gate.count(reporter, now)
+
+    async def judge(self, run: str, reporter: str, now: float) -> Verdict:
+        return self.gate.judge(run, reporter, now)

@@ -22,6 +22,7 @@ what the tracker saw itself as the tracker's word, a hop a head blames as that h
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import secrets
 import time
@@ -44,6 +45,7 @@ from .registry import UnknownNode
 from .responses import HTTPError
 from .route_lease import RouteLease
 from .state import TrackerState
+from .store import StoreUnavailable
 
 logger = logging.getLogger(__name__)
 
@@ -180,7 +182,7 @@ def _continued(state: TrackerState, sent: Forward, lease: RouteLease, route: Sig
         last[0] = lease.nodes
 
     def cut() -> str | None:  # a node revoked mid-stream: the stream moves to a route without it at once
-        revoked = state.revoked.intersection(lease.nodes) if state.revoked else None
+        revoked = state.revoked.among(lease.nodes) if len(state.revoked) else None
         return f"node {min(revoked)}'s join token was revoked" if revoked else None
 
     async def reopen(route: SignedRoute, body: bytes) -> httpx.Response | HeadRefused | HeadError:
@@ -232,18 +234,25 @@ def _culprit(route: SignedRoute, blamed: str) -> str:
 
 def report(state: TrackerState, node_id: str, reason: str, reporter: str = TRACKER) -> None:
     """Put a node that failed a front-door request into backoff (if it is still listed), on the terms of
-    :mod:`.failure_reports`: ``reporter`` is :data:`TRACKER` when the tracker saw the failure itself."""
-    now = state.now()
-    if state.registry.state(node_id, now) is None:
+    :mod:`.failure_reports`: ``reporter`` is :data:`TRACKER` when the tracker saw the failure itself. The gate
+    may live in the shared store, so the report is judged in the background."""
+    if state.registry.state(node_id, state.now()) is None:
         return  # forgotten meanwhile: nothing to back off
     try:
-        state.failure_gate.count(reporter, now)
-    except TooManyReports:
+        task = asyncio.get_running_loop().create_task(_report(state, node_id, reason, reporter))
+    except RuntimeError:
         return
-    if state.failure_gate.judge(run_of(state.registry, node_id), reporter, now) != "apply":
-        return
+    state.background.add(task)
+    task.add_done_callback(state.background.discard)
+
+
+async def _report(state: TrackerState, node_id: str, reason: str, reporter: str) -> None:
+    now = state.now()
     try:
-        state.registry.report_failure(node_id, reason, now)
-    except UnknownNode:
+        await state.failure_gate.count(reporter, now)
+        if await state.failure_gate.judge(run_of(state.registry, node_id), reporter, now) != "apply":
+            return
+        state.registry.report_failure(node_id, reason, state.now())
+    except (TooManyReports, UnknownNode, StoreUnavailable):
         return
     state.metrics.failure_reports.inc()

@@ -197,7 +197,7 @@ async def register(request: Request) -> JSONResponse:
     state.metrics.registrations.labels("new" if registered.new_lease else "heartbeat").inc()
     answer = RegistrationAnswer(lease=registered.lease, heartbeat_s=state.settings.heartbeat_s,
                                 ttl_s=state.settings.node_ttl_s, prefill_group=state.prefill_assignment(registration),
-                                move=heal_move(request, registration))
+                                move=heal_move(request, registration), revoked_nodes=state.revoked.notice())
     return JSONResponse(answer.model_dump(mode="json"))
 
 
@@ -212,8 +212,8 @@ async def _registered(request: Request, state: TrackerState, body: bytes) -> tup
         record = await state.trust.admit(request.headers.get("authorization"), registration)
         if record is not None and record.model is None:
             _check_model_claim(state, registration)
-        if record is not None:
-            state.revoked.discard(registration.node_id)  # it holds a valid token again
+        if record is not None and registration.node_id in state.revoked:
+            await state.store.lift_revocation(registration.node_id)  # it holds a valid token again
     except TokenRefused as exc:
         logger.warning("refused registration of %s from %s: %s", registration.node_id, registration.endpoint, exc)
         raise _token_refused(exc) from None
@@ -273,13 +273,13 @@ async def report_failure(node_id: str, request: Request) -> JSONResponse:
     reporter = _route_reporter(state, member, node_id, report.route)
     now = state.now()
     try:
-        state.failure_gate.count(reporter, now)
+        await state.failure_gate.count(reporter, now)
     except TooManyReports as exc:
         raise HTTPError(429, str(exc), errors.RATE_LIMIT, "too_many_reports",
                         headers={"Retry-After": str(max(math.ceil(exc.retry_after_s), 1))}) from None
     if state.registry.state(node_id, now) is None:
         raise _refused(UnknownNode(f"no node {node_id!r} is registered"))
-    applied = state.failure_gate.judge(run_of(state.registry, node_id), reporter, now) == "apply"
+    applied = await state.failure_gate.judge(run_of(state.registry, node_id), reporter, now) == "apply"
     backoff_s = 0.0
     if applied:
         try:  # a store that is away: the app's handler answers 503

@@ -20,8 +20,11 @@ planner (:mod:`.planner`) weighs a node by is this module's estimate:
   measurement replaces the claim, and the claim is never used again while
   the tracker remembers the node.
 
-Measurements are per node id and tracker (in memory; a node that restarts
-keeps its record). Every size is bounded (:data:`MAX_NODES`).
+Measurements are per node id (a node that restarts keeps its record). With
+one tracker they live in its memory; with a shared store (Redis) each
+observation is also folded into the node's record there, atomically, and
+published, so every tracker of the store plans with the same speeds
+(:mod:`.store.redis_judgement`). Every size is bounded (:data:`MAX_NODES`).
 """
 
 from __future__ import annotations
@@ -77,7 +80,25 @@ class Ratings:
         if tokens <= 0 or num_layers <= 0 or not math.isfinite(total_s) or total_s < 0:
             return
         layer_s = max(total_s / tokens / num_layers, MIN_OBSERVED_S)
-        for node_id in dict.fromkeys(node_ids):
+        ids = list(dict.fromkeys(node_ids))
+        self._fold(ids, layer_s, max(ttft_s, 0.0))
+        self.observed(ids, layer_s, max(ttft_s, 0.0))
+
+    def observed(self, node_ids: list[str], layer_s: float, ttft_s: float) -> None:
+        """One observation was folded in here (a shared store's ratings write it on; here: nothing more)."""
+
+    def set_measured(self, node_id: str, layer_s: float, streams: int, ttft_s: float) -> None:
+        """Make ``node_id``'s record what the shared store holds (its moving averages, folded there)."""
+        if not (math.isfinite(layer_s) and layer_s > 0 and math.isfinite(ttft_s)) or streams < 0:
+            return
+        self._nodes.pop(node_id, None)
+        self._nodes[node_id] = _Measured(layer_s=max(layer_s, MIN_OBSERVED_S), streams=streams,
+                                         ttft_s=max(ttft_s, 0.0))
+        while len(self._nodes) > MAX_NODES:
+            self._nodes.popitem(last=False)
+
+    def _fold(self, node_ids: list[str], layer_s: float, ttft_s: float) -> None:
+        for node_id in node_ids:
             known = self._nodes.pop(node_id, None)
             if known is None:
                 known = _Measured(layer_s=layer_s, streams=0, ttft_s=max(ttft_s, 0.0))

@@ -10,6 +10,7 @@ a 503 naming the missing layers.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import math
 import time
@@ -25,7 +26,7 @@ from meshwire.pd_group import PrefillAssignment
 from meshwire.registry import NodeRegistration
 from meshwire.routes import Route, RouteNode, SignedRoute, issue_signed_route
 
-from .failure_reports import FailureGate
+from .failure_reports import Gate, LocalGate
 from .key_limits import KeyLimiter
 from .metrics import TrackerMetrics
 from .pd_routes import PREFILL_ROLE, plan_prefill_route, prefill_group
@@ -33,6 +34,7 @@ from .planner import Candidate, IncompleteCoverage, RouteTooLong, format_ranges,
 from .ratings import Ratings
 from .registry import Registry, RegistryPolicy, resolve_model_name
 from .responses import HTTPError
+from .revocations import Revocations
 from .settings import TrackerSettings
 from .store import NodeStore, open_store
 from .trust import NoSigningKey, TrackerTrust
@@ -58,13 +60,13 @@ class TrackerState:
     """The HTTP client to head nodes; opened and closed by the app's lifespan."""
     key_limiter: KeyLimiter | None = None
     """Counts each API key's requests against its limits (with ``MESHNET_API_KEYS`` set)."""
-    revoked: set[str] = field(default_factory=set)
-    """Node ids whose join token this tracker revoked (until they join again by a valid token): the streams it
-    relays through them leave their route at the next token (see :mod:`.admin_api`)."""
     ratings: Ratings = field(default_factory=Ratings)
-    """Each node's speed as measured on the streams this tracker relayed (the planner's speeds, :mod:`.ratings`)."""
-    failure_gate: FailureGate = field(default_factory=lambda: FailureGate(window_s=120.0))
-    """Who may put a node in failure backoff, how often, on whose word (:mod:`.failure_reports`)."""
+    """Each node's speed as measured on the streams relayed (the planner's speeds, :mod:`.ratings`): the store's,
+    so shared by every tracker of a Redis store."""
+    failure_gate: Gate = field(default_factory=lambda: LocalGate(window_s=120.0))
+    """Who may put a node in failure backoff, how often, on whose word (:mod:`.failure_reports`): the store's."""
+    background: set[asyncio.Task[None]] = field(default_factory=set)
+    """Failure reports being judged and applied in the background (held here until done)."""
 
     @classmethod
     def create(cls, settings: TrackerSettings, clock: Callable[[], float] = time.monotonic) -> TrackerState:
@@ -81,7 +83,14 @@ class TrackerState:
         trust = TrackerTrust(store, secret=settings.secret, route_ttl_s=settings.route_ttl_s,
                              rotate_s=settings.route_key_rotate_s, lead_s=settings.route_key_lead_s)
         return cls(settings=settings, store=store, metrics=metrics, trust=trust, clock=clock, key_limiter=limiter,
-                   failure_gate=FailureGate(window_s=settings.failure_reset_s))
+                   ratings=store.ratings, failure_gate=store.failure_gate(settings.failure_reset_s))
+
+    @property
+    def revoked(self) -> Revocations:
+        """Node ids whose join token was revoked, through any tracker of the store (until they join again by a
+        valid token): the streams this tracker relays through them leave their route at the next token, and
+        every node is told in its heartbeat answer (:mod:`.revocations`)."""
+        return self.store.revocations
 
     @property
     def registry(self) -> Registry:

@@ -166,7 +166,8 @@ class KvServeService:
         trust = self._front.trust
         try:
             await trust.ensure(token)
-            hop = verify_hop(token, 0, keys=trust.keys, node_id=self.node_id, model_id=self.model_id, shard=shard)
+            hop = verify_hop(token, 0, keys=trust.keys, node_id=self.node_id, model_id=self.model_id, shard=shard,
+                             revoked=trust.revoked)
         except RouteRefused as exc:
             raise KvRefusal(403, "bad_route", str(exc)) from None
         digest, credential = await self._auth.check_prefill(claim, request.headers)  # before the body is read

@@ -27,7 +27,7 @@ async def route_of(request: Request, node: HeadNode) -> RoutedHop | None:
     try:
         await node.trust.ensure(token)
         return verify_hop(token, 0, keys=node.trust.keys, node_id=node.node_id, model_id=node.model_id,
-                          shard=node.shard)
+                          shard=node.shard, revoked=node.trust.revoked)
     except RouteRefused as exc:
         raise ApiError(403, str(exc), "bad_route") from None
 

@@ -53,7 +53,7 @@ from meshwire.hop_proof import (
 from meshwire.limits import MAX_ROUTE_HOPS
 from meshwire.route_keys import KeyProblem, public_key_from_text
 from meshwire.routes import Route, RouteError, RouteNode, verify_route
-from services.node.hop.routing import RoutedHop, RouteRefused, verify_hop
+from services.node.hop.routing import RoutedHop, RouteRefused, refuse_revoked, verify_hop
 from services.node.hop.trust import RouteTrust
 from services.node.model.shard import Shard
 
@@ -165,6 +165,10 @@ class HopAuth:
             route = verify_route(token, self.trust.keys, check_expiry=check_expiry)
         except RouteError as exc:
             raise HopRefused(403, "bad_route", f"{what} refused ({exc.code}): {exc}") from None
+        try:
+            refuse_revoked(route, self.trust.revoked)
+        except RouteRefused as exc:
+            raise HopRefused(403, "bad_route", f"{what}: {exc}") from None
         if route.model != self.model_id:
             raise HopRefused(403, "bad_route", f"{what} is for {route.model}, this node serves {self.model_id}")
         return route
@@ -192,7 +196,7 @@ class HopAuth:
         await self.trust.ensure(token)
         try:
             hop = verify_hop(token, hop_index, keys=self.trust.keys, node_id=self.node_id, model_id=self.model_id,
-                             shard=shard, check_expiry=opens_session)
+                             shard=shard, check_expiry=opens_session, revoked=self.trust.revoked)
         except RouteRefused as exc:
             raise HopRefused(403, "bad_route", str(exc)) from None
         if credential.claim is not None:

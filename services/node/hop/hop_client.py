@@ -46,14 +46,18 @@ import orjson
 from pydantic import ValidationError
 
 from meshwire import errors
+from meshwire import headers as h
+from meshwire.failure_proof import FIELD as FAILURE_PROOF
+from meshwire.failure_proof import failure_believed, sign_failure
 from meshwire.fork import FORK_REFUSED
 from meshwire.forward_step import ForwardAnswer
+from meshwire.frames import get_header
 from meshwire.hop_proof import sign_request
 from meshwire.kv_handoff import HANDOFF_FAILED
 from meshwire.relay_auth import relay_handshake
 from meshwire.relay_client import RelayCaller, RelayError, relay_parts, ws_base
-from meshwire.route_keys import SigningKey
-from meshwire.routes import RouteNode
+from meshwire.route_keys import KeySet, SigningKey
+from meshwire.routes import RouteError, RouteNode, verify_route
 from services.node.hop.hop_http import HopConnectFailed, HopHttp, HopHttpError, HopTimedOut
 
 logger = logging.getLogger(__name__)
@@ -159,6 +163,43 @@ class HopClient:
         self._own_relays = frozenset(ws_base(url) for url in own_relays)
         self._paths = DirectPaths(relay_only_ttl_s, clock)
         self._probes: dict[str, asyncio.Task[None]] = {}
+        self.route_keys: Callable[[], KeySet] | None = None
+        """The route keys this node verifies routes with (its runtime sets it): a downstream claim of a failure
+        is checked against the hop keys the route names."""
+
+    def attested(self, failure: ChainFailure, node: RouteNode, headers: Mapping[str, str]) -> ChainFailure:
+        """``failure`` of the frame sent to ``node`` (this node's next hop), as this node answers it on.
+
+        Blame rests on evidence (:mod:`meshwire.failure_proof`): a claim that a
+        node after ``node`` failed is passed on only with the signed word of
+        the hop before that node; without it, ``node``, which answered the
+        claim, is blamed. When ``node`` is the one blamed, this node signs that
+        it failed it, with its hop key. Failures naming no node pass unchanged.
+        """
+        token, session = get_header(headers, h.ROUTE), get_header(headers, h.SESSION)
+        if failure.failed_node is None or not token or not session:
+            return failure
+        error = failure.body.get("error")
+        error = error if isinstance(error, dict) else {}
+        if failure.failed_node != node.node_id:
+            if self._believed(error.get(FAILURE_PROOF), token, session, failure.failed_node):
+                return failure
+            logger.warning("hop %s blames %s without the signed word of the hop before it: blaming %s, which "
+                           "answered", node.node_id, str(failure.failed_node)[:100], node.node_id)
+            error = {**error, "failed_node": node.node_id}
+        proof = sign_failure(self._hop_key, self._node_id, token, session, node.node_id)
+        body = {**failure.body, "error": {**error, FAILURE_PROOF: proof}}
+        return ChainFailure(failure.status, body, failed_node=node.node_id, refused_code=failure.refused_code)
+
+    def _believed(self, proof: object, token: str, session: str, failed_node: str) -> bool:
+        """Whether ``proof`` is the signed word of the hop before ``failed_node`` on the route ``token``."""
+        if self.route_keys is None:
+            return True  # nothing to check a route with (a client without the node's trust): as before
+        try:
+            route = verify_route(token, self.route_keys(), check_expiry=False)
+        except RouteError:
+            return False
+        return failure_believed(proof, route, token, session, failed_node)
 
     def relay_only(self, endpoint: str) -> bool:
         """Whether frames for ``endpoint`` go through its relay now, its direct path being known dead."""
@@ -295,8 +336,11 @@ async def send_along(client: HopClient, node: RouteNode, headers: Mapping[str, s
     try:
         answer = await client.post_frame(node, headers, body)
     except HopUnreachable as exc:
-        raise hop_failed(node.node_id, exc.reason) from exc
-    return judge_answer(node, answer)
+        raise client.attested(hop_failed(node.node_id, exc.reason), node, headers) from exc
+    try:
+        return judge_answer(node, answer)
+    except ChainFailure as exc:  # this node met the failure of its next hop: it says so under its own key
+        raise client.attested(exc, node, headers) from exc
 
 
 def judge_answer(node: RouteNode, answer: HopAnswer) -> ForwardAnswer:

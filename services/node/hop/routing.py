@@ -72,13 +72,21 @@ class RoutedHop:
         return tuple(node.node_id for node in self.route.nodes)
 
 
+def refuse_revoked(route: Route, revoked: Collection[str]) -> None:
+    """:class:`RouteRefused` when ``route`` names a node whose join token the tracker said was revoked."""
+    named = sorted(node.node_id for node in route.nodes if node.node_id in revoked)
+    if named:
+        raise RouteRefused(f"the route names {named[0]}, whose join token was revoked")
+
+
 def verify_hop(token: str | None, hop_index: int, *, keys: KeySet, node_id: str, model_id: str,
-               shard: Shard, check_expiry: bool = True) -> RoutedHop:
+               shard: Shard, check_expiry: bool = True, revoked: Collection[str] = ()) -> RoutedHop:
     """Verify ``token`` and that its hop ``hop_index`` is this node with the layers it holds.
 
     ``check_expiry=False`` is for frames of a session already open here: a route's
     expiry bounds when sessions may be opened along it, not how long they may run.
-    The signature is checked on every frame all the same.
+    The signature is checked on every frame all the same, and a route naming a
+    node in ``revoked`` (the tracker's heartbeat answer) is refused from then on.
     """
     if not token:
         raise RouteRefused("missing X-Meshnet-Route: a node forwards only along a signed route")
@@ -86,6 +94,7 @@ def verify_hop(token: str | None, hop_index: int, *, keys: KeySet, node_id: str,
         route = verify_route(token, keys, check_expiry=check_expiry)
     except RouteError as exc:
         raise RouteRefused(f"route refused ({exc.code}): {exc}") from None
+    refuse_revoked(route, revoked)
     if not 0 <= hop_index < len(route.nodes):
         raise RouteRefused(f"hop index {hop_index} is outside the route's {len(route.nodes)} hops")
     me = route.nodes[hop_index]
@@ -212,7 +221,7 @@ class TrackerRoutes:
             await self.trust.ensure(signed.token)
             try:
                 return verify_hop(signed.token, 0, keys=self.trust.keys, node_id=self._node_id, model_id=model,
-                                  shard=shard)
+                                  shard=shard, revoked=self.trust.revoked)
             except RouteRefused as exc:
                 raise NoRoute(f"the tracker's route cannot be run from here: {exc}") from None
         raise NoRoute(f"every route the tracker offers starts at another head (tried {MAX_OTHER_HEADS + 1})")

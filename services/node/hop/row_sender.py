@@ -98,7 +98,7 @@ class RowSender:
         except HopUnreachable as exc:
             failure = hop_failed(node.node_id, exc.reason)
             for pending in batch:
-                settle(pending.future, failure)
+                settle(pending.future, self._hops.attested(failure, node, pending.headers))
             return
         except Exception as exc:
             logger.exception("sending a batch of %d frames to %s failed", len(batch), node.node_id)
@@ -106,6 +106,8 @@ class RowSender:
                 settle(pending.future, exc)
             return
         for pending, outcome in zip(batch, _row_outcomes(node, answer, len(batch)), strict=True):
+            if isinstance(outcome, ChainFailure):  # signed as send_along signs a single frame's failure
+                outcome = self._hops.attested(outcome, node, pending.headers)
             settle(pending.future, outcome)
 
 

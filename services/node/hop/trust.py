@@ -10,16 +10,26 @@ forged routes cannot turn into a flood of requests to the tracker. The set
 fetched replaces the previous one: a key the trackers no longer publish (its
 routes have all expired) is dropped.
 
+Pins are the operator's word and a fetch over plain ``http://`` is anyone's on
+the path (issue 34, finding 12): a node with pinned keys and any ``http://``
+tracker across a network fetches nothing (:func:`may_fetch`), so the keys it
+trusts are its pins and nothing a network attacker answers. Over ``https://``
+(the tracker's certificate checked), or to a tracker on this machine's
+loopback (no network to attack), the fetched keys join the pins, as they
+always did.
+
 A node holds no private route key, so it can verify a route and never mint one.
 """
 
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Final
+from urllib.parse import urlsplit
 
 from meshwire.route_keys import KeySet
 from meshwire.routes import route_key_id
@@ -30,6 +40,28 @@ MIN_REFRESH_S: Final = 2.0
 """Shortest time between two fetches of the tracker's keys prompted by an unknown key id."""
 
 KeyFetch = Callable[[], Awaitable[KeySet]]
+
+
+def may_fetch(pinned: KeySet, trackers: Sequence[str] | None) -> bool:
+    """Whether a node may add its trackers' keys to its pins: not over plain HTTP across a network when it
+    pinned any."""
+    if not trackers:
+        return False
+    return not pinned.kids or all(_authenticated_path(url) for url in trackers)
+
+
+def _authenticated_path(url: str) -> bool:
+    """Whether nobody on a network can answer for ``url``: ``https://`` (certificate checked) or loopback."""
+    parts = urlsplit(url)
+    if parts.scheme.lower() == "https":
+        return True
+    host = (parts.hostname or "").lower()
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 class KeyFetchFailed(Exception):
@@ -63,6 +95,9 @@ class RouteTrust:
         """Fetches of the tracker's keys made so far (the rate limit's witness in tests and metrics)."""
         self.keys: KeySet = pinned
         """Every key a route may be signed with (pinned and fetched)."""
+        self.revoked: frozenset[str] = frozenset()
+        """Node ids whose join token was revoked, as the tracker's last heartbeat answer named them: a route
+        naming one is refused (:func:`services.node.hop.routing.refuse_revoked`)."""
 
     async def refresh(self) -> bool:
         """Fetch the tracker's keys now; ``True`` when they were fetched."""

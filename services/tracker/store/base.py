@@ -12,9 +12,12 @@ from typing import Protocol
 
 from meshwire.registry import NodeRegistration
 
+from ..failure_reports import Gate
 from ..join_tokens import JoinTokenRecord
 from ..key_limits import KeyLimiter
+from ..ratings import Ratings
 from ..registry import Registered, Registry
+from ..revocations import Revocations
 
 
 @dataclass(frozen=True)
@@ -36,6 +39,11 @@ class NodeStore(Protocol):
     """The view routes are planned from (synchronous, ``now`` passed in)."""
     kind: str
     """``memory`` or ``redis``, for logs and ``/health``."""
+    revocations: Revocations
+    """The revoked node ids as this tracker knows them (a shared store's kept current from it): see
+    :mod:`..revocations`."""
+    ratings: Ratings
+    """Each node's measured speed (this tracker's, or shared by every tracker of the store): :mod:`..ratings`."""
 
     @property
     def available(self) -> bool:
@@ -67,11 +75,20 @@ class NodeStore(Protocol):
     async def health(self) -> StoreHealth:
         """Whether the store answers now."""
 
+    def failure_gate(self, window_s: float) -> Gate:
+        """Where failure reports are judged (:mod:`..failure_reports`): this process, or shared (Redis)."""
+
     def key_limiter(self, requests_per_minute: int, max_streams: int) -> KeyLimiter:
         """Where the API keys' limits are counted: this process (memory), or shared by every tracker (Redis)."""
 
     async def evict(self, node_id: str, now: float) -> bool:
         """Take ``node_id`` out of every new route now, lease or not (its join token was revoked)."""
+
+    async def revoke_node(self, node_id: str, at: float) -> None:
+        """Record that ``node_id``'s join token was revoked at wall time ``at``, for every tracker of the store."""
+
+    async def lift_revocation(self, node_id: str) -> None:
+        """``node_id`` joined again with a valid token: it is no longer revoked anywhere."""
 
     # --- trust: the route-signing key ring and join tokens (see .trust) ---------------------
 

@@ -10,9 +10,12 @@ from typing import Final
 
 from meshwire.registry import NodeRegistration
 
+from ..failure_reports import Gate, LocalGate
 from ..join_tokens import MAX_TOKENS, JoinTokenRecord
 from ..key_limits import KeyLimiter, MemoryKeyLimiter
+from ..ratings import Ratings
 from ..registry import Registered, Registry, RegistryPolicy, UnknownNode
+from ..revocations import Revocations
 from .base import StoreHealth
 
 MEMORY: Final = "memory"
@@ -28,6 +31,8 @@ class MemoryStore:
         self.registry = Registry(policy)
         self._docs: dict[str, str] = {}
         self._tokens: dict[str, JoinTokenRecord] = {}
+        self.revocations = Revocations()
+        self.ratings = Ratings()
 
     @property
     def available(self) -> bool:
@@ -54,6 +59,9 @@ class MemoryStore:
     async def health(self) -> StoreHealth:
         return StoreHealth(ok=True)
 
+    def failure_gate(self, window_s: float) -> Gate:
+        return LocalGate(window_s)
+
     def key_limiter(self, requests_per_minute: int, max_streams: int) -> KeyLimiter:
         return MemoryKeyLimiter(requests_per_minute, max_streams)
 
@@ -66,6 +74,12 @@ class MemoryStore:
         except UnknownNode:
             return False
         return True
+
+    async def revoke_node(self, node_id: str, at: float) -> None:
+        self.revocations.add(node_id, at)
+
+    async def lift_revocation(self, node_id: str) -> None:
+        self.revocations.discard(node_id)
 
     async def read_doc(self, name: str) -> str | None:
         return self._docs.get(name)

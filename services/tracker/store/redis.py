@@ -14,6 +14,14 @@ Keys (all under :data:`PREFIX`; one Redis database per mesh):
 - ``doc:{name}`` (the route-signing key ring, see :mod:`..trust`) and
   ``join_tokens`` (a hash: token id to its record, the secret only hashed):
   what every tracker of the mesh must agree on to sign routes and admit nodes.
+- ``rating:{id}``, ``reports:{reporter}``, ``reporters:{run}`` and
+  ``lone:{run}``: measured speeds and the failure gate, shared by every
+  tracker (:mod:`.redis_judgement`; the records of listed nodes are read
+  with the view, and changes published on ``ratings``).
+- ``revoked`` (a hash: node id to the wall time its join token was revoked,
+  bounded by :data:`~..revocations.MAX_REVOKED`) and its channel
+  ``revocations``: every tracker cuts its streams through a revoked node at
+  their next token and tells its nodes (:mod:`..revocations`).
 - ``version`` and ``epoch``: a counter bumped by every change of membership
   or state, and a random id a Redis that restarted empty lacks.
 
@@ -47,8 +55,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import secrets
+import time
 from collections.abc import Callable
 from typing import Any, Final
 
@@ -60,6 +70,7 @@ from redis.exceptions import RedisError
 from meshwire.headers import LEASE as LEASE_HEADER
 from meshwire.registry import NodeRegistration
 
+from ..failure_reports import Gate
 from ..join_tokens import MAX_TOKENS, JoinTokenRecord
 from ..key_limits import KeyLimiter, RedisKeyLimiter
 from ..registry import (
@@ -73,8 +84,10 @@ from ..registry import (
     RegistryPolicy,
     UnknownNode,
 )
+from ..revocations import Revocations
 from . import redis_scripts as scripts
 from .base import StoreHealth, StoreUnavailable
+from .redis_judgement import RedisGate, RedisRatings, spawner
 from .redis_view import NodeRow, SharedView, endpoint_of, ms, redact
 
 logger = logging.getLogger(__name__)
@@ -110,6 +123,7 @@ class RedisStore:
         self._clock = clock
         self._view = SharedView(policy, self._send_failure)
         self.registry: Registry = self._view
+        self.revocations = Revocations()
         common: dict[str, Any] = {"decode_responses": True, "socket_timeout": REDIS_TIMEOUT_S,
                                   "socket_connect_timeout": REDIS_TIMEOUT_S}
         # Commands retry once: a pooled connection broken by a Redis restart is reopened, not an error.
@@ -133,6 +147,8 @@ class RedisStore:
         """Channel messages that arrived while a reload read Redis, applied after it in their order."""
         self._listener: asyncio.Task[None] | None = None
         self._background: set[asyncio.Task[None]] = set()
+        self.ratings = RedisRatings(self._redis, PREFIX, spawner(self._background))
+        """Measured speeds, shared with every tracker of the store (:mod:`.redis_judgement`)."""
         self._closing = False
         """Set by :meth:`close`: the listener returns rather than reconnect, even if its cancellation was lost."""
         self._connected = asyncio.Event()
@@ -147,6 +163,10 @@ class RedisStore:
     @property
     def _channel(self) -> str:
         return self._key("events")
+
+    @property
+    def _revocation_channel(self) -> str:
+        return self._key("revocations")
 
     @property
     def _expired_channel(self) -> str:
@@ -287,6 +307,45 @@ class RedisStore:
             return False
         return True
 
+    async def revoke_node(self, node_id: str, at: float) -> None:
+        """Write the revocation to the shared hash and publish it; drop what is past the book's bounds."""
+        self.revocations.add(node_id, at)
+        await self._publish_revocation(node_id, at)
+        stored = _revoked_times(await self._command(self._redis.hgetall(self._key("revoked"))))
+        book = Revocations()
+        book.replace(stored, time.time())
+        if stale := set(stored) - book.among(stored):
+            await self._command(self._redis.hdel(self._key("revoked"), *stale))
+
+    async def lift_revocation(self, node_id: str) -> None:
+        self.revocations.discard(node_id)
+        await self._publish_revocation(node_id, None)
+
+    async def _publish_revocation(self, node_id: str, at: float | None) -> None:
+        async def write() -> None:
+            async with self._redis.pipeline(transaction=True) as pipe:
+                if at is None:
+                    pipe.hdel(self._key("revoked"), node_id)
+                else:
+                    pipe.hset(self._key("revoked"), node_id, repr(at))
+                pipe.publish(self._revocation_channel, json.dumps({"node_id": node_id, "at": at}))
+                await pipe.execute()
+
+        await self._command(write())
+
+    def _apply_revocation(self, data: str) -> None:
+        try:
+            event = json.loads(data)
+            node_id, at = str(event["node_id"]), event["at"]
+        except (ValueError, KeyError, TypeError):
+            logger.warning("dropped a malformed revocation event: %.200s", data)
+            return
+        if at is None:
+            self.revocations.discard(node_id)
+        elif isinstance(at, (int, float)):
+            logger.info("node %s's join token was revoked (published in the store): its streams move", node_id)
+            self.revocations.add(node_id, float(at))
+
     # --- trust ----------------------------------------------------------------------------------------
 
     async def _command(self, awaitable: Any) -> Any:
@@ -376,6 +435,10 @@ class RedisStore:
             delivered = self._delivered
             await delivered.wait()
 
+    def failure_gate(self, window_s: float) -> Gate:
+        """The failure reports' gate in this Redis, shared by every tracker of the mesh."""
+        return RedisGate(self._redis, PREFIX, window_s)
+
     def key_limiter(self, requests_per_minute: int, max_streams: int) -> KeyLimiter:
         """The API keys' limits in this Redis, shared by every tracker of the mesh."""
         return RedisKeyLimiter(self._redis, PREFIX, requests_per_minute, max_streams)
@@ -404,12 +467,16 @@ class RedisStore:
                         pipe.pttl(self._key("lease", node_id))
                         pipe.pttl(self._key("backoff", node_id))
                         pipe.get(self._key("failures", node_id))
+                        pipe.hgetall(self.ratings.key(node_id))
                     rows = await pipe.execute()
+                revoked = await self._redis.hgetall(self._key("revoked"))
             except (RedisError, OSError) as exc:
                 raise StoreUnavailable(f"store {redact(self.url)} unreachable: {exc}") from None
             held = self._view.load(
-                [NodeRow(node_id, *rows[4 * index: 4 * index + 4]) for index, node_id in enumerate(ids)],
+                [NodeRow(node_id, *rows[5 * index: 5 * index + 4]) for index, node_id in enumerate(ids)],
                 self._lease_ms, self._clock())
+            self.ratings.load(ids, [rows[5 * index + 4] for index in range(len(ids))])
+            self.revocations.replace(_revoked_times(revoked), time.time())
             self._epoch = epoch
             self._applied = int(version or 0)
             pending, self._pending = self._pending, []
@@ -439,6 +506,12 @@ class RedisStore:
 
     def _apply_event(self, channel: str, data: str) -> None:
         now = self._clock()
+        if channel == self._revocation_channel:
+            self._apply_revocation(data)
+            return
+        if channel == self.ratings.channel:
+            self.ratings.apply_event(data)
+            return
         if channel == self._expired_channel:
             prefix = self._key("lease", "")
             if data.startswith(prefix):
@@ -457,7 +530,8 @@ class RedisStore:
         while True:
             try:
                 async with self._sub.pubsub(ignore_subscribe_messages=True) as pubsub:
-                    await pubsub.subscribe(self._channel, self._expired_channel)
+                    await pubsub.subscribe(self._channel, self._expired_channel, self._revocation_channel,
+                                           self.ratings.channel)
                     await self._enable_expiry_events()
                     self._epoch = None
                     await self._reload()
@@ -496,3 +570,12 @@ class RedisStore:
         except RedisError as exc:
             logger.warning("could not enable Redis expiry events (%s): expired leases leave this tracker's "
                            "view by its own clock, %.1f s before their keys", exc, LEASE_GRACE_S)
+
+
+def _revoked_times(raw: dict[str, str]) -> dict[str, float]:
+    """The ``revoked`` hash as node id to wall time (entries that are not a number are dropped)."""
+    out: dict[str, float] = {}
+    for node_id, text in raw.items():
+        with contextlib.suppress(ValueError):
+            out[node_id] = float(text)
+    return out
