@@ -15,6 +15,8 @@ Routes:
 - ``GET /v1/verify`` (reader): the rate, the window's size, the unresolved disputes, the quarantine.
 - ``POST /v1/admin/nodes/{node_id}/readmit`` (the admin key, or the mesh secret where no admin
   key is set): lift a quarantine; issuing the node a new join token does too.
+- ``POST /v1/admin/verify`` (the same credential): ``{"rate": r}`` changes this tracker's
+  ``MESHNET_VERIFY_RATE`` until it restarts (an operator raising it on a suspicion; the benchmark).
 """
 
 from __future__ import annotations
@@ -49,6 +51,14 @@ router = APIRouter()
 MAX_REPORT_BYTES: Final = limits.MAX_ROUTE_TOKEN_BYTES + MAX_REPORT_RECEIPTS * (MAX_RECEIPT_CHARS + 8) + 1024
 """Largest receipt report read."""
 MAX_DISPUTES_SHOWN: Final = 100
+
+
+class RateChange(BaseModel):
+    """Body of ``POST /v1/admin/verify``."""
+
+    model_config = STRICT_MODEL
+
+    rate: float = Field(ge=0.0, le=1.0)
 
 
 class ReceiptReport(BaseModel):
@@ -140,3 +150,18 @@ async def readmit(node_id: str, request: Request) -> JSONResponse:
     if not lifted:
         raise HTTPError(404, f"node {node_id!r} is not quarantined", errors.NOT_FOUND, "not_quarantined")
     return JSONResponse({"node_id": node_id, "readmitted": True})
+
+
+@router.post("/v1/admin/verify")
+async def set_rate(request: Request) -> JSONResponse:
+    """Change the fraction of routes planned with a shadow, on this tracker, until it restarts."""
+    state = tracker_state(request)
+    _require_operator(request, state)
+    try:
+        change = RateChange.model_validate_json(await read_body(request, 256))
+    except ValidationError as exc:
+        raise HTTPError(400, f"invalid body: {exc.errors()[0]['msg']}", errors.INVALID_REQUEST,
+                        "invalid_body", "rate") from None
+    state.verifier.rate = change.rate
+    logger.info("verify rate set to %g", change.rate)
+    return JSONResponse({"verify_rate": change.rate})
