@@ -179,3 +179,37 @@ def test_the_quarantine_is_kept_in_the_store_for_every_tracker() -> None:
 
     seen, lifted, after = asyncio.run(scenario())
     assert seen == frozenset({"a"}) and lifted and after == frozenset()
+
+
+# --- the operator's calls (the tracker app in process) --------------------------------------------------------
+
+
+async def test_an_operator_readmits_a_quarantined_node_by_admin_call_or_a_new_join_token() -> None:
+    import httpx
+
+    from services.tracker.app import create_app
+    from services.tracker.settings import TrackerSettings
+    from tests.procs import TEST_SECRET
+
+    app = create_app(TrackerSettings(secret=TEST_SECRET, admin_key="admin-key-for-tests"))
+    verifier = app.state.tracker.verifier
+    admin = {"Authorization": "Bearer admin-key-for-tests"}
+    async with (app.router.lifespan_context(app),
+                httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://tracker") as client):
+        await verifier.quarantine.add("a", "it computed wrong", ("r",))
+        secret_only = await client.post("/v1/admin/nodes/a/readmit", headers=bearer(TEST_SECRET))
+        assert secret_only.status_code == 403  # with an admin key set, only the admin key re-admits
+        assert (await client.post("/v1/admin/nodes/a/readmit", headers=admin)).status_code == 200
+        assert verifier.quarantine.ids() == frozenset()
+        assert (await client.post("/v1/admin/nodes/a/readmit", headers=admin)).status_code == 404
+        await verifier.quarantine.add("a", "it computed wrong again", ("r",))
+        issued = await client.post("/v1/admin/tokens", json={"node_id": "a"}, headers=admin)
+        assert issued.status_code == 201 and verifier.quarantine.ids() == frozenset()
+        assert (await client.post("/v1/admin/verify", json={"rate": 0.5}, headers=admin)).status_code == 200
+        assert verifier.rate == 0.5
+        bad_rate = await client.post("/v1/admin/verify", json={"rate": 2}, headers=admin)
+        assert bad_rate.status_code == 400
+
+
+def bearer(credential: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {credential}"}

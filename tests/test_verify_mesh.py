@@ -1,6 +1,7 @@
 """Spot checks with real processes (issue 37): a node that computes wrong is caught, routed around, and shown.
 
-A tracker with ``MESHNET_VERIFY_RATE=1`` (every route names a shadow), a head for layers 0-1 and honest
+A tracker with ``MESHNET_VERIFY_RATE=1`` (every route names a shadow), a head for layers 0-1 (speculating
+whenever prompt lookup has a draft) and honest
 replicas ``r1`` and ``r2`` of layers 2-3, all float32 with batching on. Honest replicas compared on every
 step of mixed batched and lone, greedy and seeded chats never disagree. Then ``bad``, a third replica of 2-3
 with ``--fault corrupt-output:1.0``, joins: within 40 greedy chats sent 8 at a time it is quarantined (with
@@ -17,12 +18,16 @@ from typing import Any, Final
 
 import httpx
 import pytest
+import torch
 from prometheus_client.parser import text_string_to_metric_families
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from meshwire import headers as h
 from meshwire.auth import bearer_headers
-from meshwire.receipts import answer_digest, make_receipt, sha256_hex
+from meshwire.frames import encode_frame
+from meshwire.receipts import RECEIPT, answer_digest, make_receipt, parse_receipt, sha256_hex
 from meshwire.route_keys import SigningKey
+from meshwire.row_batch import CONTENT_TYPE, decode_answers, encode_rows
 from services.node.settings import ALLOW_FAULTS_ENV
 from tests.failover_mesh import wait_for
 from tests.procs import TEST_SECRET, Service, node_hop_key, start_service, start_together
@@ -44,6 +49,7 @@ def mesh(tiny_model_dir: Path) -> Iterator[dict[str, Service]]:
               "MESHNET_TRACKER": tracker.url, "MESHNET_THREADS": "1"}
     specs = {name: {**common, "MESHNET_NODE_ID": name, "MESHNET_LAYERS": f"{a}-{b}",
                     "MESHNET_NODE_KEY": node_hop_key(name).seed_text} for name, (a, b) in LAYERS.items()}
+    specs["head"]["MESHNET_SPECULATE"] = "on"  # speculative steps too: drafts verified by the tail and its shadow
     try:
         started = dict(zip(specs, start_together([("node", spec) for spec in specs.values()]), strict=True))
     except Exception:
@@ -105,6 +111,44 @@ def test_honest_replicas_checked_on_every_step_never_disagree(mesh: dict[str, Se
     assert _checks(tracker).get("disagree", 0) == 0
     view = _nodes(tracker)
     assert all(not view[name]["quarantined"] and view[name]["disputes"] == [] for name in LAYERS)
+
+
+def _frame(route: str, session: str, ask: bool) -> tuple[dict[str, str], bytes]:
+    hidden = torch.randn((1, 2, 64), generator=torch.Generator().manual_seed(len(session)))
+    return encode_frame(hidden, session=session, extra={
+        h.ROUTE: route, h.HOP_INDEX: "1", h.START_LAYER: "2", h.STEP: "0", h.POSITION_OFFSET: "0",
+        h.SAMPLING: '{"temperature": 0.0, "top_p": 1.0, "top_k": 0, "seed": 0}',
+        **({h.RECEIPTS: "chain"} if ask else {})})
+
+
+def test_a_hop_returns_receipts_in_its_answer_only_to_a_sender_that_asks_one_per_row(
+        mesh: dict[str, Service]) -> None:
+    """A sender older than receipts (no ``X-Meshnet-Receipts``) gets the answer it always got (it refuses unknown
+    fields); one that asks gets the chain, and each row of a batch carries its own receipt."""
+    tracker = mesh["tracker"]
+    route = httpx.get(f"{tracker.url}/v1/route", params={"model": _model(tracker)}, timeout=30).json()
+    token, tail = route["token"], route["nodes"][1]["node_id"]
+    url = mesh[tail].url
+    headers, body = _frame(token, "wire-old", ask=False)
+    old = httpx.post(f"{url}/forward", headers={**headers, **bearer_headers(TEST_SECRET)}, content=body, timeout=30)
+    assert old.status_code == 200 and "receipts" not in old.json() and RECEIPT in old.headers
+    headers, body = _frame(token, "wire-new", ask=True)
+    new = httpx.post(f"{url}/forward", headers={**headers, **bearer_headers(TEST_SECRET)}, content=body, timeout=30)
+    assert new.status_code == 200 and new.json()["receipts"] == [new.headers[RECEIPT]]
+    rows = [_frame(token, f"wire-row-{i}", ask=True) for i in range(3)]
+    batch = httpx.post(f"{url}/forward/rows", content=encode_rows(rows), timeout=30,
+                       headers={h.WIRE: h.WIRE_VERSION, h.ROUTE: token, h.HOP_INDEX: "1",
+                                "Content-Type": CONTENT_TYPE, **bearer_headers(TEST_SECRET)})
+    assert batch.status_code == 200, batch.text
+    answers = decode_answers(batch.content, len(rows))
+    sessions = []
+    for (_, row_body), answer in zip(rows, answers, strict=True):
+        assert answer.status == 200, answer.body
+        (receipt,) = [parse_receipt(text) for text in answer.body["receipts"]]
+        assert receipt.fields.input_sha256 == sha256_hex(row_body)
+        assert receipt.fields.output_sha256 == answer_digest([answer.body["token"]])
+        sessions.append(receipt.fields.session)
+    assert sessions == ["wire-row-0", "wire-row-1", "wire-row-2"]
 
 
 def test_a_forged_or_replayed_receipt_report_is_refused(mesh: dict[str, Service]) -> None:

@@ -213,8 +213,9 @@ class Verifier:
             return None
         self.checks.labels(outcome="disagree").inc()
         dispute = Dispute(a.node_id, b.node_id, (first.encoded, second.encoded))
-        logger.warning("nodes %s and %s computed step %d of session %s differently from the same input",
-                       a.node_id, b.node_id, a.step, a.session[:12])
+        if pair not in self.disputes:  # the first of a pair's disagreements is news; the rest are counted
+            logger.warning("nodes %s and %s computed step %d of session %s differently from the same input",
+                           a.node_id, b.node_id, a.step, a.session[:12])
         self.disputes.setdefault(pair, dispute)
         while len(self.disputes) > MAX_PAIRS:
             self.disputes.popitem(last=False)

@@ -57,7 +57,7 @@ from meshwire.forward_step import (
     close_headers,
     parse_forward,
 )
-from meshwire.frames import Frame, FrameError, FrameLimits, body_bound, decode_frame_body
+from meshwire.frames import Frame, FrameError, FrameLimits, body_bound, decode_frame_body, get_header
 from meshwire.kv_handoff import HANDOFF_FAILED
 from meshwire.receipts import RECEIPT, make_receipt, sha256_hex
 from meshwire.route_keys import SigningKey
@@ -270,7 +270,10 @@ class ForwardService:
                 self._sessions.hold(session)
                 self._metrics.handoffs_held.inc()
             receipt = self._receipt(hop, frame.session, info, tokens, input_sha256, done)
-            return _answer(200, _with_receipts(_step_body(done), receipt, done.receipts)), receipt
+            body = _step_body(done)
+            if get_header(headers, h.RECEIPTS) == "chain":  # the sender knows receipts in the answer
+                body = _with_receipts(body, receipt, done.receipts)
+            return _answer(200, body), receipt
 
     def _receipt(self, hop: RoutedHop, session_id: str, info: StepInfo, tokens: int, input_sha256: str,
                  done: StepDone) -> str | None:

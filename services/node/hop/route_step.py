@@ -36,6 +36,7 @@ from typing import Final
 
 import torch
 
+from meshwire import headers as h
 from meshwire.forward_step import ForwardAnswer, Scoring, StepInfo
 from meshwire.frames import Encoding, encode_frame, wire_bytes
 from meshwire.receipts import MAX_CHAIN_RECEIPTS, answer_digest, sha256_hex
@@ -52,6 +53,8 @@ from services.node.settings import WireDType
 
 logger = logging.getLogger(__name__)
 
+RECEIPT_CHAIN: Final = "chain"
+"""The :data:`~meshwire.headers.RECEIPTS` value that asks a hop for the step's receipts in its answer."""
 WIRE_ENCODINGS: Final[dict[WireDType, Encoding]] = {"native": "identity", "int8": "q8"}
 """The frame encoding of each ``--wire-dtype``."""
 MAX_PLAIN_HOPS: Final = 4096
@@ -225,7 +228,9 @@ class RouteStepper:
         shadow of the next hop (sent the same frame at the same time)."""
         headers, body = encode_frame(hidden, session=session.session_id, chunk_index=onward.chunk_index,
                                      chunk_total=onward.chunk_total, encoding=encoding,
-                                     wire_version=onward.info.wire_version, extra=onward.info.headers())
+                                     wire_version=onward.info.wire_version,
+                                     extra={**onward.info.headers(), **({h.RECEIPTS: RECEIPT_CHAIN} if self._receipts
+                                                                        else {})})
         self._metrics.frame_bytes_sent.labels(encoding=encoding).inc(len(body))
         self._metrics.frame_tokens_sent.labels(encoding=encoding).inc(int(hidden.shape[1]))
         shadowed = None
