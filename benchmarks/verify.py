@@ -12,7 +12,7 @@ then, in one run:
    = 100%, 10% and 1% joins; chats run (:data:`STREAMS` at a time, at
    :data:`DETECT_RATE`) until the tracker quarantines it, and the mesh's decode
    steps and seconds since it joined are recorded (capped at
-   :data:`DETECT_CAP_S`).
+   :data:`DETECT_CAP_S`; chats of :data:`DETECT_MAX_TOKENS` tokens).
 
 The model is the test suite's tiny 4-layer Llama by default (``--model
 default`` for SmolLM2-135M, slower). The load average is recorded with the
@@ -46,6 +46,10 @@ FAULT_RATES: Final = (1.0, 0.1, 0.01)
 DETECT_RATE: Final = 0.05
 DETECT_CAP_S: Final = 600.0
 MAX_TOKENS: Final = 48
+DETECT_MAX_TOKENS: Final = 200
+"""Tokens a chat decodes while a faulty replica is hunted: ``--fault`` draws which *positions* it corrupts (the
+same in every session), so sessions must span enough positions for a fraction f of them to be hit (the 1%
+injector's first corrupted position is 181)."""
 PROMPTS: Final = tuple(f"Tell me {n} things about {topic}." for n in range(2, 6)
                        for topic in ("rivers", "the moon", "bread", "owls", "maps", "salt", "tea"))
 RESULT: Final = Path(__file__).resolve().parent / "results" / "verify.json"
@@ -97,9 +101,9 @@ class Bench:
                             headers={"Authorization": f"Bearer {self.secret}"}, timeout=30)
         answer.raise_for_status()
 
-    def chat(self, index: int) -> int:
+    def chat(self, index: int, max_tokens: int = MAX_TOKENS) -> int:
         body = {"model": self.model, "messages": [{"role": "user", "content": PROMPTS[index % len(PROMPTS)]}],
-                "max_tokens": MAX_TOKENS, "temperature": 0}
+                "max_tokens": max_tokens, "temperature": 0}
         answer = httpx.post(f"{self.tracker.url}/v1/chat/completions", json=body, timeout=TIMEOUT_S)
         if answer.status_code != 200:  # counted, not fatal: the run goes on and says how many failed
             logger.warning("a chat failed: %d %s", answer.status_code, answer.text[:300])
@@ -107,11 +111,11 @@ class Bench:
             return 0
         return int(answer.json()["usage"]["completion_tokens"])
 
-    def burst(self, start: int, count: int = STREAMS) -> tuple[int, float]:
+    def burst(self, start: int, count: int = STREAMS, max_tokens: int = MAX_TOKENS) -> tuple[int, float]:
         """``count`` chats at once; the tokens they decoded and the seconds it took."""
         began = time.perf_counter()
         with ThreadPoolExecutor(STREAMS) as pool:
-            tokens = sum(pool.map(self.chat, range(start, start + count)))
+            tokens = sum(pool.map(lambda index: self.chat(index, max_tokens), range(start, start + count)))
         return tokens, time.perf_counter() - began
 
     def stop(self) -> None:
@@ -145,7 +149,7 @@ def detection(bench: Bench, fault_rate: float) -> dict[str, Any]:
         _wait(lambda: name in _nodes(bench.tracker), f"{name} to register")
         began, steps, index = time.perf_counter(), 0, 0
         while time.perf_counter() - began < DETECT_CAP_S:
-            tokens, _ = bench.burst(index)
+            tokens, _ = bench.burst(index, max_tokens=DETECT_MAX_TOKENS)
             steps, index = steps + tokens, index + STREAMS
             if _nodes(bench.tracker)[name].get("quarantined"):
                 return {"fault_rate": fault_rate, "verify_rate": DETECT_RATE, "caught": True, "steps": steps,
@@ -160,6 +164,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="tiny", help="'tiny' (the test model, default) or 'default' (SmolLM2)")
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--skip-throughput", action="store_true",
+                        help="measure detection only (the throughput of the last run's results file is kept)")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="[verify] %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)
@@ -176,7 +182,9 @@ def main() -> None:
         try:
             load_before = os.getloadavg()
             result = {"model": args.model, "streams": STREAMS, "max_tokens": MAX_TOKENS,
-                      "throughput": throughput(bench, args.rounds),
+                      "throughput": (json.loads(RESULT.read_text())["throughput"]
+                                     if args.skip_throughput and RESULT.exists() else throughput(bench, args.rounds)),
+                      "detect_max_tokens": DETECT_MAX_TOKENS,
                       "detection": [detection(bench, fault) for fault in FAULT_RATES],
                       "load_average_before": [round(v, 2) for v in load_before],
                       "load_average_after": [round(v, 2) for v in os.getloadavg()],
