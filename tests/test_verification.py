@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import random
-from typing import Any
+from collections.abc import Iterator
 
 import pytest
 from prometheus_client import CollectorRegistry
@@ -165,20 +165,38 @@ def test_agreeing_nodes_are_never_quarantined() -> None:
     assert verifier.disputes == {} and verifier.quarantine.ids() == frozenset()
 
 
-def test_the_quarantine_is_kept_in_the_store_for_every_tracker() -> None:
-    store = open_store("memory", RegistryPolicy(), lambda: 0.0)
-    first, second = Quarantine(store), Quarantine(store)
+@pytest.fixture(params=["memory", "redis"])
+def store_url(request: pytest.FixtureRequest) -> Iterator[str]:
+    """A store two trackers share: the memory store (one object) or a real, empty Redis."""
+    if request.param == "memory":
+        yield "memory"
+        return
+    from tests.redis_server import redis_server, require_redis_server
 
-    async def scenario() -> Any:
+    require_redis_server()
+    with redis_server() as server:
+        yield server.url
+
+
+async def test_the_quarantine_is_kept_in_the_store_for_every_tracker(store_url: str) -> None:
+    policy = RegistryPolicy()
+    stores = [open_store(store_url, policy, lambda: 0.0)]
+    if store_url != "memory":
+        stores.append(open_store(store_url, policy, lambda: 0.0))
+    for store in stores:
+        await store.start()
+    try:
+        first, second = Quarantine(stores[0]), Quarantine(stores[-1])
         await first.add("a", "it computed wrong", ("r1",))
         await second.refresh()
-        seen = second.ids()
-        lifted = await second.remove("a")
+        assert second.ids() == frozenset({"a"}) and second.get("a").evidence == ("r1",)  # type: ignore[union-attr]
+        assert await second.remove("a")
         await first.refresh()
-        return seen, lifted, first.ids()
-
-    seen, lifted, after = asyncio.run(scenario())
-    assert seen == frozenset({"a"}) and lifted and after == frozenset()
+        assert first.ids() == frozenset()
+        assert not await first.remove("a")
+    finally:
+        for store in stores:
+            await store.close()
 
 
 # --- the operator's calls (the tracker app in process) --------------------------------------------------------
