@@ -8,10 +8,10 @@ anyone holding the mesh's hop keys can check the verdict.
 The book is kept in the tracker's store as one document (:data:`QUARANTINE_DOC`,
 swapped whole, the same way as the route-signing key ring), so every tracker
 of a shared (Redis) store sees the same quarantine: a tracker reads it again
-when it answers ``GET /v1/nodes``, takes a receipt report or an admin call, and
-at most every :data:`REFRESH_S` when it plans routes. Between two refreshes,
-routes planned by a tracker that did not itself quarantine the node can still
-name it (for up to :data:`REFRESH_S`).
+when it answers ``GET /v1/nodes`` or ``GET /v1/verify``, on an admin call, and
+when it takes a receipt report and its copy is older than :data:`REFRESH_S`
+(heads report every half second while they serve). Until then, routes planned
+by a tracker that did not itself quarantine the node can still name it.
 """
 
 from __future__ import annotations

@@ -67,13 +67,12 @@ class TrackerState:
     """Each node's speed as measured on the streams this tracker relayed (the planner's speeds, :mod:`.ratings`)."""
     failure_gate: FailureGate = field(default_factory=lambda: FailureGate(window_s=120.0))
     """Who may put a node in failure backoff, how often, on whose word (:mod:`.failure_reports`)."""
-    verifier: Verifier | None = None  # type: ignore[assignment]
-    """Receipts, spot checks and the quarantine (:mod:`.verification`); made by :meth:`create`."""
+    verifier: Verifier = field(init=False)
+    """Receipts, spot checks and the quarantine (:mod:`.verification`), on this tracker's store and metrics."""
 
     def __post_init__(self) -> None:
-        if self.verifier is None:
-            self.verifier = Verifier(Quarantine(self.store, self.clock), self.metrics.registry,
-                                     rate=self.settings.verify_rate)
+        self.verifier = Verifier(Quarantine(self.store, self.clock), self.metrics.registry,
+                                 rate=self.settings.verify_rate)
 
     @classmethod
     def create(cls, settings: TrackerSettings, clock: Callable[[], float] = time.monotonic) -> TrackerState:
