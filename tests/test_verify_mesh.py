@@ -109,6 +109,10 @@ def test_honest_replicas_checked_on_every_step_never_disagree(mesh: dict[str, Se
     assert lone == batched[:4]
     wait_for(lambda: _checks(tracker).get("agree", 0) >= len(jobs) * 2, "the heads' receipt reports", TIMEOUT_S)
     assert _checks(tracker).get("disagree", 0) == 0
+    families = text_string_to_metric_families(httpx.get(f"{mesh['head'].url}/metrics", timeout=30).text)
+    speculative = sum(sample.value for family in families for sample in family.samples
+                      if sample.name == "meshnet_node_decode_steps_total" and sample.labels["speculative"] == "true")
+    assert speculative > 0, "speculative steps were checked too"
     view = _nodes(tracker)
     assert all(not view[name]["quarantined"] and view[name]["disputes"] == [] for name in LAYERS)
 
@@ -199,6 +203,8 @@ def test_a_node_that_computes_wrong_is_quarantined_and_routed_around(
         shown = _nodes(tracker)["bad"]
         assert "agree with each other" in shown["quarantine"]["reason"] and shown["quarantine"]["receipts"]
         assert _checks(tracker).get("disagree", 0) > 0
+        summary = httpx.get(f"{tracker.url}/v1/verify", timeout=30).json()
+        assert set(summary["quarantined"]) == {"bad"} and summary["receipts_kept"] > 0
         with ThreadPoolExecutor(AT_ONCE) as pool:
             after = list(pool.map(lambda i: _chat(tracker, PROMPTS[i % len(PROMPTS)]), range(AT_ONCE)))
         assert after == [_expected(reference, tokenizer, PROMPTS[i % len(PROMPTS)]) for i in range(AT_ONCE)]
