@@ -231,3 +231,17 @@ async def test_an_operator_readmits_a_quarantined_node_by_admin_call_or_a_new_jo
 
 def bearer(credential: str) -> dict[str, str]:
     return {"Authorization": f"Bearer {credential}"}
+
+
+def test_a_shadow_behind_a_relay_may_be_called_by_the_hop_before_it_only() -> None:
+    from meshwire.hop_proof import ProofProblem
+    from meshwire.relay_auth import check_relay_handshake, relay_handshake
+    from meshwire.route_keys import KeySet, jwks_of
+
+    _, token = _route("a", "b")
+    keys = KeySet.from_jwks(jwks_of([TEST_ROUTE_KEY]))
+    assert check_relay_handshake(relay_handshake(node_hop_key("head"), "head", token, "b"), "b", keys) == "head"
+    with pytest.raises(ProofProblem):  # the hop it shadows is not before it
+        check_relay_handshake(relay_handshake(node_hop_key("a"), "a", token, "b"), "b", keys)
+    with pytest.raises(ProofProblem):  # a node the route does not name at all
+        check_relay_handshake(relay_handshake(node_hop_key("head"), "head", token, "c"), "c", keys)
