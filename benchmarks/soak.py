@@ -185,6 +185,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--chaos-every", type=float, default=8.0, help="mean seconds between kills")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=RESULT_FILE)
+    parser.add_argument("--verify-rate", type=float, default=None,
+                        help="the tracker's MESHNET_VERIFY_RATE (issue 37): with it, the tracker's spot checks "
+                             "are reported too, and any disagreement between the honest tails is a false positive")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="[%(asctime)s %(name)s] %(message)s", stream=sys.stderr)
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request would drown the progress
@@ -193,7 +196,8 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="meshnet-soak-") as scratch:
         model = build_tiny_model(Path(scratch) / "tiny-model")
         logger.info("starting a tracker and 4 nodes (2 heads, 2 tails) on the tiny model")
-        mesh = start_mesh(model, LAYERS, {"MESHNET_IDLE_TIMEOUT_S": "10"})
+        tracker_env = {} if args.verify_rate is None else {"MESHNET_VERIFY_RATE": str(args.verify_rate)}
+        mesh = start_mesh(model, LAYERS, {"MESHNET_IDLE_TIMEOUT_S": "10"}, tracker_env)
         try:
             expected = {}
             for kind in KINDS:
@@ -219,6 +223,7 @@ def main(argv: list[str] | None = None) -> int:
             stop.set()
             for thread in threads:
                 thread.join()
+            checks = verify_checks(mesh) if args.verify_rate is not None else None
         finally:
             mesh.stop()
     summary: dict[str, Any] = {item.name: getattr(tally, item.name) for item in fields(tally)
@@ -226,14 +231,30 @@ def main(argv: list[str] | None = None) -> int:
     summary |= {"minutes": args.minutes, "streams": args.streams, "chaos_every_s": args.chaos_every,
                 "p50_gap_ms": percentile(tally.gaps_ms, 0.5), "p99_gap_ms": percentile(tally.gaps_ms, 0.99),
                 "mean_gap_ms": statistics.fmean(tally.gaps_ms) if tally.gaps_ms else None,
-                "problems": tally.problems[:50]}
+                "problems": tally.problems[:50], "verify_rate": args.verify_rate, "verify_checks": checks}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(summary, indent=2) + "\n")
     print(f"soak {args.minutes:g} min, {args.streams} streams: {tally.started} started, {tally.completed} completed, "
           f"{tally.identical} identical, {tally.different} different, {tally.lost} lost, {tally.errored} errored; "
           f"{tally.kills} kills, {tally.restarts} restarts; time between tokens p50 "
           f"{summary['p50_gap_ms'] or 0:.1f} ms, p99 {summary['p99_gap_ms'] or 0:.1f} ms; wrote {args.out}")
-    return 0 if tally.lost == 0 and tally.different == 0 else 1
+    if checks is not None:
+        print(f"spot checks at rate {args.verify_rate:g}: {checks}")
+    false_positive = checks is not None and (checks["disagree"] > 0 or checks["quarantined"])
+    return 0 if tally.lost == 0 and tally.different == 0 and not false_positive else 1
+
+
+def verify_checks(mesh: Any) -> dict[str, Any]:
+    """The tracker's spot checks (``meshnet_verify_checks_total`` by outcome) and who it quarantined: with honest
+    nodes only, any disagreement is a false positive."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(f"{mesh.tracker.url}/metrics", timeout=30).text
+    outcomes = {sample.labels["outcome"]: sample.value for family in text_string_to_metric_families(text)
+                for sample in family.samples if sample.name == "meshnet_verify_checks_total"}
+    nodes = httpx.get(f"{mesh.tracker.url}/v1/nodes", timeout=30).json()["nodes"]
+    return {"agree": outcomes.get("agree", 0.0), "disagree": outcomes.get("disagree", 0.0),
+            "quarantined": sorted(node["node_id"] for node in nodes if node.get("quarantined"))}
 
 
 if __name__ == "__main__":

@@ -44,6 +44,7 @@ from meshwire.frames import (
 )
 from meshwire.kv_handoff import HANDOFF_FROM, HANDOFF_ROUTE, HOLD, HandoffSource, parse_digest
 from meshwire.limits import MAX_HEADER_VALUE_CHARS, MAX_LAYERS, MAX_ROUTE_HOPS, MAX_TOKENS_LIMIT
+from meshwire.receipts import MAX_CHAIN_RECEIPTS, MAX_RECEIPT_CHARS
 from meshwire.sampling_params import MAX_REPLAY_IDS_PER_FRAME, MAX_TOP_LOGPROBS, SamplingParams, TokenLogprobs
 
 ControlVerb = Literal["close"]
@@ -92,6 +93,10 @@ class ForwardAnswer(BaseModel):
     unverified: bool | None = None
     """On a speculative frame's answer: ``true`` when a hop of the route does not take speculative frames (an
     older node), so the step went on as a plain one and its drafts were never judged (``tokens`` is one token)."""
+    receipts: Annotated[list[Annotated[str, Field(min_length=1, max_length=MAX_RECEIPT_CHARS)]],
+                        Field(min_length=1, max_length=MAX_CHAIN_RECEIPTS)] | None = None
+    """The signed receipts of the step (:mod:`meshwire.receipts`): the answering hop's own, then those of every hop
+    after it and of a shadow (issue 37), so the head holds the step's whole chain. Absent when no hop signs."""
 
 
 @dataclass(frozen=True)

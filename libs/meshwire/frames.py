@@ -351,6 +351,11 @@ def _to_wire_bytes(tensor: torch.Tensor) -> bytes:
     return raw.numpy().tobytes()
 
 
+def wire_bytes(tensor: torch.Tensor) -> bytes:
+    """``tensor``'s bytes as an ``identity`` frame carries them (little-endian, its own dtype)."""
+    return _to_wire_bytes(tensor)
+
+
 def _from_wire_bytes(body: bytes | bytearray, spec: FrameSpec) -> torch.Tensor:
     # bytes are read-only and copied; a bytearray is handed over: the tensor is a view of it, not a copy
     # (a KV pull's chunk is tens of megabytes)

@@ -66,10 +66,14 @@ route, whose prompt the head prefills once and forks (see :mod:`meshwire.fork`).
 FORK_FROM: Final = "X-Meshnet-Fork-From"
 """On a session's first frame: ``<source session>:<positions>``, open it with a copy of the first ``positions``
 KV rows of the source session of the same route (see :mod:`meshwire.fork`)."""
+RECEIPTS: Final = "X-Meshnet-Receipts"
+"""On a frame: ``chain``, the sender takes the step's receipts back in the answer body (``receipts``, issue 37); a
+hop answers them only when asked, so a node older than receipts, which refuses unknown answer fields, is never
+sent them."""
 
 ALL: Final[tuple[str, ...]] = (
     WIRE, SHAPE, DTYPE, SESSION, CHUNK_INDEX, CHUNK_TOTAL, ENCODING, HOP_INDEX, START_LAYER,
     ATTN_MASK, POSITION_IDS, ROUTE, POSITION_OFFSET, STEP, SAMPLING, RESERVE, CONTROL,
-    SAMPLE_DRAWS, SAMPLE_IDS, SCORE, LEASE, DRAFT, CHOICE_GROUP, FORK_FROM,
+    SAMPLE_DRAWS, SAMPLE_IDS, SCORE, LEASE, DRAFT, CHOICE_GROUP, FORK_FROM, RECEIPTS,
 )
 """Every header name meshnet defines, canonical spelling."""

@@ -56,6 +56,8 @@ SEEN_WINDOW_S: Final = 3600.0
 MAX_RECEIPT_AGE_S: Final = SEEN_WINDOW_S
 """How far from the checker's clock a receipt's time may be (either way)."""
 MAX_POSITIONS: Final = 1 << 20
+MAX_CHAIN_RECEIPTS: Final = limits.MAX_ROUTE_HOPS + 1
+"""Most receipts one answer carries back: one per hop of the longest route, and a shadow's."""
 
 Sha256Hex = Annotated[str, Field(min_length=64, max_length=64, pattern=r"^[0-9a-f]{64}$")]
 _ID = r"^[A-Za-z0-9._:\-]+$"

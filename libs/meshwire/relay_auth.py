@@ -61,6 +61,9 @@ def check_relay_handshake(headers: Mapping[str, str], peer_id: str, keys: KeySet
     except RouteError as exc:
         raise ProofProblem(403, f"the handshake's route is refused ({exc.code}): {exc}") from None
     caller, called = route.hop_of(claim.signer), route.hop_of(peer_id)
+    shadow = route.shadow
+    if called is None and shadow is not None and shadow.node.node_id == peer_id:  # a verifier (issue 37)
+        called = shadow.hop_index
     if caller is None or called is None or called <= caller:
         raise ProofProblem(403, f"the handshake's route does not name {claim.signer[:100]} before {peer_id}")
     hop_key = route.nodes[caller].hop_key

@@ -8,7 +8,12 @@ The tracker signs a route with its Ed25519 key into a compact JWS carried in
 ``X-Meshnet-Route``: ``base64url(header) "." base64url(payload) "." base64url(signature)``
 with header ``{"alg": "EdDSA", "kid": ...}`` (the key's id in the tracker's
 JWK set, ``GET /v1/keys``) and payload ``{"route": ..., "exp": ..., "iat": ..., "v": 2}``;
-the signature covers ``header "." payload``. A node forwards activations only
+the signature covers ``header "." payload``. A route may name a *shadow*
+(:class:`ShadowHop`, issue 37): another node holding the same layers as one
+hop, to which the hop before it sends each frame too; the shadow runs it in a
+session of its own and answers only its receipt (:mod:`meshwire.receipts`),
+never passing anything on, so the tracker can compare the two receipts of the
+same step. A route without one is the same JSON as before. A node forwards activations only
 along a route whose signature verifies with a key of the tracker's it holds
 (:class:`~meshwire.route_keys.KeySet`) and that has not expired, so a caller
 cannot make a node POST to an address of its choosing (the reference node
@@ -94,6 +99,19 @@ class RouteNode(BaseModel):
         return self
 
 
+class ShadowHop(BaseModel):
+    """A verifier for one hop of a route: ``node`` runs hop ``hop_index``'s layers on the same frames, in a shadow
+    session that never sends anything on (its answer is its receipt, issue 37)."""
+
+    model_config = STRICT_MODEL
+
+    hop_index: Annotated[int, Field(ge=1, lt=limits.MAX_ROUTE_HOPS)]
+    """The hop it shadows (never the head: the head's input is the request itself, with no previous hop to send
+    it twice)."""
+    node: RouteNode
+    """The shadow node, with the same ``start_layer`` and ``shard_end`` as the hop it shadows."""
+
+
 class Route(BaseModel):
     """The hops that together run every layer of ``model``, in layer order.
 
@@ -106,10 +124,13 @@ class Route(BaseModel):
     model: ModelName
     nodes: RouteNodes
     num_layers: LayerCount
+    shadow: ShadowHop | None = None
+    """A verifier of one hop (absent on most routes, and then not in the JSON at all)."""
 
     @model_validator(mode="after")
     def _check_coverage(self) -> Route:
         _check_contiguous(self.nodes, self.num_layers)
+        _check_shadow(self.shadow, self.nodes)
         return self
 
     @property
@@ -123,6 +144,23 @@ class Route(BaseModel):
     def hop_of(self, node_id: str) -> int | None:
         """Index of ``node_id`` in :attr:`nodes`, or ``None``."""
         return next((i for i, node in enumerate(self.nodes) if node.node_id == node_id), None)
+
+    def at(self, hop_index: int, node_id: str) -> tuple[RouteNode, bool] | None:
+        """The hop ``hop_index`` as ``node_id`` runs it: its route node and whether ``node_id`` is its shadow;
+        ``None`` when the route names ``node_id`` at neither."""
+        if not 0 <= hop_index < len(self.nodes):
+            return None
+        if self.nodes[hop_index].node_id == node_id:
+            return self.nodes[hop_index], False
+        shadow = self.shadow
+        if shadow is not None and shadow.hop_index == hop_index and shadow.node.node_id == node_id:
+            return shadow.node, True
+        return None
+
+    def shadow_of(self, hop_index: int) -> RouteNode | None:
+        """The shadow of hop ``hop_index``, if the route names one."""
+        shadow = self.shadow
+        return shadow.node if shadow is not None and shadow.hop_index == hop_index else None
 
 
 class SignedRoute(BaseModel):
@@ -162,6 +200,19 @@ class _TokenHeader(BaseModel):
 
     alg: Literal["EdDSA"]
     kid: str = Field(min_length=1, max_length=64)
+
+
+def _check_shadow(shadow: ShadowHop | None, nodes: Sequence[RouteNode]) -> None:
+    if shadow is None:
+        return
+    if shadow.hop_index >= len(nodes):
+        raise ValueError(f"the shadow's hop {shadow.hop_index} is outside the route's {len(nodes)} hops")
+    hop = nodes[shadow.hop_index]
+    if (shadow.node.start_layer, shadow.node.shard_end) != (hop.start_layer, hop.shard_end):
+        raise ValueError(f"the shadow {shadow.node.node_id} must run layers {hop.start_layer}-{hop.shard_end}, "
+                         f"as hop {shadow.hop_index} does")
+    if any(node.node_id == shadow.node.node_id for node in nodes):
+        raise ValueError(f"the shadow {shadow.node.node_id} is a hop of the route already")
 
 
 def _check_contiguous(nodes: Sequence[RouteNode], num_layers: int) -> None:

@@ -61,6 +61,7 @@ hop/ — the mesh: routes, the next hop, the tracker, the relay
     ``hop.hop_http``      keep-alive HTTP/1.1 connections to next hops
     ``hop.relay_link``    serving this node through a relay when it is behind NAT
     ``hop.routing``       verifying a signed route; asking the tracker for one
+    ``hop.receipt_report`` a head's steps' receipts, batched to the tracker (issue 37)
     ``hop.trust``         the tracker keys routes are verified with, pinned and refreshed
     ``hop.registration``  joining the tracker, heartbeats, leases
     ``hop.placement_client`` asking the tracker which layers to load (no ``--layers``)

@@ -47,6 +47,7 @@ from services.node.head.tokens import HeadTokenizer, eos_ids_of
 from services.node.hop.auth import HopAuth
 from services.node.hop.hop_client import HopClient
 from services.node.hop.placement_client import PlacementRefused, ask_placement
+from services.node.hop.receipt_report import ReceiptReporter
 from services.node.hop.registration import Registrar
 from services.node.hop.relay_link import ASGIApp, asgi_handler
 from services.node.hop.route_step import RouteStepper
@@ -119,6 +120,8 @@ class NodeRuntime:
         """The tracker's route keys this node verifies routes with (pinned, and fetched at registration)."""
         self.tracker_routes.trust = self.trust
         self.hops.route_keys = lambda: self.trust.keys  # blame downstream only on signed evidence (hop_client)
+        self.receipt_reporter = ReceiptReporter(self.tracker_routes)
+        """A head's steps' receipts, on their way to the tracker (issue 37; off with ``--no-receipts``)."""
         self.hop_auth = HopAuth(node_id=self.node_id, model_id=self.model_id, trust=self.trust,
                                 legacy_secret=None if settings.join_token else settings.secret)
         """The front door every call from the mesh passes: frames, handoffs, the tracker's calls to a head."""
@@ -235,14 +238,15 @@ class NodeRuntime:
         path = self._load_args[0]
         stepper = RouteStepper(node_id=self.node_id, runner=runner, sessions=self.sessions,
                                sender=RowSender(self.hops, max_rows=s.max_batch), metrics=self.metrics,
-                               wire_dtype=s.wire_dtype, faults=FaultInjector(s.fault, self.metrics))
+                               wire_dtype=s.wire_dtype, faults=FaultInjector(s.fault, self.metrics),
+                               receipt_sink=self.receipt_reporter.take if s.receipts else None, receipts=s.receipts)
         if s.fault is not None and s.fault.kind == "wrong-token" and not shard.is_tail:
             logger.warning("--fault %s: this node is not a tail, so it answers no tokens to change", s.fault)
         forward = ForwardService(node_id=self.node_id, model_id=self.model_id, auth=self.hop_auth,
                                  runner=runner, sessions=self.sessions, hops=self.hops, stepper=stepper,
                                  metrics=self.metrics, frame_limits=FrameLimits(max_bytes=s.max_frame_bytes),
                                  grammar=self.grammar, puller=self.puller, handoff_limits=self._handoff_limits,
-                                 hop_key=self.hop_key)
+                                 hop_key=self.hop_key if s.receipts else None)
         kv_serve = None
         if self.membership is not None:
             kv_serve = KvServeService(
@@ -411,6 +415,7 @@ class NodeRuntime:
         for task in self._tasks:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
+        await self.receipt_reporter.aclose()
         if self.registrar is not None:
             await self.registrar.deregister()
         if self._relay_peer is not None:

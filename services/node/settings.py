@@ -267,6 +267,10 @@ class NodeSettings(BaseSettings, SlowClientSettings, TlsClientSettings):
     """For tests and demonstrations only, refused unless ``MESHNET_ALLOW_FAULTS=1``: ``corrupt-output:P`` perturbs
     a fraction P of the hidden states this node sends on, ``wrong-token:P`` makes a tail answer another token
     than it sampled in a fraction P of its steps (which steps: drawn per position, the same on every run)."""
+    receipts: bool = True
+    """Sign a receipt of every step this node runs (issue 37), pass the receipts of the hops after it back, and
+    (at a head) report them to the tracker, which spot-checks nodes with them. Off: no output hashing, no
+    signatures, no reports; the tracker then has nothing to compare for this node's steps."""
     cpu_lock: str = Field(default=DEFAULT_CPU_LOCK, max_length=limits.MAX_URL_CHARS)
     """File CPU nodes on one machine lock so their forwards take turns on its cores; ``off`` disables."""
 

@@ -148,6 +148,8 @@ async def create_token(request: Request) -> JSONResponse:
     except ValueError as exc:
         raise HTTPError(409, str(exc), errors.INVALID_REQUEST, "too_many_tokens") from None
     logger.info("join token %s issued for node %s", record.token_id, record.node_id)
+    if await state.verifier.quarantine.remove(record.node_id):  # a token re-issued: the operator re-admits it
+        state.verifier.forget(record.node_id)
     return JSONResponse({"token": token, **record.public(time.time())}, status_code=201)
 
 

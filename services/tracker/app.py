@@ -38,7 +38,7 @@ from meshwire import exposure, tls
 from meshwire.body_guard import BodyGuard
 from meshwire.logs import configure_logging
 
-from . import admin_api, mesh_api, openai_api, placement_api, service_api
+from . import admin_api, mesh_api, openai_api, placement_api, service_api, verify_api
 from .error_answers import add_error_handlers
 from .key_limits import KeyLimits
 from .settings import TrackerSettings
@@ -62,7 +62,8 @@ def create_app(settings: TrackerSettings | None = None, *, clock: Callable[[], f
     app = FastAPI(title="meshnet tracker", lifespan=_lifespan(state), docs_url=None, redoc_url=None,
                   openapi_url=None)
     app.state.tracker = state
-    for router in (service_api.router, openai_api.router, mesh_api.router, placement_api.router, admin_api.router):
+    for router in (service_api.router, openai_api.router, mesh_api.router, placement_api.router, admin_api.router,
+                   verify_api.router):
         app.include_router(router)
     _add_middleware(app, state)
     add_error_handlers(app)

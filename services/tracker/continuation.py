@@ -131,7 +131,9 @@ class ContinuedStream:
                 self._on_failed(head, f"broke mid-answer: {reason}")
             logger.warning("stream %s: head %s stopped answering after %d tokens (%s); continuing elsewhere",
                            self.history.response_id, head, len(self.history.ids), reason)
-            avoid = {head}
+            # A cut head did nothing wrong: the node cut for (revoked: evicted; quarantined) is out of every new
+            # route already, and the head may be the only one.
+            avoid = set() if cut else {head}
             opened = None
             while opened is None:
                 continuations += 1

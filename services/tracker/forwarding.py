@@ -181,9 +181,12 @@ def _continued(state: TrackerState, sent: Forward, lease: RouteLease, route: Sig
         lease.hold(new)
         last[0] = lease.nodes
 
-    def cut() -> str | None:  # a node revoked mid-stream: the stream moves to a route without it at once
+    def cut() -> str | None:  # a node revoked or quarantined mid-stream: the stream moves to a route without it
         revoked = state.revoked.among(lease.nodes) if len(state.revoked) else None
-        return f"node {min(revoked)}'s join token was revoked" if revoked else None
+        if revoked:
+            return f"node {min(revoked)}'s join token was revoked"
+        quarantined = state.verifier.quarantine.ids().intersection(lease.nodes)
+        return f"node {min(quarantined)} was quarantined (it computed wrong)" if quarantined else None
 
     async def reopen(route: SignedRoute, body: bytes) -> httpx.Response | HeadRefused | HeadError:
         state.metrics.proxy_retries.inc()

@@ -69,6 +69,7 @@ from .registry import MAX_REASON_CHARS, Registered, RegistryError, UnknownNode
 from .responses import HTTPError, read_body, require_api_key
 from .state import TrackerState, parse_exclude, tracker_state
 from .store import StoreUnavailable
+from .verification import verification_view
 
 logger = logging.getLogger(__name__)
 
@@ -297,9 +298,11 @@ async def _mesh_view(request: Request) -> dict[str, Any]:
     state = tracker_state(request)
     await require_reader(request, state)
     now = state.now()
+    await state.verifier.quarantine.refresh()
     return {
         "nodes": [{**node.model_dump(mode="json"),
-                   **dataclasses.asdict(state.ratings.rating(node.node_id, node.shard_end - node.shard_start + 1))}
+                   **dataclasses.asdict(state.ratings.rating(node.node_id, node.shard_end - node.shard_start + 1)),
+                   **verification_view(state.verifier, node.node_id)}
                   for node in state.registry.snapshot(now)],
         "models": [model.model_dump(mode="json") for model in state.registry.coverage(now)],
     }

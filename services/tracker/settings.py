@@ -68,6 +68,11 @@ class TrackerSettings(BaseSettings, SlowClientSettings, TlsClientSettings):
     failure_reset_s: float = Field(120.0, gt=0, le=86400)
     """A node with no failure report for this long starts its next backoff from the beginning."""
 
+    # --- verification (issue 37) ---------------------------------------------------------
+    verify_rate: float | None = Field(None, ge=0.0, le=1.0)
+    """Fraction of routes planned with a shadow that recomputes one hop's steps for comparison (so, on average,
+    of steps spot-checked); only where another node holds that hop's layers. Unset: 0.02. 0: no checks."""
+
     # --- streams whose head dies -------------------------------------------------------
     continue_attempts: int = Field(3, ge=0, le=16)
     """New heads tried for a stream whose head died mid-answer (0: the stream ends with an error event)."""

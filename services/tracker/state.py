@@ -31,6 +31,7 @@ from .key_limits import KeyLimiter
 from .metrics import TrackerMetrics
 from .pd_routes import PREFILL_ROLE, plan_prefill_route, prefill_group
 from .planner import Candidate, IncompleteCoverage, RouteTooLong, format_ranges, plan_route
+from .quarantine import Quarantine
 from .ratings import Ratings
 from .registry import Registry, RegistryPolicy, resolve_model_name
 from .responses import HTTPError
@@ -38,6 +39,7 @@ from .revocations import Revocations
 from .settings import TrackerSettings
 from .store import NodeStore, open_store
 from .trust import NoSigningKey, TrackerTrust
+from .verification import Verifier
 
 logger = logging.getLogger(__name__)
 
@@ -67,6 +69,12 @@ class TrackerState:
     """Who may put a node in failure backoff, how often, on whose word (:mod:`.failure_reports`): the store's."""
     background: set[asyncio.Task[None]] = field(default_factory=set)
     """Failure reports being judged and applied in the background (held here until done)."""
+    verifier: Verifier = field(init=False)
+    """Receipts, spot checks and the quarantine (:mod:`.verification`), on this tracker's store and metrics."""
+
+    def __post_init__(self) -> None:
+        self.verifier = Verifier(Quarantine(self.store, self.clock), self.metrics.registry,
+                                 rate=self.settings.verify_rate)
 
     @classmethod
     def create(cls, settings: TrackerSettings, clock: Callable[[], float] = time.monotonic) -> TrackerState:
@@ -127,9 +135,9 @@ class TrackerState:
         num_layers = models.get(model)
         if num_layers is None:  # forgotten since it was resolved
             raise self._unknown_model(model, models)
+        candidates = self.ratings.rated(self.registry.candidates(model, now))
         try:
-            hops = _plan_decode_route(self.ratings.rated(self.registry.candidates(model, now)), num_layers,
-                                      frozenset(exclude))
+            hops = _plan_decode_route(candidates, num_layers, frozenset(exclude) | self.verifier.quarantine.ids())
         except IncompleteCoverage as gap:
             self.metrics.routes.labels("incomplete").inc()
             excluded = f" (excluding {', '.join(sorted(exclude))})" if exclude else ""
@@ -144,12 +152,17 @@ class TrackerState:
             self.metrics.routes.labels("incomplete").inc()
             raise HTTPError(503, str(exc), errors.UNAVAILABLE, "route_too_long", "model") from None
         self.metrics.routes.labels("planned").inc()
-        route = Route(model=model, nodes=hops, num_layers=num_layers)
+        route = Route(model=model, nodes=hops, num_layers=num_layers,
+                      shadow=self.verifier.shadow_for(hops, candidates, self._formats))
         try:
             key = self.trust.signing_key()
         except NoSigningKey as exc:
             raise store_unavailable(str(exc), self.settings.heartbeat_s) from None
         return issue_signed_route(route, key, ttl_s=self.settings.route_ttl_s, now=time.time())
+
+    def _formats(self) -> dict[str, tuple[object, ...]]:
+        """Each node's number format (dtype, weights): a shadow is compared bit for bit, so it must match."""
+        return {node.node_id: (node.dtype, node.weights) for node in self.registry.snapshot(self.now())}
 
     def prefill_route_for(self, model: str) -> SignedRoute | None:
         """A signed route through a ready replica of ``model``'s prefill group, or ``None`` (no prefill/decode split)."""

@@ -57,7 +57,7 @@ from meshwire.forward_step import (
     close_headers,
     parse_forward,
 )
-from meshwire.frames import Frame, FrameError, FrameLimits, body_bound, decode_frame_body
+from meshwire.frames import Frame, FrameError, FrameLimits, body_bound, decode_frame_body, get_header
 from meshwire.kv_handoff import HANDOFF_FAILED
 from meshwire.receipts import RECEIPT, make_receipt, sha256_hex
 from meshwire.route_keys import SigningKey
@@ -269,7 +269,11 @@ class ForwardService:
             if info.hold is not None and frame.chunk_index == frame.chunk_total - 1:
                 self._sessions.hold(session)
                 self._metrics.handoffs_held.inc()
-            return _answer(200, _step_body(done)), self._receipt(hop, frame.session, info, tokens, input_sha256, done)
+            receipt = self._receipt(hop, frame.session, info, tokens, input_sha256, done)
+            body = _step_body(done)
+            if get_header(headers, h.RECEIPTS) == "chain":  # the sender knows receipts in the answer
+                body = _with_receipts(body, receipt, done.receipts)
+            return _answer(200, body), receipt
 
     def _receipt(self, hop: RoutedHop, session_id: str, info: StepInfo, tokens: int, input_sha256: str,
                  done: StepDone) -> str | None:
@@ -336,7 +340,7 @@ class ForwardService:
         """Run the layers (and sample, and send on); each failure answered as what it means for the session."""
         nxt = hop.next
         onward = None if nxt is None else Onward(nxt, info.for_next_hop(nxt.start_layer), frame.chunk_index,
-                                                 frame.chunk_total)
+                                                 frame.chunk_total, hop.next_shadow)
         try:
             return await self._stepper.run(session, position_offset=info.position_offset,
                                            from_layer=info.start_layer, tokens=tokens, hidden=frame.tensor,
@@ -496,6 +500,17 @@ def _step_body(done: StepDone) -> dict[str, Any]:
             body["run_logprobs"] = [pick.logprobs.model_dump() for pick in done.run if pick.logprobs]
         if done.unverified:
             body["unverified"] = True
+    return body
+
+
+def _with_receipts(body: dict[str, Any], own: str | None, downstream: tuple[str, ...]) -> dict[str, Any]:
+    """A step's answer with its chain of receipts: this hop's own, then those that came back from the hops after
+    it (and a shadow's). Each row of a ``/forward/rows`` batch is a step of its own session along its own route,
+    so each row carries its own receipt (one signature a row, tens of microseconds): a receipt over the whole
+    batch would bind sessions of different routes together, and no head could show it for its own step alone."""
+    chain = ([own] if own is not None else []) + list(downstream)
+    if chain:
+        body["receipts"] = chain
     return body
 
 

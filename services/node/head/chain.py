@@ -21,6 +21,7 @@ import orjson
 from meshwire.fork import ForkSource
 from meshwire.forward_step import Scoring, StepInfo, close_headers
 from meshwire.kv_handoff import HandoffSource
+from meshwire.routes import RouteNode
 from meshwire.sampling_params import SamplingParams, TokenLogprobs
 from services.node.engine.compute import ShardRunner
 from services.node.engine.sessions import Session, SessionRefused, SessionTable, log_tag
@@ -225,7 +226,8 @@ class SessionChain:
             route_token=self.hop.token, hop_index=1, start_layer=nxt.start_layer, step=self._step,
             position_offset=offset, reserve=self._reserve if self._step == 0 else None,
             sampling=self._sampling_json if samples else None, sample_draws=sample_draws, sample_ids=sample_ids,
-            score=score, hold=self._hold, draft=draft, handoff=handoff, fork=fork), chunk_index, chunk_total)
+            score=score, hold=self._hold, draft=draft, handoff=handoff, fork=fork), chunk_index, chunk_total,
+            self.hop.next_shadow)
 
     def _picked(self, answer: StepDone, samples: bool) -> Pick | None:
         if samples and answer.token is None:
@@ -285,11 +287,13 @@ class SessionChain:
         nodes = self.hop.route.nodes
         starts = [i for i in range(1, len(nodes))
                   if nodes[i].node_id != failed_node and (i == 1 or nodes[i - 1].node_id == failed_node)]
-        await asyncio.gather(*(self._close_from(i) for i in starts))
+        shadow = self.hop.route.shadow  # a verifier's shadow session is closed by the head itself
+        await asyncio.gather(*(self._close_from(i) for i in starts),
+                             *(() if shadow is None else (self._close_from(shadow.hop_index, shadow.node),)))
 
-    async def _close_from(self, index: int) -> None:
+    async def _close_from(self, index: int, node: RouteNode | None = None) -> None:
         assert self.hop is not None
-        node = self.hop.route.nodes[index]
+        node = node or self.hop.route.nodes[index]
         try:
             await send_along(self._hops, node, close_headers(self.session_id, self.hop.token, index,
                                                              node.start_layer), b"")

@@ -233,9 +233,10 @@ class HopAuth:
             raise HopRefused(403, "bad_route", f"a batch names the route of one of its rows in {h.ROUTE} and "
                                                f"{h.HOP_INDEX}: {exc}") from None
         route = await self.route(get_header(headers, h.ROUTE), f"the batch's route ({h.ROUTE})", check_expiry=False)
-        if index >= len(route.nodes) or route.nodes[index].node_id != self.node_id:
+        placed = route.at(index, self.node_id)
+        if placed is None:
             raise HopRefused(403, "bad_route", f"the batch's route does not name {self.node_id} at hop {index}")
-        hop = RoutedHop(route=route, token=get_header(headers, h.ROUTE) or "", hop_index=index)
+        hop = RoutedHop(route=route, token=get_header(headers, h.ROUTE) or "", hop_index=index, shadow=placed[1])
         credential.verify_with(self._sender(hop, credential.claim.signer, False), "the batch's route")
         return credential
 

@@ -27,17 +27,19 @@ rest of the route), anything else (this node's layers failed).
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Final
 
 import torch
 
+from meshwire import headers as h
 from meshwire.forward_step import ForwardAnswer, Scoring, StepInfo
-from meshwire.frames import Encoding, encode_frame
-from meshwire.receipts import answer_digest, sha256_hex
+from meshwire.frames import Encoding, encode_frame, wire_bytes
+from meshwire.receipts import MAX_CHAIN_RECEIPTS, answer_digest, sha256_hex
 from meshwire.routes import RouteNode
 from meshwire.sampling_params import TokenLogprobs
 from services.node.engine.compute import ShardRunner
@@ -51,6 +53,8 @@ from services.node.settings import WireDType
 
 logger = logging.getLogger(__name__)
 
+RECEIPT_CHAIN: Final = "chain"
+"""The :data:`~meshwire.headers.RECEIPTS` value that asks a hop for the step's receipts in its answer."""
 WIRE_ENCODINGS: Final[dict[WireDType, Encoding]] = {"native": "identity", "int8": "q8"}
 """The frame encoding of each ``--wire-dtype``."""
 MAX_PLAIN_HOPS: Final = 4096
@@ -65,6 +69,8 @@ class Onward:
     info: StepInfo
     chunk_index: int = 0
     chunk_total: int = 1
+    shadow: RouteNode | None = None
+    """The next hop's shadow (a verifier the route names, issue 37): sent the same frame, its receipt kept."""
 
 
 @dataclass(frozen=True)
@@ -84,15 +90,23 @@ class StepDone:
     unverified: bool = False
     """On a speculative step: a hop of the route does not take speculative frames, so nothing was verified."""
     output_sha256: str | None = None
-    """What this node's own output hashes to, for its receipt (:mod:`meshwire.receipts`): the frame body it sent
-    on, or at the end of the route the tokens it answered."""
+    """What this node's own output hashes to, for its receipt (:mod:`meshwire.receipts`): its hidden states as an
+    exact (``identity``) frame body carries them, whatever encoding they were sent in, or at the end of the route
+    (a tail, or a shadow of a tail) the tokens it answered."""
+    receipts: tuple[str, ...] = ()
+    """The receipts of the hops after this one (and of a shadow) that came back with the answer."""
+
+
+ReceiptSink = Callable[[str, Sequence[str]], None]
+"""Where a head hands each step's chain of receipts (the route token, the receipts): the tracker's report."""
 
 
 class RouteStepper:
     """Runs a session's step on this node's layers and passes the result down the route."""
 
     def __init__(self, *, node_id: str, runner: ShardRunner, sessions: SessionTable, sender: RowSender,
-                 metrics: NodeMetrics, wire_dtype: WireDType = "native", faults: FaultInjector | None = None) -> None:
+                 metrics: NodeMetrics, wire_dtype: WireDType = "native", faults: FaultInjector | None = None,
+                 receipt_sink: ReceiptSink | None = None, receipts: bool = True) -> None:
         self.node_id = node_id
         self._runner = runner
         self._sessions = sessions
@@ -101,6 +115,10 @@ class RouteStepper:
         self._encoding = WIRE_ENCODINGS[wire_dtype]
         self._faults = faults or FaultInjector(None, metrics)
         """``--fault``: what this node's output is perturbed with as it leaves (nothing, but in tests)."""
+        self._receipts = receipts
+        """``--receipts``: hash each step's output for this node's receipt (off: no hashing, no receipts)."""
+        self._receipt_sink = receipt_sink
+        """At a head: takes each step's receipts to report them to the tracker (``None``: receipts are dropped)."""
         self._plain_hops: set[str] = set()
         """Next hops (node ids) that refused ``self._encoding``: they are sent exact frames."""
         self._unspeculative_hops: set[str] = set()
@@ -131,18 +149,23 @@ class RouteStepper:
         self._metrics.positions_computed.inc(tokens)
         timings = {self.node_id: round(result.compute_ms, 3)}
         if onward is None:
+            if result.hidden is not None:  # a shadow of a hop before the tail: it hashes what it would send on
+                output = sha256_hex(wire_bytes(self._faults.hidden(position_offset, result.hidden)))
+                return StepDone(None, timings, output_sha256=output if self._receipts else None)
             token, run = self._answered(position_offset, result.token, result.run)
             if draft is not None and run is not None:
                 self._keep(session, position_offset, len(run))
             answered = () if token is None else [pick.token for pick in run] if run is not None else [token]
-            return StepDone(token, timings, result.logprobs, result.scored, run, output_sha256=answer_digest(answered))
+            return StepDone(token, timings, result.logprobs, result.scored, run,
+                            output_sha256=answer_digest(answered) if self._receipts else None)
         assert result.hidden is not None, "a shard that is not the tail always passes hidden states on"
         hidden = self._faults.hidden(position_offset, result.hidden)
         if onward.info.draft is not None and _address(onward.node) in self._unspeculative_hops:
             hidden, onward = self._unspeculative(session, position_offset, hidden, onward)
         encoding = "identity" if onward.node.node_id in self._plain_hops else self._encoding
+        shadowed: asyncio.Task[tuple[str, ...]] | None = None
         try:
-            answer, sent = await self._send(session, hidden, onward, encoding)
+            answer, shadowed = await self._send(session, hidden, onward, encoding)
         except ChainFailure as exc:
             if exc.failed_node != onward.node.node_id:
                 raise
@@ -158,7 +181,8 @@ class RouteStepper:
                 encoding = "identity"
             else:
                 raise
-            answer, sent = await self._send(session, hidden, onward, encoding)
+            answer, shadowed = await self._send(session, hidden, onward, encoding)
+        sent = sha256_hex(wire_bytes(hidden)) if self._receipts else None
         if onward.info.draft is None and draft is not None:  # the route past here verified nothing: a run of one
             if answer.token is None:
                 raise hop_failed(onward.node.node_id, "it answered a decode step without a token")
@@ -167,8 +191,12 @@ class RouteStepper:
         run = _run_of(onward.node, answer) if draft is not None else None
         if run is not None:
             self._keep(session, position_offset, len(run))
+        receipts = (*(answer.receipts or ()), *((await shadowed) if shadowed is not None else ()))
+        if ids is not None and receipts and self._receipt_sink is not None:  # the head: the step's whole chain
+            self._receipt_sink(onward.info.route_token, receipts)
         return StepDone(answer.token, {**timings, **answer.node_timings_ms}, answer.logprobs, answer.scored,
-                        run, unverified=bool(answer.unverified), output_sha256=sent)
+                        run, unverified=bool(answer.unverified), output_sha256=sent,
+                        receipts=receipts[:MAX_CHAIN_RECEIPTS - 1])
 
     def _answered(self, position_offset: int, token: int | None,
                   run: tuple[Pick, ...] | None) -> tuple[int | None, tuple[Pick, ...] | None]:
@@ -195,14 +223,35 @@ class RouteStepper:
         session.cache.truncate(position_offset + positions)
 
     async def _send(self, session: Session, hidden: torch.Tensor, onward: Onward,
-                    encoding: Encoding) -> tuple[ForwardAnswer, str]:
-        """Send ``hidden`` on as one frame; the answer, and the SHA-256 of the body sent (for this hop's receipt)."""
+                    encoding: Encoding) -> tuple[ForwardAnswer, asyncio.Task[tuple[str, ...]] | None]:
+        """Send ``hidden`` on as one frame; the answer, and the shadow's receipts to come where the route names a
+        shadow of the next hop (sent the same frame at the same time)."""
         headers, body = encode_frame(hidden, session=session.session_id, chunk_index=onward.chunk_index,
                                      chunk_total=onward.chunk_total, encoding=encoding,
-                                     wire_version=onward.info.wire_version, extra=onward.info.headers())
+                                     wire_version=onward.info.wire_version,
+                                     extra={**onward.info.headers(), **({h.RECEIPTS: RECEIPT_CHAIN} if self._receipts
+                                                                        else {})})
         self._metrics.frame_bytes_sent.labels(encoding=encoding).inc(len(body))
         self._metrics.frame_tokens_sent.labels(encoding=encoding).inc(int(hidden.shape[1]))
-        return await self._sender.send(onward.node, headers, body), sha256_hex(body)
+        shadowed = None
+        if onward.shadow is not None:
+            shadowed = asyncio.get_running_loop().create_task(self._shadow(onward.shadow, headers, body))
+        try:
+            return await self._sender.send(onward.node, headers, body), shadowed
+        except BaseException:
+            if shadowed is not None:
+                shadowed.cancel()
+            raise
+
+    async def _shadow(self, node: RouteNode, headers: dict[str, str], body: bytes) -> tuple[str, ...]:
+        """Send the shadow its copy of a frame; its receipts, or none when it failed (a shadow's failure is never
+        the session's: the step goes on with the hop's answer, and this step is not compared)."""
+        try:
+            answer = await self._sender.send(node, headers, body)
+        except Exception as exc:  # noqa: BLE001 - a verifier that fails only loses this comparison
+            logger.info("shadow %s did not answer a frame: %s", node.node_id, exc)
+            return ()
+        return tuple(answer.receipts or ())[:1]
 
 
 def _address(node: RouteNode) -> str:

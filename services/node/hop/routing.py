@@ -31,6 +31,7 @@ logger = logging.getLogger(__name__)
 
 ROUTE_PATH: Final = "/v1/route"
 KEYS_PATH: Final = "/v1/keys"
+RECEIPTS_PATH: Final = "/v1/receipts"
 MAX_ROUTE_ANSWER_BYTES: Final = 64 * 1024
 TRACKER_TIMEOUT_S: Final = 10.0
 MAX_REASON_CHARS: Final = 500
@@ -57,15 +58,24 @@ class RoutedHop:
     route: Route
     token: str
     hop_index: int
+    shadow: bool = False
+    """This node is the route's shadow of hop ``hop_index`` (a verifier): it runs the frame and sends nothing on."""
 
     @property
     def me(self) -> RouteNode:
-        return self.route.nodes[self.hop_index]
+        return self.route.shadow.node if self.shadow and self.route.shadow else self.route.nodes[self.hop_index]
 
     @property
     def next(self) -> RouteNode | None:
-        """The next hop, or ``None`` at the tail."""
+        """The next hop, or ``None`` at the tail (and at a shadow, which passes nothing on)."""
+        if self.shadow:
+            return None
         return self.route.nodes[self.hop_index + 1] if self.hop_index + 1 < len(self.route.nodes) else None
+
+    @property
+    def next_shadow(self) -> RouteNode | None:
+        """The shadow of the next hop, which this node sends each frame of the session to as well (issue 37)."""
+        return None if self.shadow else self.route.shadow_of(self.hop_index + 1)
 
     @property
     def node_ids(self) -> tuple[str, ...]:
@@ -97,16 +107,18 @@ def verify_hop(token: str | None, hop_index: int, *, keys: KeySet, node_id: str,
     refuse_revoked(route, revoked)
     if not 0 <= hop_index < len(route.nodes):
         raise RouteRefused(f"hop index {hop_index} is outside the route's {len(route.nodes)} hops")
-    me = route.nodes[hop_index]
-    if me.node_id != node_id:
-        raise RouteRefused(f"the route names {me.node_id} at hop {hop_index}, this node is {node_id}")
+    placed = route.at(hop_index, node_id)
+    if placed is None:
+        raise RouteRefused(f"the route names {route.nodes[hop_index].node_id} at hop {hop_index}, this node is "
+                           f"{node_id}")
+    me, shadow = placed
     if route.model != model_id or route.num_layers != shard.num_layers:
         raise RouteRefused(f"the route is for {route.model} ({route.num_layers} layers); "
                            f"this node serves {model_id} ({shard.num_layers} layers)")
     if me.shard_end != shard.end or not shard.start <= me.start_layer <= shard.end:
         raise RouteRefused(f"the route gives this node layers {me.start_layer}-{me.shard_end}; "
                            f"it holds {shard.start}-{shard.end}")
-    return RoutedHop(route=route, token=token, hop_index=hop_index)
+    return RoutedHop(route=route, token=token, hop_index=hop_index, shadow=shadow)
 
 
 def verify_prefill_route(token: str, *, keys: KeySet, model_id: str, num_layers: int) -> RoutedHop:
@@ -239,6 +251,14 @@ class TrackerRoutes:
             await self._call("POST", f"/v1/nodes/{node_id}/failures", json=report)
         except NoRoute as exc:
             logger.warning("could not report failed node %s to a tracker: %s", node_id, exc)
+
+
+    async def report_receipts(self, route: str, receipts: Sequence[str]) -> None:
+        """``POST /v1/receipts``: the receipts of steps along ``route`` (this node its head), for the tracker to keep
+        and compare (issue 37); :class:`NoRoute` when no tracker takes them."""
+        response = await self._call("POST", RECEIPTS_PATH, json={"route": route, "receipts": list(receipts)})
+        if response.status_code != 200:
+            raise NoRoute(f"the tracker refused {len(receipts)} receipts: {_error_message(response)}")
 
 
 def _error_code(response: httpx.Response) -> str | None:

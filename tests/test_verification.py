@@ -1,0 +1,247 @@
+"""Spot checks (issue 37), without processes: a route's shadow, the tracker's comparisons and verdicts.
+
+A route may name a shadow of one hop (another holder of its layers), which a node accepts as its own place; a
+route without one is the JSON it always was. The tracker's :class:`Verifier` keeps only receipts that verify
+with the hop key the route names, refuses a forged or replayed one, compares a hop's receipt with its shadow's,
+and quarantines a node only when two nodes that agree with each other both disagree with it; with two
+replicas it reports the dispute and guesses nothing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from collections.abc import Iterator
+
+import pytest
+from prometheus_client import CollectorRegistry
+from pydantic import ValidationError
+
+from meshwire.receipts import answer_digest, make_receipt, sha256_hex
+from meshwire.route_keys import SigningKey
+from meshwire.routes import Route, RouteNode, ShadowHop, sign_route
+from services.tracker.planner import Candidate
+from services.tracker.quarantine import Quarantine
+from services.tracker.registry import RegistryPolicy
+from services.tracker.store import open_store
+from services.tracker.verification import ReportRefused, Verifier
+from tests.procs import TEST_ROUTE_KEY, node_hop_key
+
+NAMES = ("head", "a", "b", "c")
+
+
+def _node(name: str, start: int, end: int, start_layer: int | None = None) -> RouteNode:
+    return RouteNode(node_id=name, endpoint=f"http://127.0.0.1:1/{name}", shard_start=start, shard_end=end,
+                     start_layer=start if start_layer is None else start_layer,
+                     hop_key=node_hop_key(name).public_text)
+
+
+def _route(tail: str, shadow: str | None) -> tuple[Route, str]:
+    route = Route(model="m", nodes=(_node("head", 0, 1), _node(tail, 2, 3)), num_layers=4,
+                  shadow=None if shadow is None else ShadowHop(hop_index=1, node=_node(shadow, 2, 3)))
+    return route, sign_route(route, TEST_ROUTE_KEY)
+
+
+def _receipt(token: str, node: str, step: int, output: str, *, session: str = "s1",
+             key: SigningKey | None = None) -> str:
+    return make_receipt(key or node_hop_key(node), route_token=token, session=session, node_id=node, hop_index=1,
+                        step=step, position_offset=10 + step, positions=1, input_sha256=sha256_hex(b"in%d" % step),
+                        output_sha256=output).encode()
+
+
+def _verifier(rate: float = 1.0) -> Verifier:
+    store = open_store("memory", RegistryPolicy(), lambda: 0.0)
+    return Verifier(Quarantine(store), CollectorRegistry(), rate=rate, rng=random.Random(0))
+
+
+def _run(verifier: Verifier, tail: str, shadow: str, outputs: tuple[str, str], step: int,
+         session: str = "s1") -> list[tuple[str, str, tuple[str, ...]]]:
+    route, token = _route(tail, shadow)
+    kept = verifier.verify(route, token, [_receipt(token, tail, step, outputs[0], session=session),
+                                          _receipt(token, shadow, step, outputs[1], session=session)])
+    verifier.keep(kept)
+    due = verifier.verdicts_due()
+    for node_id, reason, evidence in due:
+        asyncio.run(verifier.quarantine.add(node_id, reason, evidence))
+    return due
+
+
+RIGHT, WRONG = answer_digest([5]), answer_digest([9])
+
+
+# --- the route's shadow ------------------------------------------------------------------------------------
+
+
+def test_a_route_without_a_shadow_is_the_json_it_always_was() -> None:
+    route, _ = _route("a", None)
+    assert "shadow" not in route.model_dump(mode="json", exclude_none=True)
+
+
+def test_a_shadow_must_run_the_layers_of_the_hop_it_shadows_and_not_be_on_the_route() -> None:
+    with pytest.raises(ValidationError, match="must run layers"):
+        Route(model="m", nodes=(_node("head", 0, 1), _node("a", 2, 3)), num_layers=4,
+              shadow=ShadowHop(hop_index=1, node=_node("b", 1, 3, start_layer=1)))
+    with pytest.raises(ValidationError, match="already"):
+        Route(model="m", nodes=(_node("head", 0, 1), _node("a", 2, 3)), num_layers=4,
+              shadow=ShadowHop(hop_index=1, node=_node("a", 2, 3)))
+    with pytest.raises(ValidationError):
+        ShadowHop(hop_index=0, node=_node("b", 0, 1))
+
+
+def test_a_node_finds_itself_as_the_shadow_of_a_hop() -> None:
+    route, _ = _route("a", "b")
+    assert route.at(1, "a") == (route.nodes[1], False)
+    placed = route.at(1, "b")
+    assert placed is not None and placed[1] and placed[0].node_id == "b"
+    assert route.at(1, "c") is None and route.at(0, "b") is None
+    assert route.shadow_of(1) is not None and route.shadow_of(0) is None
+
+
+def test_the_tracker_names_a_spare_replica_of_the_same_format_as_shadow() -> None:
+    verifier = _verifier(rate=1.0)
+    hops = (_node("head", 0, 1), _node("a", 2, 3))
+    candidates = [Candidate(node_id=n, endpoint=f"http://127.0.0.1:1/{n}", shard_start=2, shard_end=3,
+                            hop_key=node_hop_key(n).public_text, active_sessions=load)
+                  for n, load in (("a", 0), ("b", 3), ("c", 1))]
+    shadow = verifier.shadow_for(hops, candidates)
+    assert shadow is not None and (shadow.hop_index, shadow.node.node_id) == (1, "c")  # the least loaded other
+    formats = {"a": ("float32", "float"), "b": ("float32", "float"), "c": ("bfloat16", "float")}
+    shadow = verifier.shadow_for(hops, candidates, lambda: formats)
+    assert shadow is not None and shadow.node.node_id == "b"  # c computes in another format: never compared
+    assert _verifier(rate=0.0).shadow_for(hops, candidates) is None
+    assert verifier.shadow_for(hops, candidates[:1]) is None  # nobody else holds the layers
+
+
+# --- reports -------------------------------------------------------------------------------------------------
+
+
+def test_a_forged_receipt_refuses_the_report() -> None:
+    verifier = _verifier()
+    route, token = _route("a", "b")
+    forged = _receipt(token, "a", 1, RIGHT, key=SigningKey.generate())
+    with pytest.raises(ReportRefused, match="forged"):
+        verifier.verify(route, token, [_receipt(token, "b", 1, RIGHT), forged])
+    with pytest.raises(ReportRefused, match="does not name"):  # a node the route does not name at that hop
+        verifier.verify(route, token, [_receipt(token, "c", 1, RIGHT)])
+
+
+def test_a_receipt_reported_twice_or_on_another_route_is_refused_as_a_replay() -> None:
+    verifier = _verifier()
+    route, token = _route("a", "b")
+    receipt = _receipt(token, "a", 1, RIGHT)
+    verifier.verify(route, token, [receipt])
+    with pytest.raises(ReportRefused, match="replay"):
+        verifier.verify(route, token, [receipt])
+    other_route, other_token = _route("a", "c")
+    with pytest.raises(ReportRefused, match="another route"):
+        verifier.verify(other_route, other_token, [_receipt(token, "a", 2, RIGHT)])
+
+
+# --- verdicts --------------------------------------------------------------------------------------------------
+
+
+def test_two_replicas_that_disagree_are_reported_and_nobody_is_guessed_at() -> None:
+    verifier = _verifier()
+    assert _run(verifier, "a", "b", (WRONG, RIGHT), 1) == []
+    assert verifier.disputes_of("a") == ["b"] and verifier.disputes_of("b") == ["a"]
+    assert verifier.quarantine.ids() == frozenset()
+
+
+def test_the_node_two_agreeing_replicas_disagree_with_is_quarantined_with_the_receipts() -> None:
+    verifier = _verifier()
+    _run(verifier, "a", "b", (WRONG, RIGHT), 1)
+    assert _run(verifier, "b", "c", (RIGHT, RIGHT), 2) == []  # b and c agree
+    due = _run(verifier, "c", "a", (RIGHT, WRONG), 3)
+    assert [node for node, _, _ in due] == ["a"]
+    record = verifier.quarantine.get("a")
+    assert record is not None and "b and c agree" in record.reason and len(record.evidence) == 3
+    assert verifier.quarantine.ids() == frozenset({"a"})
+
+
+def test_agreeing_nodes_are_never_quarantined() -> None:
+    verifier = _verifier()
+    for step, (tail, shadow) in enumerate([("a", "b"), ("b", "c"), ("c", "a")] * 5):
+        assert _run(verifier, tail, shadow, (RIGHT, RIGHT), step, session=f"s{step}") == []
+    assert verifier.disputes == {} and verifier.quarantine.ids() == frozenset()
+
+
+@pytest.fixture(params=["memory", "redis"])
+def store_url(request: pytest.FixtureRequest) -> Iterator[str]:
+    """A store two trackers share: the memory store (one object) or a real, empty Redis."""
+    if request.param == "memory":
+        yield "memory"
+        return
+    from tests.redis_server import redis_server, require_redis_server
+
+    require_redis_server()
+    with redis_server() as server:
+        yield server.url
+
+
+async def test_the_quarantine_is_kept_in_the_store_for_every_tracker(store_url: str) -> None:
+    policy = RegistryPolicy()
+    stores = [open_store(store_url, policy, lambda: 0.0)]
+    if store_url != "memory":
+        stores.append(open_store(store_url, policy, lambda: 0.0))
+    for store in stores:
+        await store.start()
+    try:
+        first, second = Quarantine(stores[0]), Quarantine(stores[-1])
+        await first.add("a", "it computed wrong", ("r1",))
+        await second.refresh()
+        assert second.ids() == frozenset({"a"}) and second.get("a").evidence == ("r1",)  # type: ignore[union-attr]
+        assert await second.remove("a")
+        await first.refresh()
+        assert first.ids() == frozenset()
+        assert not await first.remove("a")
+    finally:
+        for store in stores:
+            await store.close()
+
+
+# --- the operator's calls (the tracker app in process) --------------------------------------------------------
+
+
+async def test_an_operator_readmits_a_quarantined_node_by_admin_call_or_a_new_join_token() -> None:
+    import httpx
+
+    from services.tracker.app import create_app
+    from services.tracker.settings import TrackerSettings
+    from tests.procs import TEST_SECRET
+
+    app = create_app(TrackerSettings(secret=TEST_SECRET, admin_key="admin-key-for-tests"))
+    verifier = app.state.tracker.verifier
+    admin = {"Authorization": "Bearer admin-key-for-tests"}
+    async with (app.router.lifespan_context(app),
+                httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://tracker") as client):
+        await verifier.quarantine.add("a", "it computed wrong", ("r",))
+        secret_only = await client.post("/v1/admin/nodes/a/readmit", headers=bearer(TEST_SECRET))
+        assert secret_only.status_code == 403  # with an admin key set, only the admin key re-admits
+        assert (await client.post("/v1/admin/nodes/a/readmit", headers=admin)).status_code == 200
+        assert verifier.quarantine.ids() == frozenset()
+        assert (await client.post("/v1/admin/nodes/a/readmit", headers=admin)).status_code == 404
+        await verifier.quarantine.add("a", "it computed wrong again", ("r",))
+        issued = await client.post("/v1/admin/tokens", json={"node_id": "a"}, headers=admin)
+        assert issued.status_code == 201 and verifier.quarantine.ids() == frozenset()
+        assert (await client.post("/v1/admin/verify", json={"rate": 0.5}, headers=admin)).status_code == 200
+        assert verifier.rate == 0.5
+        bad_rate = await client.post("/v1/admin/verify", json={"rate": 2}, headers=admin)
+        assert bad_rate.status_code == 400
+
+
+def bearer(credential: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {credential}"}
+
+
+def test_a_shadow_behind_a_relay_may_be_called_by_the_hop_before_it_only() -> None:
+    from meshwire.hop_proof import ProofProblem
+    from meshwire.relay_auth import check_relay_handshake, relay_handshake
+    from meshwire.route_keys import KeySet, jwks_of
+
+    _, token = _route("a", "b")
+    keys = KeySet.from_jwks(jwks_of([TEST_ROUTE_KEY]))
+    assert check_relay_handshake(relay_handshake(node_hop_key("head"), "head", token, "b"), "b", keys) == "head"
+    with pytest.raises(ProofProblem):  # the hop it shadows is not before it
+        check_relay_handshake(relay_handshake(node_hop_key("a"), "a", token, "b"), "b", keys)
+    with pytest.raises(ProofProblem):  # a node the route does not name at all
+        check_relay_handshake(relay_handshake(node_hop_key("head"), "head", token, "c"), "c", keys)
