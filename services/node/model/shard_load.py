@@ -85,8 +85,9 @@ def load_shard(path: Path, start: int, end: int, dtype: torch.dtype, device: tor
             _load_weights(path, modules, config, dtype, device)
     elif in_modules:
         chunk_dtype = dtype
-        load_packed_layers(gguf or weights_file, modules, layers, config, served, dtype, device,  # type: ignore[arg-type]
-                           is_head=start == 0, is_tail=hasattr(modules, "lm_head"))
+        with returned_transients():  # an MoE layer's experts unpack to a byte a weight on their way in
+            load_packed_layers(gguf or weights_file, modules, layers, config, served, dtype,  # type: ignore[arg-type]
+                               device, is_head=start == 0, is_tail=hasattr(modules, "lm_head"))
         materialize_buffers(modules, device)
     else:
         chunk_dtype = dtype
