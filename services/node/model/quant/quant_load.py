@@ -4,9 +4,10 @@
 serves a quantized file (the default model's Q4_1 GGUF) in its own format
 and a float checkpoint as ``float``. :func:`quantized_problem` says why a
 shard cannot be served quantized (then the node loads it as ``float`` and
-logs the reason): the quantized path is the lean decoder's
+logs the reason): this quantized path is the lean decoder's
 (:mod:`services.node.model.lean_decode`), so it takes exactly the layers that path
-knows, on a CPU, with matrices the packed format holds.
+knows, on a CPU, with matrices the packed format holds (a GGUF's other layer
+structures are packed in place instead: :mod:`services.node.model.packed_layers`).
 
 :func:`load_quantized` reads each matrix on its own and packs it at once, so
 the node never holds a float copy of its layers: from a GGUF, the blocks of
