@@ -1,7 +1,7 @@
 """The mean log-likelihood of a fixed English paragraph: meshnet's packed weights against llama.cpp on one GGUF.
 
     make llama-cpp                                   # llama-cpp-python 0.3.36 from source (minutes, once)
-    PYTHONPATH=libs:. .venv/bin/python -m benchmarks.loglik [--files q4_1 q4_k_m] [--threads 2]
+    PYTHONPATH=libs:. .venv/bin/python -m benchmarks.loglik [--files q4_1 q4_k_m] [--threads 2] [--api] [--nodes 2]
 
 For each file: the paragraph (:data:`benchmarks.prompts.FILLER`) as the default
 model's token ids, scored teacher-forced, the mean over its tokens after the first
@@ -11,6 +11,12 @@ of ``log p(token | the tokens before)`` in nats, by
   under ``--weights auto`` (each matrix packed in its own GGUF type,
   :mod:`services.node.model.quant.quant_load`), the prompt's own logits
   (``Shard.logits_all``, what completions' ``echo`` with ``logprobs`` returns);
+* **meshnet through the API** (``--api``): a real mesh (a tracker and ``--nodes``
+  node processes given ``--model FILE.gguf``, each holding its share of the
+  layers, :mod:`benchmarks.mesh`) asked for the paragraph as a completion with
+  ``echo`` and ``logprobs``: the mean of the echoed prompt's ``token_logprobs``
+  after the first (the node tokenizes the text itself: the token count is
+  printed beside the in-process one, and must be the same);
 * **llama.cpp**: the same ids through ``Llama.eval`` with ``logits_all``, the
   log-softmax of its logits computed here (llama-cpp-python's own echo logprobs
   are wrong on this model), its AMX repack off as in :mod:`benchmarks.llama_cpp`.
@@ -47,6 +53,8 @@ logger = logging.getLogger(__name__)
 CACHE: Final = Path("~/.cache/meshnet/bench").expanduser()
 Q4_K_M_NAME: Final = "SmolLM2-135M-Instruct.Q4_K_M.gguf"
 LLAMA_FTYPE_MOSTLY_Q4_K_M: Final = 15
+API_TIMEOUT_S: Final = 600.0
+"""Longest the mesh may take for the paragraph's completion (a loaded machine)."""
 GOAL: Final = 0.01
 """meshnet's mean log-likelihood within 1% of llama.cpp's on the same file (issue 35)."""
 
@@ -86,6 +94,24 @@ def meshnet_loglik(folder: Path, gguf: Path, ids: list[int], layers: int) -> tup
     return _mean(shard.logits_all(hidden, len(ids)).numpy(), ids), f"{fmt} ({why})"
 
 
+def api_loglik(gguf: Path, text: str, layers: int, nodes: int) -> tuple[float, int]:
+    """The mean log-likelihood of ``text`` through a real mesh's ``/v1/completions`` (``echo`` with ``logprobs``)
+    and the number of tokens the head made of it."""
+    import httpx
+
+    from benchmarks.mesh import MeshSpec, running_mesh
+
+    with running_mesh(MeshSpec(model=str(gguf), num_layers=layers, nodes=nodes)) as mesh:
+        answer = httpx.post(f"{mesh.url}/v1/completions", timeout=API_TIMEOUT_S, json={
+            "model": mesh.model, "prompt": text, "max_tokens": 1, "temperature": 0, "echo": True, "logprobs": 1})
+        answer.raise_for_status()
+    token_logprobs = answer.json()["choices"][0]["logprobs"]["token_logprobs"]
+    prompt = token_logprobs[:-1]  # the one generated token's is last
+    if prompt[0] is not None or any(value is None for value in prompt[1:]):
+        raise RuntimeError(f"echoed logprobs are not one null then one a token: {prompt[:3]}...")
+    return float(np.mean(prompt[1:])), len(prompt)
+
+
 def llama_loglik(gguf: Path, ids: list[int], threads: int) -> float:
     import llama_cpp.llama_cpp as lib
     from llama_cpp import Llama
@@ -114,6 +140,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--files", nargs="+", default=["q4_1", "q4_k_m"], choices=["q4_1", "q4_k_m"])
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--api", action="store_true", help="also through a real mesh's completions endpoint")
+    parser.add_argument("--nodes", type=int, default=2, help="node processes of the --api mesh")
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     torch.set_num_threads(args.threads)
@@ -133,9 +161,15 @@ def main() -> None:
             mesh, served = meshnet_loglik(model.path, gguf, ids, layers)
         llama = llama_loglik(gguf, ids, args.threads)
         gap = abs(mesh - llama) / abs(llama)
-        print(json.dumps({"file": gguf.name, "types": kinds, "tokens": len(ids), "served": served,
-                          "meshnet_nats": round(-mesh, 4), "llama_cpp_nats": round(-llama, 4),
-                          "relative_gap": round(gap, 5), "goal_met": gap <= GOAL}))
+        line = {"file": gguf.name, "types": kinds, "tokens": len(ids), "served": served,
+                "meshnet_nats": round(-mesh, 4), "llama_cpp_nats": round(-llama, 4),
+                "relative_gap": round(gap, 5), "goal_met": gap <= GOAL}
+        if args.api:
+            api, api_tokens = api_loglik(gguf, FILLER.strip(), layers, args.nodes)
+            api_gap = abs(api - llama) / abs(llama)
+            line |= {"api_nodes": args.nodes, "api_tokens": api_tokens, "meshnet_api_nats": round(-api, 4),
+                     "api_relative_gap": round(api_gap, 5), "api_goal_met": api_gap <= GOAL and api_tokens == len(ids)}
+        print(json.dumps(line))
 
 
 if __name__ == "__main__":

@@ -57,9 +57,10 @@ class Served:
     prompt: torch.Tensor
 
 
-def serve_family(family: str, dest: Path) -> Served:
-    """Write ``family``'s tiny GGUF under ``dest`` and prepare its folder as a node would."""
-    made = build_gguf_model(family, dest)
+def serve_family(family: str, dest: Path, quant: str | None = None) -> Served:
+    """Write ``family``'s tiny GGUF under ``dest`` (in ``quant``'s format: :func:`build_gguf_model`) and prepare
+    its folder as a node would."""
+    made = build_gguf_model(family, dest, quant=quant)
     cache = dest / "cache"
     folder = prepare_gguf_folder(made.path, cache)
     tokenizer = AutoTokenizer.from_pretrained(folder)
@@ -132,10 +133,11 @@ class GgufMesh:
 
 
 @contextlib.contextmanager
-def gguf_mesh(served: Served) -> Iterator[GgufMesh]:
-    """The three nodes of :class:`GgufMesh` as real processes given ``--model FILE.gguf``; stopped afterwards."""
+def gguf_mesh(served: Served, extra: dict[str, str] | None = None) -> Iterator[GgufMesh]:
+    """The three nodes of :class:`GgufMesh` as real processes given ``--model FILE.gguf`` (and ``extra``
+    settings); stopped afterwards."""
     common = {"MESHNET_MODEL": str(served.gguf.path), "MESHNET_MODEL_CACHE_DIR": str(served.cache),
-              "MESHNET_DTYPE": "float32", "MESHNET_DEVICE": "cpu"}
+              "MESHNET_DTYPE": "float32", "MESHNET_DEVICE": "cpu", **(extra or {})}
     with named_nodes(NODES, common) as nodes:
         yield GgufMesh(nodes=nodes, model=httpx.get(f"{nodes['full'].url}/health").json()["model"])
 

@@ -111,9 +111,22 @@ FAMILIES: Final = ("llama", "llama3", "llama_tied", "mistral", "qwen2", "qwen3",
                    "mixtral", "phi3")
 
 
-def build_gguf_model(family: str, dest: Path, *, split_max_tensors: int = 0) -> GgufModel:
+QUANT_KINDS: Final = ("Q8_0", "Q4_0")
+"""Packed formats the tiny models can be written in (:func:`build_gguf_model`'s ``quant``)."""
+EMBEDDING_KIND: Final = "Q8_0"
+"""The token embedding and the output matrix of a quantized tiny model (a node holds them in int8, so a Q8_0
+one is held as it is)."""
+BLOCK: Final = 32
+ROUTER: Final = "mlp.gate.weight"
+"""An MoE router: llama.cpp keeps it in float (``ffn_gate_inp``), and so do the tiny files."""
+
+
+def build_gguf_model(family: str, dest: Path, *, split_max_tensors: int = 0, quant: str | None = None) -> GgufModel:
     """A tiny random ``family`` model written as ``dest/tiny-<family>.gguf`` (a split set with
-    ``split_max_tensors``)."""
+    ``split_max_tensors``). With ``quant`` (:data:`QUANT_KINDS`) its matrices are written in that format (the
+    embedding and output in :data:`EMBEDDING_KIND`, norms and routers in F32) with every block's scale a value
+    bfloat16 holds, and the returned model holds the file's weights as gguf-py dequantizes them: the same
+    model, so a node that holds the blocks as they are may differ from it only by its kernels' rounding."""
     dest.mkdir(parents=True, exist_ok=True)
     tokenizer = _build_tokenizer()
     config = family_config(family, len(tokenizer), tokenizer.convert_tokens_to_ids(IM_END),
@@ -124,15 +137,60 @@ def build_gguf_model(family: str, dest: Path, *, split_max_tensors: int = 0) -> 
         for name, parameter in model.named_parameters():
             if name.endswith("norm.weight"):
                 parameter.normal_(0.0 if "gemma" in config.model_type else 1.0, NORM_STD)
-    path = dest / f"tiny-{family}.gguf"
-    _write(model, tokenizer, path, family, split_max_tensors)
+    if quant is not None:
+        _snap(model, quant)
+    path = dest / f"tiny-{family}{'' if quant is None else '-' + quant}.gguf"
+    _write(model, tokenizer, path, family, split_max_tensors, quant)
     if split_max_tensors:
         path = dest / f"tiny-{family}-00001-of-{len(list(dest.glob(f'tiny-{family}-*-of-*.gguf'))):05d}.gguf"
     return GgufModel(path=path, model=model, tokenizer=tokenizer)
 
 
+def _kind_of(name: str, shape: tuple[int, ...], quant: str | None) -> str | None:
+    """The format a tensor is written in (``None``: F32), by its transformers or GGUF name."""
+    if quant is None or len(shape) < 2 or shape[-1] % BLOCK or name.endswith((ROUTER, "ffn_gate_inp.weight")):
+        return None
+    if name.startswith(("model.embed_tokens", "lm_head", "token_embd", "output.")):
+        return EMBEDDING_KIND
+    return quant
+
+
+def _quantize(values: np.ndarray, kind: str) -> np.ndarray:
+    """``values`` (float32, blocks of 32 along the last axis) as ``kind`` blocks, each scale rounded to a
+    bfloat16 value (which float16 holds too): Q8_0 ``d = absmax / 127``, Q4_0 ``d = -max / 8`` with ``max``
+    the value of largest magnitude (ggml's choices), the integers the nearest levels. Values this function
+    made (:func:`_snap`) come back as the same blocks."""
+    blocks = values.astype(np.float32).reshape(-1, BLOCK)
+    if kind == "Q8_0":
+        d = np.abs(blocks).max(-1, keepdims=True) / np.float32(127)
+    else:
+        picked = np.take_along_axis(blocks, np.abs(blocks).argmax(-1)[:, None], -1)
+        d = picked / np.float32(-8)
+    d = torch.from_numpy(np.ascontiguousarray(d)).to(torch.bfloat16).to(torch.float32).numpy()
+    safe = np.where(d == 0, np.float32(1), d)
+    if kind == "Q8_0":
+        q = np.clip(np.rint(blocks / safe), -127, 127).astype(np.int8)
+        body = q.view(np.uint8)
+    else:
+        q = np.clip(np.rint(blocks / safe) + 8, 0, 15).astype(np.uint8)
+        body = q[:, :BLOCK // 2] | (q[:, BLOCK // 2:] << np.uint8(4))
+    packed = np.concatenate([d.astype(np.float16).view(np.uint8), body], -1)
+    return packed.reshape(*values.shape[:-1], -1)
+
+
+def _snap(model: PreTrainedModel, quant: str) -> None:
+    """Every parameter written quantized replaced by what its blocks hold (gguf-py's dequantization)."""
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            kind = _kind_of(name, tuple(parameter.shape), quant)
+            if kind is not None:
+                blocks = _quantize(parameter.detach().numpy(), kind)
+                held = gguf.quants.dequantize(blocks, gguf.GGMLQuantizationType[kind])
+                parameter.copy_(torch.from_numpy(np.ascontiguousarray(held)).reshape(parameter.shape))
+
+
 def _write(model: PreTrainedModel, tokenizer: PreTrainedTokenizerFast, path: Path, family: str,
-           split_max_tensors: int) -> None:
+           split_max_tensors: int, quant: str | None = None) -> None:
     config = model.config
     arch = GGUF_ARCH[config.model_type]
     writer = gguf.GGUFWriter(path, arch, split_max_tensors=split_max_tensors)
@@ -170,7 +228,16 @@ def _write(model: PreTrainedModel, tokenizer: PreTrainedTokenizerFast, path: Pat
         writer.add_sliding_window_pattern([kind == "sliding_attention" for kind in config.layer_types])
     _write_tokenizer(writer, tokenizer)
     for name, tensor in _tensors(model):
-        writer.add_tensor(name, np.ascontiguousarray(tensor.detach().float().numpy()))
+        values = np.ascontiguousarray(tensor.detach().float().numpy())
+        kind = _kind_of(name, values.shape, quant)
+        if kind is None:
+            writer.add_tensor(name, values)
+            continue
+        blocks = _quantize(values, kind)
+        qtype = gguf.GGMLQuantizationType[kind]
+        if not np.array_equal(gguf.quants.dequantize(blocks, qtype), values):
+            raise AssertionError(f"{name}: the {kind} blocks written do not hold the reference model's values")
+        writer.add_tensor(name, blocks, raw_shape=blocks.shape, raw_dtype=qtype)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

@@ -89,6 +89,7 @@ model/ — the layers themselves (torch lives here)
     ``model.device``          which device and number format a node runs in
     ``model.shard``           a contiguous range of layers: embed, run layers, LM head; ``run_ragged`` batches
     ``model.shard_load``      loading a shard: only its layers' tensors, as float or packed, from a folder or a GGUF
+    ``model.packed_layers``   a GGUF's products packed inside transformers' own layers (Qwen3, Gemma, Phi-3, MoE experts)
     ``model.kv_cache``        a session's KV cache on a shard, grown in place
     ``model.lean_decode``     fused products: decode rows, and a quantized shard's prompt chunks beside them
     ``model.memory_budget``   what one layer costs here (bytes, KV a token, a decode row's time); free memory

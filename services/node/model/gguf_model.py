@@ -292,6 +292,13 @@ class GgufWeights:
             tensor = tensor - 1
         return tensor
 
+    def row_order(self, name: str, rows: int) -> torch.Tensor | None:
+        """The row order that undoes llama.cpp's rotary order of file tensor ``name`` (q/k of ``llama`` files),
+        or ``None`` when its rows are in transformers' order."""
+        if self._model_type in PERMUTED_QK and (".attn_q." in name or ".attn_k." in name):
+            return self._rotary_rows(name, rows)
+        return None
+
     def _rotary_rows(self, name: str, rows: int) -> torch.Tensor:
         """llama.cpp's rotary row order of q/k undone (as transformers' GGUF loader does)."""
         heads = self._heads if ".attn_q." in name else self._kv_heads

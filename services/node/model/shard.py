@@ -21,7 +21,10 @@ fewer operations (bit-identical results, about 30% faster).
 
 With ``--weights int8|int4`` (:mod:`services.node.model.quant.quant_load`) the layers'
 products are held packed and exist only in the lean decoder, which then runs
-every step of the shard, prompts included (:meth:`LeanDecoder.run_chunk`).
+every step of the shard, prompts included (:meth:`LeanDecoder.run_chunk`); a GGUF's
+layers of another structure (Qwen3, Gemma, Phi-3, MoE experts) keep transformers'
+modules with packed products in place (:mod:`services.node.model.packed_layers`),
+and run as a float shard's do, one session at a time.
 
 A half-precision shard on a CPU computes attention in float32 (torch's half
 SDPA there is ten times slower for a decode step's single query), and on a

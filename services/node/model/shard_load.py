@@ -27,6 +27,7 @@ from services.node.model.chunk_precision import attention_kernel, compute_chunks
 from services.node.model.device import chunk_compute_dtype
 from services.node.model.gguf_model import GgufWeights, gguf_of_folder
 from services.node.model.lean_decode import lean_decoder_for, quantized_lean_decoder, unsupported
+from services.node.model.packed_layers import load_packed_layers, packed_layers_problem
 from services.node.model.quant.huge_pages import gather
 from services.node.model.quant.quant_load import (
     GgufSource,
@@ -72,7 +73,8 @@ def load_shard(path: Path, start: int, end: int, dtype: torch.dtype, device: tor
     decoder = _decoder_of(skeleton)
     modules, layers = _kept_modules(skeleton, decoder, start, end, config.num_hidden_layers)
     kinds = mask_kinds_of(config, start, end)
-    served = _served_format(weights, config, device, layers, kinds, start, end)
+    in_modules = unsupported(config, layers, kinds) is not None  # not the lean decoder's shape: packed in place
+    served = _served_format(weights, config, device, layers, kinds, start, end, gguf or weights_file)
     chunk_dtype = chunk_compute_dtype(dtype, device)
     if served == "float":
         if chunk_dtype != dtype:
@@ -81,6 +83,12 @@ def load_shard(path: Path, start: int, end: int, dtype: torch.dtype, device: tor
             _load_gguf_weights(weights_file, modules, config, dtype, device)
         else:
             _load_weights(path, modules, config, dtype, device)
+    elif in_modules:
+        chunk_dtype = dtype
+        with returned_transients():  # an MoE layer's experts unpack to a byte a weight on their way in
+            load_packed_layers(gguf or weights_file, modules, layers, config, served, dtype,  # type: ignore[arg-type]
+                               device, is_head=start == 0, is_tail=hasattr(modules, "lm_head"))
+        materialize_buffers(modules, device)
     else:
         chunk_dtype = dtype
         _load_packed(path, gguf or weights_file, modules, layers, config, served, dtype, device,
@@ -93,7 +101,7 @@ def load_shard(path: Path, start: int, end: int, dtype: torch.dtype, device: tor
         lm_head=getattr(modules, "lm_head", None), rotary_emb=_rotary(decoder, config, device, weights_file),
         dtype=dtype, device=device, chunk_dtype=chunk_dtype,
         lean=(lean_decoder_for(config, layers, dtype, device, kinds) if served == "float"
-              else quantized_lean_decoder(config, layers)),
+              else None if in_modules else quantized_lean_decoder(config, layers)),
         weights_format=served,
     )
     shard.huge_region = huge
@@ -132,12 +140,18 @@ def _kept_modules(skeleton: nn.Module, decoder: nn.Module, start: int, end: int,
 
 def _served_format(weights: WeightsFormat, config: PretrainedConfig, device: torch.device,
                    layers: dict[int, nn.Module], kinds: dict[int, MaskKind], start: int,
-                   end: int) -> WeightsFormat:
-    """``weights`` where the quantized path takes every layer of the shard, else ``float`` (and the log says
-    why)."""
+                   end: int, gguf: Path | None) -> WeightsFormat:
+    """``weights`` where a quantized path takes every layer of the shard (the lean decoder's for the Llama
+    shape, transformers' own layers with packed products for the others from a GGUF:
+    :mod:`services.node.model.packed_layers`), else ``float`` (and the log says why)."""
     if weights == "float":
         return "float"
-    why = quantized_problem(config, device, unsupported(config, layers, kinds))
+    lean_problem = unsupported(config, layers, kinds)
+    if lean_problem is None:
+        why = quantized_problem(config, device, None)
+    else:
+        why = packed_layers_problem(config, layers, device, gguf)
+        why = None if why is None else f"{lean_problem}, and {why}"
     if why is None:
         return weights
     logger.warning("--weights %s: layers %d-%d load as float instead: %s", weights, start, end, why)

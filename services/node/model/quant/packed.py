@@ -670,11 +670,14 @@ class QuantLinear(nn.Module):
 class QuantEmbedding(nn.Module):
     """``nn.Embedding`` over a :class:`QuantMatrix`: only the looked-up rows are dequantized."""
 
-    def __init__(self, matrix: QuantMatrix, dtype: torch.dtype) -> None:
+    def __init__(self, matrix: QuantMatrix, dtype: torch.dtype, scale: float | None = None) -> None:
         super().__init__()
         self.matrix = matrix
         self.dtype = dtype
+        self.scale = scale
+        """A scaled embedding's factor (Gemma's ``sqrt(hidden)``), applied as transformers applies it."""
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         flat = ids.reshape(-1).to(torch.long)
-        return self.matrix.rows(flat, self.dtype).reshape(*ids.shape, self.matrix.in_features)
+        rows = self.matrix.rows(flat, self.dtype).reshape(*ids.shape, self.matrix.in_features)
+        return rows if self.scale is None else rows * torch.tensor(self.scale).to(self.dtype)

@@ -4,9 +4,10 @@
 serves a quantized file (the default model's Q4_1 GGUF) in its own format
 and a float checkpoint as ``float``. :func:`quantized_problem` says why a
 shard cannot be served quantized (then the node loads it as ``float`` and
-logs the reason): the quantized path is the lean decoder's
+logs the reason): this quantized path is the lean decoder's
 (:mod:`services.node.model.lean_decode`), so it takes exactly the layers that path
-knows, on a CPU, with matrices the packed format holds.
+knows, on a CPU, with matrices the packed format holds (a GGUF's other layer
+structures are packed in place instead: :mod:`services.node.model.packed_layers`).
 
 :func:`load_quantized` reads each matrix on its own and packs it at once, so
 the node never holds a float copy of its layers: from a GGUF, the blocks of
@@ -88,8 +89,14 @@ def _layer_kinds(gguf: Path) -> set[str]:
     return _matrix_kinds(tensors.values())
 
 
+ROUTER_TENSOR: Final = ".ffn_gate_inp."
+"""An MoE layer's router: llama.cpp keeps it in float in every file type, and so does a packed shard."""
+
+
 def _matrix_kinds(tensors: Iterable[TensorEntry]) -> set[str]:
-    return {t.kind for t in tensors if t.name.startswith("blk.") and t.name.endswith(".weight") and len(t.shape) == 2}
+    """The types of a file's layer matrices (an MoE layer's 3-D experts included; its float router not)."""
+    return {t.kind for t in tensors if t.name.startswith("blk.") and t.name.endswith(".weight")
+            and len(t.shape) in (2, 3) and ROUTER_TENSOR not in t.name}
 
 
 def kinds_format(kinds: Iterable[str]) -> QuantFormat | None:
@@ -321,6 +328,13 @@ def load_quantized(source: TensorSource, modules: nn.Module, layers: dict[int, n
         })
         if count % 5 == 0 or count == len(layers):
             progress(f"packed {count}/{len(layers)} layers as {fmt}")
+    load_embedding_and_head(source, modules, dtype, has_embedding=has_embedding, has_head=has_head, tied=tied)
+
+
+def load_embedding_and_head(source: TensorSource, modules: nn.Module, dtype: torch.dtype, *, has_embedding: bool,
+                            has_head: bool, tied: bool, embed_scale: float | None = None) -> None:
+    """The token embedding and the LM head held here, packed in :data:`EMBEDDING_FORMAT` (one matrix when
+    tied); ``embed_scale`` is a scaled embedding's factor (Gemma)."""
     if not (has_embedding or has_head):
         return
     key = EMBED_KEY if (has_embedding or tied) else LM_HEAD_KEY
@@ -328,7 +342,7 @@ def load_quantized(source: TensorSource, modules: nn.Module, layers: dict[int, n
     if matrix is None:
         raise ValueError(f"the weights lack {key}")
     if has_embedding:
-        modules.model.embed_tokens = QuantEmbedding(matrix, dtype)
+        modules.model.embed_tokens = QuantEmbedding(matrix, dtype, embed_scale)
     if has_head:
         if not tied and has_embedding:
             head = source.matrix(LM_HEAD_KEY, EMBEDDING_FORMAT)
@@ -389,5 +403,5 @@ def float_state(source: TensorSource, wanted: set[str], dtype: torch.dtype,
 
 
 __all__ = ["GGUF_BLOCK_BYTES", "GROUP_SIZE", "GgufSource", "QuantHeld", "SafetensorsSource", "WeightsFormat",
-           "WeightsMode", "float_state", "load_quantized", "quantized_problem", "resolve_format",
+           "WeightsMode", "float_state", "load_embedding_and_head", "load_quantized", "quantized_problem", "resolve_format",
            "strip_linears"]
