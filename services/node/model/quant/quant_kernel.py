@@ -52,10 +52,11 @@ from torch.utils import cpp_extension
 logger = logging.getLogger(__name__)
 
 KERNELS: Final = Path(__file__).parent / "kernels"
-SOURCES: Final = tuple(KERNELS / name for name in ("quant_mm.cpp", "row_attention.cpp", "decode_rows.cpp"))
-"""Compiled into one library: the quantized product, the attention of decode rows
-(``kernels/row_attention.cpp``) and whole decode steps of quantized layers (``kernels/decode_rows.cpp``),
-used by :mod:`services.node.model.lean_decode`."""
+SOURCES: Final = tuple(KERNELS / name for name in ("quant_mm.cpp", "q8_mm.cpp", "row_attention.cpp",
+                                                   "decode_rows.cpp"))
+"""Compiled into one library: the quantized product (float32 rows, and int8 rows: ``kernels/q8_mm.cpp``), the
+attention of decode rows (``kernels/row_attention.cpp``) and whole decode steps of quantized layers
+(``kernels/decode_rows.cpp``), used by :mod:`services.node.model.lean_decode`."""
 HEADERS: Final = (KERNELS / "meshnet_kernels.h",)
 """What the sources share; part of the build's hash."""
 CACHE_ENV: Final = "MESHNET_KERNEL_CACHE"
