@@ -25,7 +25,7 @@ import time
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal, Self
+from typing import Final, Literal, Self
 
 import httpx
 
@@ -146,9 +146,14 @@ class Service:
         self.stop()
 
 
+PASSED_THROUGH: Final = frozenset({"MESHNET_KERNEL_CACHE"})
+"""The runner's own ``MESHNET_*`` its services keep: where the native kernels are built (engineers sharing one
+machine each keep theirs, or every changed kernel source rebuilds and deletes the others' builds)."""
+
+
 def service_env(env: Mapping[str, str] | None = None) -> dict[str, str]:
     """The environment a test service runs with: the caller's MESHNET_* over safe defaults."""
-    base = {k: v for k, v in os.environ.items() if not k.startswith("MESHNET_")}
+    base = {k: v for k, v in os.environ.items() if not k.startswith("MESHNET_") or k in PASSED_THROUGH}
     base.update(
         {
             "MESHNET_SECRET": TEST_SECRET,
