@@ -53,6 +53,7 @@ constexpr int64_t kAmxChunk = 16;      // rows of one AMX tile
 constexpr int64_t kAmxMinRows = 16;    // fewest rows the automatic choice sends to AMX (below: VNNI)
 constexpr int64_t kGrainWork = 1 << 17;  // multiply-adds below which a thread is not worth waking
 constexpr int64_t kRowsBudget = 256 * 1024;  // bytes of int8 rows an AMX set keeps in L2
+constexpr size_t kScratchKeep = 256 * 1024;   // scratch bytes a thread keeps between calls (decode rows' products)
 constexpr float kQ8Max = 127.f;
 
 enum Isa : int64_t { kAuto = 0, kGeneric = 1, kAvx2 = 2, kVnni = 3, kAmx = 4 };
@@ -512,16 +513,31 @@ at::Tensor mm8(const at::Tensor& x_in, const at::Tensor& packed, const at::Tenso
   const bool amx = isa == kAmx && B >= kAmxChunk;  // fewer rows than a tile: VNNI
   const int64_t padded = amx ? (B + kAmxChunk - 1) / kAmxChunk * kAmxChunk : B;
   const int64_t row_bytes = groups * group_slot_bytes(bits, G);
-  at::Tensor xa = at::empty({padded, row_bytes}, x.options().dtype(at::kChar));
-  at::Tensor stats = at::zeros({2, padded, groups}, x.options());
-  at::Tensor sumq = at::zeros({padded, groups}, x.options().dtype(at::kInt));
-  if (padded > B)  // AMX's padding rows: zero (the others are written whole)
-    std::memset(xa.data_ptr<int8_t>() + B * row_bytes, 0, static_cast<size_t>((padded - B) * row_bytes));
-  float* dx = stats.data_ptr<float>();
+  // The rows' int8 slots and per-group d, zx and sumq in one scratch block: a thread's own, kept between calls
+  // up to kScratchKeep bytes (a decode step makes about 120 products: allocating three tensors each cost as much
+  // as a small product), a fresh one beyond.
+  const size_t stat_bytes = static_cast<size_t>(3 * padded * groups) * sizeof(float);
+  const size_t need = stat_bytes + static_cast<size_t>(padded * row_bytes);
+  thread_local std::vector<uint8_t> kept;
+  std::vector<uint8_t> owned;
+  uint8_t* base;
+  if (need <= kScratchKeep) {
+    if (kept.size() < kScratchKeep) kept.resize(kScratchKeep);
+    base = kept.data();
+  } else {
+    owned.resize(need);
+    base = owned.data();
+  }
+  float* dx = reinterpret_cast<float*>(base);
   float* zx = dx + padded * groups;
-  quantize_rows(x.data_ptr<float>(), x.stride(0), B, K, bits, G, xa.data_ptr<int8_t>(), row_bytes, dx, zx,
-                sumq.data_ptr<int32_t>());
-  Q8Args a{xa.data_ptr<int8_t>(), row_bytes, dx, zx, sumq.data_ptr<int32_t>(), packed.data_ptr<int32_t>(),
+  int32_t* sumq = reinterpret_cast<int32_t*>(zx + padded * groups);
+  int8_t* xa = reinterpret_cast<int8_t*>(base + stat_bytes);
+  if (padded > B) {  // AMX's padding rows: zero (the others are written whole)
+    std::memset(xa + B * row_bytes, 0, static_cast<size_t>((padded - B) * row_bytes));
+    for (int64_t i = B * groups; i < padded * groups; ++i) dx[i] = zx[i] = 0.f, sumq[i] = 0;
+  }
+  quantize_rows(x.data_ptr<float>(), x.stride(0), B, K, bits, G, xa, row_bytes, dx, zx, sumq);
+  Q8Args a{xa, row_bytes, dx, zx, sumq, packed.data_ptr<int32_t>(),
            reinterpret_cast<const uint16_t*>(scales.data_ptr<at::BFloat16>()), K, out.data_ptr<float>(), N};
   const auto [rows_fn, amx_fn, weights_fn] = pick(bits, G, isa);
   if (amx) {
