@@ -19,7 +19,7 @@
 // multiply-adds, groups in input order). Every path (generic, AVX2, VNNI, AMX) computes the same integers and
 // the same float steps, so its results are the same bits; a row's result does not depend on the other rows or
 // the threads. Against the float64 product of the same int8 rows (xq * d) with the dequantized weights, the
-// error is float32 rounding only: at most (K/G + 3) * 2^-24 * sum_k |xq_k d| (|s (q_k - c)| + |z|)
+// error is float32 rounding only: at most (2 K/G + 4) * 2^-24 * sum_k |xq_k d| (|s (q_k - c)| + |z|)
 // (tests/test_q8_kernel.py).
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
