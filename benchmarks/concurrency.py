@@ -55,6 +55,12 @@ from services.node.model.model_source import resolve_model
 
 TITLE: Final = "Many streams at once: aggregate tokens/s of 1 to 16 concurrent streams (2 nodes)"
 STREAMS: Final = (1, 2, 4, 8, 16)
+ISSUE_38_STREAMS: Final = 8
+ISSUE_38_SCALING: Final = 2.5
+"""Issue 38: eight streams' aggregate at least this multiple of one stream's (prompts included, as measured here)."""
+ISSUE_38_VERSUS_LLAMA: Final = (8, 16)
+ISSUE_38_VERSUS_LLAMA_TARGET: Final = 2.0
+"""Issue 38: the mesh's aggregate at 8 and at 16 streams at least this multiple of llama.cpp's batched API's."""
 NODES: Final = 2
 SINGLE_PROCESS_BATCH: Final = 8
 MAX_CONNECTIONS: Final = 64
@@ -204,8 +210,17 @@ def run(harness: Harness) -> Outcome:
                             note=f"p95 {percentile(gaps[key], 0.95):.1f} ms over {len(gaps[key])} gaps"))
         one = statistics.median(aggregate[name, 1])
         for streams in STREAMS[1:]:
-            rows.append(Row(label=f"{streams} streams / 1 stream, {name}: aggregate",
-                            value=spread([a / one for a in aggregate[name, streams]]), unit="x"))
+            versus_one = spread([a / one for a in aggregate[name, streams]])
+            goal = (f"issue 38 goal ≥ {ISSUE_38_SCALING}: {'met' if versus_one.median >= ISSUE_38_SCALING else 'NOT met'}"
+                    if streams == ISSUE_38_STREAMS else "")
+            rows.append(Row(label=f"{streams} streams / 1 stream, {name}: aggregate", value=versus_one, unit="x",
+                            note=goal))
+        for streams in ISSUE_38_VERSUS_LLAMA:
+            if streams in llama and (name, streams) in aggregate:
+                versus = spread([a / statistics.median(llama[streams]) for a in aggregate[name, streams]])
+                met = "met" if versus.median >= ISSUE_38_VERSUS_LLAMA_TARGET else "NOT met"
+                rows.append(Row(label=f"{streams} streams, {name} / llama.cpp's batched API: aggregate", value=versus,
+                                unit="x", note=f"issue 38 goal ≥ {ISSUE_38_VERSUS_LLAMA_TARGET}: {met}"))
     rows.append(Row(label=f"single-process transformers float16, batch of {SINGLE_PROCESS_BATCH}: aggregate",
                     value=spread(batched), unit="tok/s", note="generate on 8 copies of the prompt, every core"))
     rows.append(Row(label="single-process transformers float16, one sequence", value=spread(alone), unit="tok/s",

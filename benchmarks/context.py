@@ -17,6 +17,10 @@ Beside it, in one process:
 
 Issue 4's target: on 2 nodes, a token at a 1,500-token context costs at most
 1.3 times one at a 30-token context.
+
+Issue 38's goals, against llama.cpp on the same GGUF with every core (one greedy stream of the same prompt
+ids, interleaved with the mesh's runs) at the long context: the mesh's decode at least 1.0x llama.cpp's, and
+its time to first token at least 1.5x faster.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Final, cast
 
+from benchmarks import llama_cpp
 from benchmarks.client import chat_once, describe_timing, warm_up
 from benchmarks.harness import DEFAULT_MODEL, Harness, pick
 from benchmarks.mesh import MeshSpec, num_layers_of, running_mesh
@@ -37,6 +42,7 @@ from benchmarks.results import Outcome, Row
 from benchmarks.rounds import interleave
 from benchmarks.stats import Spread, ratio, spread
 from benchmarks.timing import StreamTiming
+from services.node.model.model_source import resolve_model
 
 TITLE: Final = "Time per token against context length: 2 nodes vs the recompute baseline"
 CONTEXTS_FULL: Final = (30, 64, 128, 256, 512, 1024, 1500, 2048)
@@ -45,6 +51,10 @@ SHORT_CONTEXT: Final = 30
 LONG_CONTEXT: Final = 1500
 LONG_CONTEXT_TARGET: Final = 1.3
 """Issue 4: ms/token at a 1,500-token context within this factor of that at a 30-token context."""
+ISSUE_38_DECODE_TARGET: Final = 1.0
+"""Issue 38: the mesh's ms/token at the long context at most llama.cpp's (its decode at least 1.0x)."""
+ISSUE_38_TTFT_TARGET: Final = 1.5
+"""Issue 38: the mesh's time to first token of the long prompt at least this many times faster than llama.cpp's."""
 PROBE_TOKENS: Final = 512
 """Sequence length at which the recompute baseline's number format is chosen (the faster forward wins)."""
 
@@ -74,20 +84,57 @@ def run(harness: Harness) -> Outcome:
         recompute_model = _faster_full_forward(float32, kv_model, prompts[max(contexts)][1][:PROBE_TOKENS], log)
         mesh_timings: dict[int, list[StreamTiming]] = {}
         kv_timings: dict[int, list[StreamTiming]] = {}
+        llama_timings: list[StreamTiming] = []
         recompute_ms: dict[int, list[float]] = {}
+        gguf = resolve_model(DEFAULT_MODEL).gguf
         for target in contexts:
             messages, ids = prompts[target]
             mesh_label, kv_label = f"2 nodes, {len(ids)}-token context", f"single process {kv_dtype}, {len(ids)}"
-            timings = interleave({
+            contenders = {
                 mesh_label: functools.partial(chat_once, mesh.url, mesh.model, messages, max_tokens),
                 kv_label: functools.partial(kv_model.generate, ids, max_tokens),
-            }, runs, log=log, describe=describe_timing)
+            }
+            llama_label = f"llama.cpp, {len(ids)}"
+            if target == LONG_CONTEXT and gguf is not None and llama_cpp.available():
+                contenders[llama_label] = functools.partial(_llama_cpp_stream, gguf, ids, max_tokens)
+            timings = interleave(contenders, runs, log=log, describe=describe_timing)
             mesh_timings[target], kv_timings[target] = timings[mesh_label], timings[kv_label]
+            llama_timings += timings.get(llama_label, [])
             recompute_ms[target] = recompute_model.recompute(ids, recompute_steps)
             log(f"recompute baseline {recompute_model.dtype}, {len(ids)}-token context: "
                 + ", ".join(f"{ms:.0f}" for ms in recompute_ms[target]) + " ms/token")
-    return _outcome(contexts, prompts, mesh_timings, kv_timings, recompute_ms, chosen, kv_dtype,
-                    recompute_model.dtype, max_tokens)
+    outcome = _outcome(contexts, prompts, mesh_timings, kv_timings, recompute_ms, chosen, kv_dtype,
+                       recompute_model.dtype, max_tokens)
+    if not llama_timings:
+        return outcome
+    return _with_llama_cpp(outcome, mesh_timings[LONG_CONTEXT], llama_timings, len(prompts[LONG_CONTEXT][1]))
+
+
+def _llama_cpp_stream(gguf: Path, ids: list[int], max_tokens: int) -> StreamTiming:
+    """One greedy stream of llama.cpp on ``gguf`` with every core, from the prompt's ids (prefill, then decode)."""
+    run = llama_cpp.run_streams(gguf, ids, 1, max_tokens, llama_cpp.default_threads())
+    return StreamTiming(tokens=max_tokens, first_s=run.first_s, last_s=run.wall_s, prompt_tokens=len(ids))
+
+
+def _with_llama_cpp(outcome: Outcome, mesh: list[StreamTiming], llama: list[StreamTiming], length: int) -> Outcome:
+    """Issue 38's rows at the long context: llama.cpp's figures and the mesh's ratios to them."""
+    mesh_ms, llama_ms = spread([x.ms_per_token for x in mesh]), spread([x.ms_per_token for x in llama])
+    mesh_ttft, llama_ttft = spread([x.ttft_s * 1000 for x in mesh]), spread([x.ttft_s * 1000 for x in llama])
+    decode = llama_ms.map(lambda ms: ms / mesh_ms.median)
+    ttft = llama_ttft.map(lambda ms: ms / mesh_ttft.median)
+    label = f"llama.cpp Q4_1 GGUF, {llama_cpp.default_threads()} threads, {length}-token context"
+    rows = (
+        Row(label=label, value=llama_ms, unit="ms/token", note="same prompt ids, interleaved with the mesh"),
+        Row(label=f"{label}: time to first token", value=llama_ttft, unit="ms"),
+        Row(label=f"2 nodes / llama.cpp: decode at a {length}-token context", value=decode, unit="x",
+            note=f"issue 38 goal ≥ {ISSUE_38_DECODE_TARGET}: "
+                 f"{'met' if decode.median >= ISSUE_38_DECODE_TARGET else 'NOT met'}"),
+        Row(label=f"llama.cpp / 2 nodes: time to first token of the {length}-token prompt", value=ttft, unit="x",
+            note=f"issue 38 goal ≥ {ISSUE_38_TTFT_TARGET}: {'met' if ttft.median >= ISSUE_38_TTFT_TARGET else 'NOT met'}"),
+    )
+    series = {**outcome.series, "llama_cpp_long_context_ms_per_token": list(llama_ms.samples),
+              "llama_cpp_long_context_ttft_ms": list(llama_ttft.samples)}
+    return Outcome(rows=outcome.rows + rows, series=series, notes=outcome.notes)
 
 
 def _faster_full_forward(first: SingleProcess, second: SingleProcess, ids: list[int],

@@ -21,7 +21,10 @@ beside its new one, interleaved, in one process):
   inputs) and one of Llama-3.1-8B's ``o`` (4096 x 4096, beyond the caches); and
   with ``--files`` the whole decode step of the default model from its Q4_1
   file against the same model requantized to Q4_K_M (``benchmarks.loglik``
-  makes that file).
+  makes that file);
+* ``--activations``: float32 rows against int8 rows (``--activations``), per
+  matrix at 1-256 rows, and the int4 shard's decode step (1, 8, 16 sessions)
+  and a 256-token prompt chunk.
 
 The fastest run is the figure: the machine is shared, and load from elsewhere only adds time.
 """
@@ -176,6 +179,61 @@ def steps(reps: int, threads: Sequence[int]) -> None:
             print(f"{'int4 shard 0-29':<36} {count:>3} {rows:>4} {a:>9.2f} {b:>9.2f} {a / b:>7.1f}x")
 
 
+ACTIVATION_ROWS: Final = (1, 8, 16, 64, 256)
+ACTIVATION_STEP_ROWS: Final = (1, 8, 16)
+PROMPT_CHUNK: Final = 256
+
+
+def _with_activations(mode: str, run: Callable[[], object]) -> Callable[[], object]:
+    """``run`` with the process's quantized products taking ``mode`` rows (restored to float32 after)."""
+    def timed() -> object:
+        quant_kernel.choose_activations(mode)
+        try:
+            return run()
+        finally:
+            quant_kernel.choose_activations("float32")
+    return timed
+
+
+def activations(reps: int, threads: Sequence[int]) -> None:
+    """float32 rows against int8 rows (``--activations``, issue 38), interleaved: each int4 matrix of the default
+    model's shapes and the int8 LM head at decode and prompt rows, then the whole int4 shard's decode step and a
+    prompt chunk of :data:`PROMPT_CHUNK` tokens."""
+    logging.getLogger(quant_kernel.__name__).setLevel(logging.WARNING)  # one line per switch otherwise
+    print(f"\n{'matrix':<20} {'thr':>3} {'rows':>4} {'float32 ms':>10} {'int8 ms':>9} {'speed-up':>8}")
+    for name, out_features, in_features, fmt in SHAPES:
+        groups = groups_of(torch.randn(out_features, in_features, generator=torch.Generator().manual_seed(0)),
+                           fmt)  # type: ignore[arg-type]
+        matrix = QuantMatrix(groups, "native")
+        for count in threads:
+            torch.set_num_threads(count)
+            for rows in ACTIVATION_ROWS:
+                x = torch.randn(rows, in_features)
+                a, b = fastest([lambda x=x, m=matrix: torch.ops.meshnet_quant.mm(x, m.packed, m.scale_zeros, m.bits,
+                                                                                 0, 0),
+                                lambda x=x, m=matrix: quant_kernel.mm8(x, m.packed, m.scale_zeros, m.bits)],
+                               reps if rows <= 16 else max(3, reps // 5))
+                print(f"{name:<20} {count:>3} {rows:>4} {a:>10.3f} {b:>9.3f} {a / b:>7.2f}x")
+    model = resolve_model("default")
+    shard = load_shard(model.path, 0, 29, QUANTIZED_DTYPE, torch.device("cpu"), "int4", model.gguf)
+    print(f"\n{'int4 shard 0-29 (+ LM head)':<36} {'thr':>3} {'rows':>4} {'float32 ms':>10} {'int8 ms':>9} "
+          f"{'speed-up':>8}")
+    prompt = torch.arange(100, 100 + PROMPT_TOKENS).unsqueeze(0)
+    chunk = torch.arange(100, 100 + PROMPT_CHUNK).unsqueeze(0)
+
+    def prefill() -> None:
+        shard.run_layers(shard.embed(chunk), shard.new_cache(), 0)
+    for count in threads:
+        torch.set_num_threads(count)
+        for rows in ACTIVATION_STEP_ROWS:
+            step = _decode_step(shard, rows, prompt)
+            a, b = fastest([_with_activations("float32", step), _with_activations("int8", step)], reps)
+            print(f"{'decode step':<36} {count:>3} {rows:>4} {a:>10.2f} {b:>9.2f} {a / b:>7.2f}x")
+        a, b = fastest([_with_activations("float32", prefill), _with_activations("int8", prefill)], max(3, reps // 5))
+        print(f"{f'prompt chunk of {PROMPT_CHUNK} tokens':<36} {count:>3} {PROMPT_CHUNK:>4} {a:>10.2f} {b:>9.2f} "
+              f"{a / b:>7.2f}x")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--reps", type=int, default=30)
@@ -184,11 +242,16 @@ def main() -> None:
     parser.add_argument("--no-matrices", action="store_true", help="skip the per-matrix table")
     parser.add_argument("--formats", action="store_true", help="only each GGUF type against Q4_1 (module doc)")
     parser.add_argument("--files", action="store_true", help="with --formats: the Q4_1 and Q4_K_M files' steps")
+    parser.add_argument("--activations", action="store_true",
+                        help="only float32 rows against int8 rows (--activations, issue 38)")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     if not quant_kernel.available():
         raise SystemExit("the native kernel is not available (see the log above)")
     with torch.inference_mode():
+        if args.activations:
+            activations(args.reps, args.threads)
+            return
         if args.formats:
             formats(args.reps, args.threads)
             if args.files:

@@ -2,6 +2,7 @@
 
     make llama-cpp                                   # llama-cpp-python 0.3.36 from source (minutes, once)
     PYTHONPATH=libs:. .venv/bin/python -m benchmarks.loglik [--files q4_1 q4_k_m] [--threads 2] [--api] [--nodes 2]
+                                                             [--activations float32 int8]
 
 For each file: the paragraph (:data:`benchmarks.prompts.FILLER`) as the default
 model's token ids, scored teacher-forced, the mean over its tokens after the first
@@ -26,7 +27,10 @@ that file requantized by ``llama_model_quantize`` (``LLAMA_FTYPE_MOSTLY_Q4_K_M``
 requantizing allowed) into ``~/.cache/meshnet/bench`` once: its 576-wide
 matrices fall back to Q5_0 (Q4_K) and Q8_0 (Q6_K), the 1536-wide ``ffn_down`` is
 Q4_K or Q6_K, so the file exercises Q4_K, Q5_0, Q6_K and Q8_0. The goal (issue 35):
-meshnet within 1% of llama.cpp on the same file. Prints one JSON line per file.
+meshnet within 1% of llama.cpp on the same file. With ``--activations`` (issue 38) meshnet scores
+the file once per mode of ``--activations`` on the same loaded weights
+(:func:`services.node.model.quant.quant_kernel.choose_activations`): int8 rows within 0.5% of float32 rows,
+each within 1% of llama.cpp. Prints one JSON line per file.
 """
 
 from __future__ import annotations
@@ -43,6 +47,7 @@ import torch
 
 from benchmarks.prompts import FILLER
 from services.node.model.model_source import resolve_model
+from services.node.model.quant import quant_kernel
 from services.node.model.quant.gguf_file import read_index
 from services.node.model.quant.packed import QUANTIZED_DTYPE
 from services.node.model.quant.quant_load import resolve_format
@@ -57,6 +62,8 @@ API_TIMEOUT_S: Final = 600.0
 """Longest the mesh may take for the paragraph's completion (a loaded machine)."""
 GOAL: Final = 0.01
 """meshnet's mean log-likelihood within 1% of llama.cpp's on the same file (issue 35)."""
+ACTIVATIONS_GOAL: Final = 0.005
+"""int8 activations' mean log-likelihood within 0.5% of float32 activations' on the same weights (issue 38)."""
 
 
 def q4_k_m(source: Path) -> Path:
@@ -87,11 +94,20 @@ def _mean(logits: np.ndarray, ids: list[int]) -> float:
     return float((picked - log_z).mean())
 
 
-def meshnet_loglik(folder: Path, gguf: Path, ids: list[int], layers: int) -> tuple[float, str]:
+def meshnet_loglik(folder: Path, gguf: Path, ids: list[int], layers: int,
+                   activations: tuple[str, ...] = ("float32",)) -> tuple[dict[str, float], str]:
+    """The mean log-likelihood under each mode of ``activations``, on one load of the weights."""
     fmt, why = resolve_format("auto", gguf)
     shard = load_shard(folder, 0, layers - 1, QUANTIZED_DTYPE, torch.device("cpu"), fmt, gguf)
-    hidden = shard.run_layers(shard.embed(torch.tensor([ids])), shard.new_cache(), 0)
-    return _mean(shard.logits_all(hidden, len(ids)).numpy(), ids), f"{fmt} ({why})"
+    means = {}
+    try:
+        for mode in activations:
+            chosen = quant_kernel.choose_activations(mode)
+            hidden = shard.run_layers(shard.embed(torch.tensor([ids])), shard.new_cache(), 0)
+            means[chosen] = _mean(shard.logits_all(hidden, len(ids)).numpy(), ids)
+    finally:
+        quant_kernel.choose_activations("float32")
+    return means, f"{fmt} ({why})"
 
 
 def api_loglik(gguf: Path, text: str, layers: int, nodes: int) -> tuple[float, int]:
@@ -142,6 +158,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--api", action="store_true", help="also through a real mesh's completions endpoint")
     parser.add_argument("--nodes", type=int, default=2, help="node processes of the --api mesh")
+    parser.add_argument("--activations", nargs="+", default=["float32"], choices=["float32", "int8"],
+                        help="meshnet's products' rows (--activations of a node); each is scored")
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     torch.set_num_threads(args.threads)
@@ -158,16 +176,23 @@ def main() -> None:
         for tensor in tensors.values():
             kinds[tensor.kind] = kinds.get(tensor.kind, 0) + 1
         with torch.inference_mode():
-            mesh, served = meshnet_loglik(model.path, gguf, ids, layers)
+            means, served = meshnet_loglik(model.path, gguf, ids, layers, tuple(args.activations))
         llama = llama_loglik(gguf, ids, args.threads)
-        gap = abs(mesh - llama) / abs(llama)
-        line = {"file": gguf.name, "types": kinds, "tokens": len(ids), "served": served,
-                "meshnet_nats": round(-mesh, 4), "llama_cpp_nats": round(-llama, 4),
-                "relative_gap": round(gap, 5), "goal_met": gap <= GOAL}
+        line: dict[str, object] = {"file": gguf.name, "types": kinds, "tokens": len(ids), "served": served,
+                                   "llama_cpp_nats": round(-llama, 4)}
+        for mode, mesh in means.items():
+            gap = abs(mesh - llama) / abs(llama)
+            suffix = "" if mode == "float32" else f"_{mode}"
+            line.update({f"meshnet{suffix}_nats": round(-mesh, 4), f"relative_gap{suffix}": round(gap, 5),
+                         f"goal_met{suffix}": gap <= GOAL})
+        if "float32" in means and "int8" in means:
+            drift = abs(means["int8"] - means["float32"]) / abs(means["float32"])
+            line.update({"int8_vs_float32": round(drift, 5), "int8_goal_met": drift <= ACTIVATIONS_GOAL})
         if args.api:
             api, api_tokens = api_loglik(gguf, FILLER.strip(), layers, args.nodes)
             api_gap = abs(api - llama) / abs(llama)
-            line |= {"api_nodes": args.nodes, "api_tokens": api_tokens, "meshnet_api_nats": round(-api, 4),
+            line |= {"api_nodes": args.nodes, "api_activations": "auto", "api_tokens": api_tokens,
+                     "meshnet_api_nats": round(-api, 4),
                      "api_relative_gap": round(api_gap, 5), "api_goal_met": api_gap <= GOAL and api_tokens == len(ids)}
         print(json.dumps(line))
 

@@ -208,6 +208,7 @@ def _node_env(spec: MeshSpec, index: int, tracker: Service, relay: Service | Non
         "MESHNET_NODE_ID": f"bench-node-{index}",
         "OMP_NUM_THREADS": threads,
         "MESHNET_SPECULATE": "auto",  # the node's default (the test launcher pins it off)
+        "MESHNET_ACTIVATIONS": "auto",  # the node's default (the test launcher pins float32)
         **spec.node_env,
     }
     if relay is not None and index in spec.relayed:

@@ -25,7 +25,7 @@ import time
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal, Self
+from typing import Final, Literal, Self
 
 import httpx
 import orjson
@@ -155,9 +155,14 @@ class Service:
         self.stop()
 
 
+PASSED_THROUGH: Final = frozenset({"MESHNET_KERNEL_CACHE"})
+"""The runner's own ``MESHNET_*`` its services keep: where the native kernels are built (engineers sharing one
+machine each keep theirs, or every changed kernel source rebuilds and deletes the others' builds)."""
+
+
 def service_env(env: Mapping[str, str] | None = None) -> dict[str, str]:
     """The environment a test service runs with: the caller's MESHNET_* over safe defaults."""
-    base = {k: v for k, v in os.environ.items() if not k.startswith("MESHNET_")}
+    base = {k: v for k, v in os.environ.items() if not k.startswith("MESHNET_") or k in PASSED_THROUGH}
     base.update(
         {
             "MESHNET_SECRET": TEST_SECRET,
@@ -169,6 +174,9 @@ def service_env(env: Mapping[str, str] | None = None) -> dict[str, str]:
             # `auto` speculation decides from measured round trips, which a busy machine stretches: tests pin
             # it off, and the speculation tests turn it on where they mean to.
             "MESHNET_SPECULATE": "off",
+            # The exactness tests compare quantized nodes with float32 rows: `auto` takes int8 rows on a CPU with
+            # VNNI/AMX. Tests of int8 activations turn them on where they mean to.
+            "MESHNET_ACTIVATIONS": "float32",
             **OPENMP_DEFAULTS,
         }
     )

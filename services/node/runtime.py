@@ -59,6 +59,7 @@ from services.node.model.device import pick_device, pick_dtype
 from services.node.model.memory_budget import default_budget_bytes, kv_bytes_per_token, measure_layer_costs
 from services.node.model.model_source import resolve_model
 from services.node.model.quant.packed import QUANTIZED_DTYPE
+from services.node.model.quant.quant_kernel import choose_activations
 from services.node.model.quant.quant_load import resolve_format
 from services.node.model.shard import Shard
 from services.node.model.shard_load import load_shard
@@ -179,6 +180,8 @@ class NodeRuntime:
         else:
             dtype = pick_dtype(s.dtype, device, rows=DTYPE_ROWS)
             logger.info("weights %s (%s)", weights, why)
+        if weights != "float" and device.type == "cpu":  # float weights never build or call the native kernel
+            await asyncio.to_thread(choose_activations, s.activations)
         config = await asyncio.to_thread(AutoConfig.from_pretrained, resolved.path)
         gguf = resolved.gguf if weights != "float" else None
         budget = s.max_memory

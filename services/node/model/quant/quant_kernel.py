@@ -52,10 +52,11 @@ from torch.utils import cpp_extension
 logger = logging.getLogger(__name__)
 
 KERNELS: Final = Path(__file__).parent / "kernels"
-SOURCES: Final = tuple(KERNELS / name for name in ("quant_mm.cpp", "row_attention.cpp", "decode_rows.cpp"))
-"""Compiled into one library: the quantized product, the attention of decode rows
-(``kernels/row_attention.cpp``) and whole decode steps of quantized layers (``kernels/decode_rows.cpp``),
-used by :mod:`services.node.model.lean_decode`."""
+SOURCES: Final = tuple(KERNELS / name for name in ("quant_mm.cpp", "q8_mm.cpp", "row_attention.cpp",
+                                                   "decode_rows.cpp"))
+"""Compiled into one library: the quantized product (float32 rows, and int8 rows: ``kernels/q8_mm.cpp``), the
+attention of decode rows (``kernels/row_attention.cpp``) and whole decode steps of quantized layers
+(``kernels/decode_rows.cpp``), used by :mod:`services.node.model.lean_decode`."""
 HEADERS: Final = (KERNELS / "meshnet_kernels.h",)
 """What the sources share; part of the build's hash."""
 CACHE_ENV: Final = "MESHNET_KERNEL_CACHE"
@@ -71,7 +72,8 @@ COMPLAINT_LINES: Final = 12
 COMPLAINT_TAIL_CHARS: Final = 2000
 """Of a failed build's output with no error line, the end it reports."""
 ISA_NAMES: Final = {1: "generic", 2: "avx2", 3: "avx512", 4: "amx"}
-"""The kernel's instruction-set paths by the number its ``isa`` argument takes (0 picks the best)."""
+"""The kernel's instruction-set paths by the number its ``isa`` argument takes (0 picks the best); for int8 rows
+(``mm8``) 3 is AVX512-VNNI and 4 AMX-INT8."""
 
 
 def cache_dir() -> Path:
@@ -197,8 +199,49 @@ def decode_rows(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, weights: 
 
 
 def mm(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, bits: int, isa: int = 0) -> torch.Tensor:
-    """``x @ W^T`` (float32 ``[B, K]`` rows, float32 ``[B, N]`` result) for a matrix in the native layout."""
+    """``x @ W^T`` (float32 ``[B, K]`` rows, float32 ``[B, N]`` result) for a matrix in the native layout, with
+    the rows the process chose (:func:`choose_activations`; float32 rows on ``isa`` unless it chose int8)."""
     return torch.ops.meshnet_quant.mm(x, packed, scales, bits, isa)
+
+
+VNNI: Final = 3
+"""The ``isa`` number from which int8 rows run on integer dot products (``kernels/q8_mm.cpp``: AVX512-VNNI; 4, AMX)."""
+ACTIVATION_MODES: Final = {"float32": 0, "int8": 1}
+Q8_ISA_NAMES: Final = {1: "generic", 2: "avx2", 3: "avx512-vnni", 4: "amx-int8"}
+
+
+def choose_activations(mode: str) -> str:
+    """The rows this process's quantized products take for ``--activations`` ``mode``, and make it so:
+    ``int8`` where asked (or, ``auto``, where the CPU has integer dot products: AVX512-VNNI or AMX-INT8, a
+    deterministic choice, so nodes on one kind of CPU agree), else ``float32``. Without the native kernel,
+    ``float32`` (torch's kernel takes bfloat16 rows). Set once at start: every product of the process follows,
+    the decode steps of :mod:`services.node.model.lean_decode` included."""
+    if mode not in ("auto", *ACTIVATION_MODES):
+        raise ValueError(f"activations must be auto, float32 or int8, not {mode!r}")
+    if not available():
+        chosen, why = "float32", "meshnet's native kernel is not available"
+    elif mode == "auto":
+        isa = int(torch.ops.meshnet_quant.q8_best_isa())
+        chosen = "int8" if isa >= VNNI else "float32"
+        why = f"auto: this CPU's integer dot products are {Q8_ISA_NAMES[isa]}"
+    else:
+        chosen, why = mode, "asked for"
+    if available():
+        torch.ops.meshnet_quant.set_activations(ACTIVATION_MODES[chosen])
+    logger.info("quantized layers take %s activations (%s)", chosen, why)
+    return chosen
+
+
+def activations() -> str:
+    """The rows this process's quantized products take now (``float32`` until :func:`choose_activations`)."""
+    if not available():
+        return "float32"
+    return "int8" if int(torch.ops.meshnet_quant.activations()) else "float32"
+
+
+def mm8(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, bits: int, isa: int = 0) -> torch.Tensor:
+    """``x @ W^T`` with the rows quantized to int8 per group (``kernels/q8_mm.cpp``; ``isa`` 0 picks the best)."""
+    return torch.ops.meshnet_quant.mm8(x, packed, scales, bits, isa)
 
 
 def main() -> None:

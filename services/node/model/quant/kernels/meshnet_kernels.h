@@ -9,9 +9,17 @@
 
 namespace meshnet {
 
-// x[B, K] float32 @ W^T for a matrix in the native layout (quant_mm.cpp's `mm`; isa 0 picks the best).
+// x[B, K] float32 @ W^T for a matrix in the native layout (quant_mm.cpp; isa 0 picks the best): float32 rows,
+// or int8 rows (quant_mm_q8) where the process chose int8 activations.
 at::Tensor quant_mm(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales, int64_t bits,
                     int64_t isa);
+
+// x[B, K] float32 @ W^T with the rows quantized to int8 per group (q8_mm.cpp; isa 0 picks the best).
+at::Tensor quant_mm_q8(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales, int64_t bits,
+                       int64_t isa);
+
+// Whether this process multiplies quantized matrices with int8 rows (`--activations`, set once at start).
+bool int8_activations();
 
 // Whether attend_group takes the AVX-512 path for head dim D (otherwise its portable loops, float32 caches only).
 bool row_attention_vectorised(int64_t D);

@@ -560,14 +560,29 @@ at::Tensor mm(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& s
 
 }  // namespace
 
+// The process's product (decode_rows.cpp's, and mm's by default): int8 rows (q8_mm.cpp) where the node chose
+// int8 activations, else float32 rows on instruction set `isa`.
 at::Tensor meshnet::quant_mm(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales, int64_t bits,
                              int64_t isa) {
+  if (meshnet::int8_activations()) return meshnet::quant_mm_q8(x, packed, scales, bits, 0);
   return mm(x, packed, scales, bits, isa);
 }
 
+namespace {
+
+// `act`: 0 float32 rows, 1 int8 rows (q8_mm.cpp, its own choice of instruction set), -1 the process's mode.
+at::Tensor mm_op(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales, int64_t bits, int64_t isa,
+                 int64_t act) {
+  TORCH_CHECK(act >= -1 && act <= 1, "meshnet_quant.mm: act must be -1, 0 or 1, not ", act);
+  if (act == 1 || (act == -1 && meshnet::int8_activations())) return meshnet::quant_mm_q8(x, packed, scales, bits, 0);
+  return mm(x, packed, scales, bits, isa);
+}
+
+}  // namespace
+
 TORCH_LIBRARY(meshnet_quant, m) {
-  m.def("mm(Tensor x, Tensor packed, Tensor scales, int bits, int isa=0) -> Tensor");
+  m.def("mm(Tensor x, Tensor packed, Tensor scales, int bits, int isa=0, int act=-1) -> Tensor");
   m.def("best_isa() -> int", &best_isa);
 }
 
-TORCH_LIBRARY_IMPL(meshnet_quant, CPU, m) { m.impl("mm", mm); }
+TORCH_LIBRARY_IMPL(meshnet_quant, CPU, m) { m.impl("mm", mm_op); }
