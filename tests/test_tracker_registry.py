@@ -295,3 +295,13 @@ def test_the_listing_shows_how_each_node_holds_its_weights_and_the_memory_they_t
     listed = {info.node_id: info for info in registry.snapshot(1.0)}
     assert (listed["a"].weights, listed["a"].weight_bytes, listed["a"].kv_bytes) == ("int4", 68_600_000, 4096)
     assert (listed["b"].weights, listed["b"].weight_bytes) == (None, 0)
+
+
+def test_a_node_shows_the_rows_its_quantized_products_take_so_spot_checks_compare_only_alike_nodes(
+        registry: Registry) -> None:
+    registry.register(reg("a", weights="int4", activations="int8"), None, now=0.0)
+    registry.register(reg("b", port=9002, weights="int4"), None, now=0.0)
+    shown = {node.node_id: node.activations for node in registry.snapshot(0.0)}
+    assert shown == {"a": "int8", "b": None}
+    with pytest.raises(ValueError, match="activations"):
+        reg("c", activations="int4")

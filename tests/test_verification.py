@@ -245,3 +245,14 @@ def test_a_shadow_behind_a_relay_may_be_called_by_the_hop_before_it_only() -> No
         check_relay_handshake(relay_handshake(node_hop_key("a"), "a", token, "b"), "b", keys)
     with pytest.raises(ProofProblem):  # a node the route does not name at all
         check_relay_handshake(relay_handshake(node_hop_key("head"), "head", token, "c"), "c", keys)
+
+
+def test_replicas_whose_quantized_products_take_other_rows_are_never_each_others_shadow() -> None:
+    verifier = _verifier(rate=1.0)
+    hops = (_node("head", 0, 1), _node("a", 2, 3))
+    candidates = [Candidate(node_id=n, endpoint=f"http://127.0.0.1:1/{n}", shard_start=2, shard_end=3,
+                            hop_key=node_hop_key(n).public_text) for n in ("a", "b")]
+    int8, float32 = ("float32", "int4", "int8"), ("float32", "int4", "float32")
+    assert verifier.shadow_for(hops, candidates, lambda: {"a": int8, "b": float32}) is None
+    shadow = verifier.shadow_for(hops, candidates, lambda: {"a": int8, "b": int8})
+    assert shadow is not None and shadow.node.node_id == "b"

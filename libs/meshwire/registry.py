@@ -54,6 +54,8 @@ MAX_MEMORY_BYTES: Final = 1 << 50
 """Largest memory figure (weights, KV cache) a node may report."""
 WeightsFormat = Literal["float", "int8", "int4"]
 """How a node holds its weights (``meshnet node --weights``)."""
+Activations = Literal["float32", "int8"]
+"""The rows a node's quantized products take (``meshnet node --activations``, resolved at start)."""
 NodeRole = Literal["prefill", "decode", "both"]
 """What a node serves (``meshnet node --role``): prompts handed off to decode nodes (``prefill``),
 decode steps of handed-off prompts (``decode``), or whole requests as before (``both``)."""
@@ -139,6 +141,9 @@ class NodeRegistration(BaseModel):
     decode_tokens_per_s: float = Field(default=0.0, ge=0.0, allow_inf_nan=False)
     weights: WeightsFormat | None = None
     """Format the node holds its layers' weights in (``--weights``): ``float`` (its ``dtype``), ``int8``, ``int4``."""
+    activations: Activations | None = None
+    """The rows its quantized products take: ``int8`` rows compute other bits than ``float32`` rows, so a spot
+    check compares only nodes alike in this too; ``None`` when it does not say."""
     weight_bytes: int = Field(default=0, ge=0, le=MAX_MEMORY_BYTES)
     """Bytes the node's weights take in memory (packed where quantized; a tied matrix counted once)."""
     kv_bytes: int = Field(default=0, ge=0, le=MAX_MEMORY_BYTES)

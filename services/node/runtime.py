@@ -18,7 +18,7 @@ import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Final
+from typing import Any, Final, cast
 
 import httpx
 import torch
@@ -32,7 +32,7 @@ except ImportError:  # pragma: no cover - depends on which pieces are installed
 from meshwire import tls
 from meshwire.frames import DTYPE_NAMES, FrameLimits
 from meshwire.placement import PlacementAnswer, PlacementReason, PlacementRequest
-from meshwire.registry import NodeRegistration, RegistrationAnswer
+from meshwire.registry import Activations, NodeRegistration, RegistrationAnswer
 from services.node.api.forward import ForwardService
 from services.node.api.kv_serve import KvServeService
 from services.node.engine.compute import ComputeWorker, ShardRunner, one_torch_thread
@@ -132,6 +132,8 @@ class NodeRuntime:
         self._handoff_limits: HandoffLimits | None = None
         self._moving: asyncio.Task[None] | None = None
         self.placement: PlacementReason = "pinned"
+        self.activations: Activations = "float32"
+        """The rows this node's quantized products take, as chosen at start (``--activations``)."""
         """Why this node holds its layers: ``pinned`` (``--layers``, or every layer), or the tracker's reason."""
         self.runner: ShardRunner | None = None
         self.forward: ForwardService | None = None
@@ -181,7 +183,7 @@ class NodeRuntime:
             dtype = pick_dtype(s.dtype, device, rows=DTYPE_ROWS)
             logger.info("weights %s (%s)", weights, why)
         if weights != "float" and device.type == "cpu":  # float weights never build or call the native kernel
-            await asyncio.to_thread(choose_activations, s.activations)
+            self.activations = cast(Activations, await asyncio.to_thread(choose_activations, s.activations))
         config = await asyncio.to_thread(AutoConfig.from_pretrained, resolved.path)
         gguf = resolved.gguf if weights != "float" else None
         budget = s.max_memory
@@ -402,7 +404,7 @@ class NodeRuntime:
             relay_addr=self.relay_addr, dtype=DTYPE_NAMES[self.shard.dtype], device=str(self.shard.device),
             kv_capacity_tokens=self.sessions.kv_budget_tokens, kv_free_tokens=self.sessions.free_tokens,
             active_sessions=len(self.sessions), decode_tokens_per_s=round(self.runner.decode_tokens_per_s, 3),
-            weights=self.shard.weights_format, weight_bytes=self.shard.weight_bytes(),
+            weights=self.shard.weights_format, activations=self.activations, weight_bytes=self.shard.weight_bytes(),
             kv_bytes=self.sessions.cache_bytes(), hop_key=self.hop_key.public_text, role=self.settings.role,
             pd_rank=None if self.membership is None else self.membership.pd_rank, placement=self.placement,
         )

@@ -10,7 +10,7 @@ from pydantic import BaseModel
 
 from meshwire.fields import STRICT_MODEL, DType
 from meshwire.placement import PlacementReason
-from meshwire.registry import NodeRole, NodeState, WeightsFormat
+from meshwire.registry import Activations, NodeRole, NodeState, WeightsFormat
 
 from .planner import LayerRange
 
@@ -31,6 +31,8 @@ class NodeInfo(BaseModel):
     device: str | None
     weights: WeightsFormat | None = None
     """How the node holds its weights (``float``, ``int8``, ``int4``), as it registered."""
+    activations: Activations | None = None
+    """The rows its quantized products take (``float32``, ``int8``), as it registered."""
     weight_bytes: int = 0
     """Bytes its weights take in memory."""
     kv_bytes: int = 0

@@ -161,8 +161,10 @@ class TrackerState:
         return issue_signed_route(route, key, ttl_s=self.settings.route_ttl_s, now=time.time())
 
     def _formats(self) -> dict[str, tuple[object, ...]]:
-        """Each node's number format (dtype, weights): a shadow is compared bit for bit, so it must match."""
-        return {node.node_id: (node.dtype, node.weights) for node in self.registry.snapshot(self.now())}
+        """Each node's number format (dtype, weights, activations): a shadow is compared bit for bit, so it must
+        match (int8 rows and float32 rows of one quantized layer compute different bits)."""
+        return {node.node_id: (node.dtype, node.weights, node.activations or "float32")
+                for node in self.registry.snapshot(self.now())}
 
     def prefill_route_for(self, model: str) -> SignedRoute | None:
         """A signed route through a ready replica of ``model``'s prefill group, or ``None`` (no prefill/decode split)."""
