@@ -26,8 +26,8 @@ Routes:
   its last failure: one word of :data:`.failure_kinds.FAILURE_KINDS`, never
   what its endpoint answered, and its speed as this tracker measured it:
   ``measured_tokens_per_s``, ``measured_streams``, ``measured_ttft_s``, see
-  :mod:`.ratings`) and each model's coverage (with ``healing``: why layers nobody holds cannot
-  be held again by moving placed nodes, or ``null``; see :mod:`.healing`).
+  :mod:`.ratings`) and each model's coverage, with its placement (``stages`` as this tracker
+  rates them and ``healing``: see :mod:`.placement_view`).
 - ``GET /v1/mesh``: the same plus the tracker's clocks, for the live page.
 - ``GET /v1/route?model=M&exclude=a,b``: a signed route
   (:class:`~meshwire.routes.SignedRoute`).
@@ -64,8 +64,9 @@ from meshwire.routes import RouteError, verify_route
 
 from .endpoint_policy import EndpointPolicy
 from .failure_reports import ROUTE_GRACE_S, TooManyReports, run_of
-from .healing import book_of, heal_move
+from .healing import heal_move
 from .join_tokens import TokenRefused
+from .placement_view import model_placement
 from .registry import MAX_REASON_CHARS, Registered, RegistryError, UnknownNode
 from .responses import HTTPError, read_body, require_api_key
 from .state import TrackerState, parse_exclude, tracker_state
@@ -302,7 +303,7 @@ async def _mesh_view(request: Request) -> dict[str, Any]:
         "nodes": [{**node.model_dump(mode="json"),
                    **dataclasses.asdict(state.ratings.rating(node.node_id, node.shard_end - node.shard_start + 1))}
                   for node in state.registry.snapshot(now)],
-        "models": [{**model.model_dump(mode="json"), "healing": book_of(request).note(model.model)}
+        "models": [{**model.model_dump(mode="json"), **model_placement(request, model.model, model.num_layers)}
                    for model in state.registry.coverage(now)],
     }
 
