@@ -346,6 +346,8 @@ def test_a_node_that_must_drop_layers_is_told_only_once_another_node_holds_them(
         _register(client, "b", 0, 3, "covering", leases["b"])
         nodes = client.get("/v1/nodes").json()
         assert nodes["models"][0]["complete"] and nodes["models"][0]["healing"] is None
+        moves = [(m["node_id"], m["event"], tuple(m["to_layers"])) for m in nodes["models"][0]["moves"]]
+        assert moves == [("c", "told", (4, 7)), ("c", "done", (4, 7)), ("b", "told", (0, 3)), ("b", "done", (0, 3))]
 
 
 def test_when_the_survivors_cannot_hold_the_model_the_nodes_list_says_why() -> None:

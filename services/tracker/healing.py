@@ -34,9 +34,9 @@ another tracker is healed by that one once it has placed it.
 from __future__ import annotations
 
 import logging
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from dataclasses import dataclass
-from typing import Final
+from typing import Final, Literal
 
 from fastapi import Request
 
@@ -61,6 +61,9 @@ MOVE_TIMEOUT_S: Final = 180.0
 """How long a told move is repeated and reserved before it is given up."""
 MOVE_COOLDOWN_S: Final = 30.0
 """How long a node that moved stays where it is before it may be moved again."""
+MAX_HISTORY: Final = 64
+"""Most recent move events remembered for ``GET /v1/nodes`` and the page."""
+MoveEvent = Literal["told", "done", "given up"]
 
 
 @dataclass(frozen=True)
@@ -88,12 +91,26 @@ def _bounded_set(table: OrderedDict[str, object], key: str, value: object) -> No
 
 
 @dataclass(frozen=True)
+class MoveRecord:
+    """One event of a move, as ``GET /v1/nodes`` lists it under the model's ``moves``."""
+
+    model: str
+    node_id: str
+    from_layers: tuple[int, int]
+    to_layers: tuple[int, int]
+    event: MoveEvent
+    at: float
+
+
+@dataclass(frozen=True)
 class Told:
     """A move told to a node and not carried out yet."""
 
     move: Placement
     kv_reserve_tokens: int
     told_at: float
+    from_layers: tuple[int, int]
+    """The range the node held when it was told."""
 
 
 class PlacementBook:
@@ -107,6 +124,7 @@ class PlacementBook:
         self._uncovered_since: dict[str, float] = {}
         self._plans: dict[str, tuple[object, Plan | CannotCover]] = {}
         self._notes: dict[str, str] = {}
+        self._history: deque[MoveRecord] = deque(maxlen=MAX_HISTORY)
 
     def pending(self, model: str, now: float, registered: set[str]) -> list[Holder]:
         """Live reservations and told moves of ``model`` not registered yet; expired ones are dropped."""
@@ -127,6 +145,14 @@ class PlacementBook:
         """Why coverage of ``model`` cannot be restored now, if that is so."""
         return self._notes.get(model)
 
+    def history(self, model: str) -> list[MoveRecord]:
+        """The recent move events of ``model``, oldest first."""
+        return [record for record in self._history if record.model == model]
+
+    def _record(self, registration: NodeRegistration, told: Told, event: MoveEvent, now: float) -> None:
+        self._history.append(MoveRecord(registration.model, registration.node_id, told.from_layers,
+                                        (told.move.start, told.move.end), event, now))
+
     def move_for(self, registration: NodeRegistration, candidates: list[Candidate],
                  now: float) -> tuple[Placement, int] | None:
         """The move (and KV room a layer) to tell this heartbeating node, if any (see the module doc)."""
@@ -141,11 +167,13 @@ class PlacementBook:
             if (registration.shard_start, registration.shard_end) == (told.move.start, told.move.end):
                 del self._moves[node_id]
                 _bounded_set(self._moved_at, node_id, now)  # type: ignore[arg-type]
+                self._record(registration, told, "done", now)
                 logger.info("node %s now holds layers %d-%d as told", node_id, told.move.start, told.move.end)
                 return None
             if now - told.told_at < MOVE_TIMEOUT_S:
                 return told.move, told.kv_reserve_tokens
             del self._moves[node_id]
+            self._record(registration, told, "given up", now)
             logger.warning("node %s did not move to layers %d-%d within %.0f s", node_id, told.move.start,
                            told.move.end, MOVE_TIMEOUT_S)
         if now - self._moved_at.get(node_id, float("-inf")) < MOVE_COOLDOWN_S:
@@ -171,7 +199,9 @@ class PlacementBook:
                for layer in dropped):
             logger.debug("node %s waits: layers it would drop are not held by another node yet", node_id)
             return None
-        _bounded_set(self._moves, node_id, Told(move, plan.kv_reserve_tokens, now))  # type: ignore[arg-type]
+        told = Told(move, plan.kv_reserve_tokens, now, (registration.shard_start, registration.shard_end))
+        _bounded_set(self._moves, node_id, told)  # type: ignore[arg-type]
+        self._record(registration, told, "told", now)
         logger.info("healing: node %s (layers %d-%d) is told to hold layers %d-%d of %s (%d tokens of KV room a "
                     "layer)", node_id, registration.shard_start, registration.shard_end, move.start, move.end, model,
                     plan.kv_reserve_tokens)

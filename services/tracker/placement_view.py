@@ -8,6 +8,8 @@
   node without ``--layers`` is given a replica of; ``slowest`` marks it.
 - ``healing``: why layers nobody holds cannot be held again by moving placed
   nodes (:meth:`.healing.PlacementBook.note`), or ``None``.
+- ``moves``: the recent move events (``told``, ``done``, ``given up``), each with
+  the node, the range it left and the one it was told, and how many seconds ago.
 """
 
 from __future__ import annotations
@@ -50,5 +52,8 @@ def stages(holders: Sequence[Holder], num_layers: int) -> list[dict[str, Any]]:
 def model_placement(request: Request, model: str, num_layers: int) -> dict[str, Any]:
     """The ``stages`` and ``healing`` of one model's ``GET /v1/nodes`` entry."""
     now = tracker_state(request).now()
-    return {"stages": stages(rated_holders(request, model, now), num_layers),
-            "healing": book_of(request).note(model)}
+    book = book_of(request)
+    moves = [{"node_id": r.node_id, "from_layers": list(r.from_layers), "to_layers": list(r.to_layers),
+              "event": r.event, "age_s": round(now - r.at, 1)} for r in book.history(model)]
+    return {"stages": stages(rated_holders(request, model, now), num_layers), "healing": book.note(model),
+            "moves": moves}
