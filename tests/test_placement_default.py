@@ -20,7 +20,7 @@ import openai
 import pytest
 
 from tests.procs import Service, start_service, wait_healthy
-from tests.test_placement_mesh import HEARTBEAT_S, wait_for
+from tests.test_placement_mesh import HEARTBEAT_S, READY_S, wait_for
 from tests.tiny_mesh import wait_until_servable
 
 pytestmark = pytest.mark.slow
@@ -34,7 +34,7 @@ QUESTION: Final = [{"role": "user", "content": "What is the capital of France?"}
 
 @pytest.fixture(scope="module")
 def tracker() -> Iterator[Service]:
-    service = start_service("tracker", {"MESHNET_HEARTBEAT_S": HEARTBEAT_S})
+    service = start_service("tracker", {"MESHNET_HEARTBEAT_S": HEARTBEAT_S}, ready_timeout_s=READY_S)
     try:
         yield service
     finally:
@@ -49,7 +49,7 @@ def services(tracker: Service) -> Iterator[dict[str, Service]]:
              for node_id in NODES}
     try:
         for node in nodes.values():
-            wait_healthy(node)
+            wait_healthy(node, READY_S)
         yield nodes
     finally:
         for node in nodes.values():

@@ -19,7 +19,15 @@ import openai
 import pytest
 
 from tests.procs import Service, start_service, wait_healthy
-from tests.test_placement_mesh import HALF_BUDGET, HEARTBEAT_S, MAX_TOKENS, PROMPT, node_env, wait_for
+from tests.test_placement_mesh import (
+    HALF_BUDGET,
+    HEARTBEAT_S,
+    MAX_TOKENS,
+    PROMPT,
+    READY_S,
+    node_env,
+    wait_for,
+)
 from tests.tiny_mesh import wait_until_servable
 
 NODES: Final = ("join-a", "join-b", "join-c")
@@ -29,7 +37,7 @@ CHATS: Final = 4
 
 @pytest.fixture(scope="module")
 def tracker() -> Iterator[Service]:
-    service = start_service("tracker", {"MESHNET_HEARTBEAT_S": HEARTBEAT_S})
+    service = start_service("tracker", {"MESHNET_HEARTBEAT_S": HEARTBEAT_S}, ready_timeout_s=READY_S)
     try:
         yield service
     finally:
@@ -42,7 +50,7 @@ def services(tracker: Service, tiny_model_dir: Path) -> Iterator[dict[str, Servi
                                     wait_ready=False) for node_id in NODES}
     try:
         for node in nodes.values():
-            wait_healthy(node)
+            wait_healthy(node, READY_S)
         yield nodes
     finally:
         for node in nodes.values():
@@ -73,7 +81,7 @@ def test_a_fourth_node_takes_a_replica_of_the_slowest_stage_by_the_trackers_figu
     assert max(stage["seconds_per_token"] for stage in before) == slowest["seconds_per_token"]
     joiner = start_service("node", node_env(tiny_model_dir, tracker, JOINER, HALF_BUDGET), wait_ready=False)
     try:
-        wait_healthy(joiner)
+        wait_healthy(joiner, READY_S)
         joined = wait_for(lambda: routable(tracker).get(JOINER), "the fourth node to register")
         assert (joined["shard_start"], joined["shard_end"]) == (slowest["shard_start"], slowest["shard_end"])
         assert joined["placement"] == "replica"

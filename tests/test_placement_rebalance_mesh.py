@@ -22,7 +22,15 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from services.tracker.placement_rebalance import KV_RESERVE_LEVELS
 from tests.procs import Service, start_service, wait_healthy
-from tests.test_placement_mesh import HEARTBEAT_S, MAX_TOKENS, PROMPT, greedy_reference, node_env, wait_for
+from tests.test_placement_mesh import (
+    HEARTBEAT_S,
+    MAX_TOKENS,
+    PROMPT,
+    READY_S,
+    greedy_reference,
+    node_env,
+    wait_for,
+)
 from tests.tiny_mesh import wait_until_servable
 
 BUDGET: Final = "900KB"
@@ -32,7 +40,7 @@ NODES: Final = ("cut-a", "cut-b", "cut-c")
 
 @pytest.fixture(scope="module")
 def tracker() -> Iterator[Service]:
-    service = start_service("tracker", {"MESHNET_HEARTBEAT_S": HEARTBEAT_S})
+    service = start_service("tracker", {"MESHNET_HEARTBEAT_S": HEARTBEAT_S}, ready_timeout_s=READY_S)
     try:
         yield service
     finally:
@@ -45,7 +53,7 @@ def services(tracker: Service, tiny_model_dir: Path) -> Iterator[dict[str, Servi
              for node_id in NODES}
     try:
         for node in nodes.values():
-            wait_healthy(node)
+            wait_healthy(node, READY_S)
         yield nodes
     finally:
         for node in nodes.values():
