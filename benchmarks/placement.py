@@ -36,6 +36,7 @@ import logging
 import math
 import os
 import secrets
+import signal
 import statistics
 import time
 from collections.abc import Iterator
@@ -197,9 +198,12 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=32)
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))  # stop the meshes too
     from services.node.model.model_source import resolve_model
 
-    model = str(resolve_model("default").path)
+    resolve_model("default")  # converted once here, not by nine nodes at once
+    model = "default"  # the nodes resolve it as a user's would: its GGUF's int4 layers
     with meshes(model) as started:
         layouts = {mesh.name: layout(mesh) for mesh in started}
         for name, lines in layouts.items():
