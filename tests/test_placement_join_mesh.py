@@ -34,10 +34,15 @@ NODES: Final = ("join-a", "join-b", "join-c")
 JOINER: Final = "join-d"
 CHATS: Final = 4
 
+NODE_TTL_S: Final = "20"
+"""How long a silent node stays listed: longer than the tracker's 6 s default, so a live node whose heartbeats
+a loaded machine delays is not taken for dead while the others are placed (that would change the layout)."""
+
 
 @pytest.fixture(scope="module")
 def tracker() -> Iterator[Service]:
-    service = start_service("tracker", {"MESHNET_HEARTBEAT_S": HEARTBEAT_S}, ready_timeout_s=READY_S)
+    service = start_service("tracker", {"MESHNET_HEARTBEAT_S": HEARTBEAT_S, "MESHNET_NODE_TTL_S": NODE_TTL_S},
+                            ready_timeout_s=READY_S)
     try:
         yield service
     finally:
