@@ -2,10 +2,16 @@
 
 It prepares the model once (the default model is converted from its GGUF on
 first use, with progress), then starts the tracker, the relay, the bootstrap
-registry and N nodes that split the model's layers evenly, each as its own
-process, exactly as they would run on separate machines. When the tracker
-lists the model with a complete route it prints the base URL and how to use
-it. Ctrl-C stops every process cleanly (SIGTERM, then SIGKILL after a grace).
+registry and N nodes, each as its own process, exactly as they would run on
+separate machines. The nodes start without ``--layers``: the tracker places
+each within its ``--max-memory`` (given, else its share of the memory found
+free: N nodes on one machine share it), covering the model first and then
+replicating its slowest stage, and heals the mesh when one stops. With
+``--prefill-nodes`` the decode and prefill nodes still split the layers evenly
+(``--layers``): a prefill/decode handoff needs both sides' layouts fixed. When
+every node has joined and the tracker lists the model with a complete route it
+prints where each node was placed, the base URL and how to use it. Ctrl-C stops
+every process cleanly (SIGTERM, then SIGKILL after a grace).
 """
 
 from __future__ import annotations
@@ -45,7 +51,9 @@ class UpSettings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="MESHNET_", extra="ignore", frozen=True)
 
     model: str = Field(DEFAULT_MODEL, description="a local model folder, a GGUF file or a model name")
-    nodes: int = Field(2, ge=1, le=MAX_NODES, description="how many nodes split the model's layers")
+    nodes: int = Field(2, ge=1, le=MAX_NODES, description="how many nodes the tracker places on the model's layers")
+    max_memory: str | None = Field(None, max_length=32, description="each node's memory budget for weights and KV "
+                                   "(80MB, 6GiB); default: its share of the memory found free")
     prefill_nodes: int = Field(0, ge=0, le=MAX_NODES, description="prefill nodes (--role prefill) splitting the "
                                                                    "layers beside the others, which then decode; "
                                                                    "0: none")
@@ -79,6 +87,24 @@ def split_layers(num_layers: int, nodes: int) -> list[tuple[int, int]]:
         ranges.append((start, start + size - 1))
         start += size
     return ranges
+
+
+def node_budget(settings: UpSettings) -> str:
+    """Each placed node's ``--max-memory``: the one given, else an equal share of the memory found free."""
+    if settings.max_memory:
+        return settings.max_memory
+    from services.node.model.device import pick_device  # the CLI may use service code; services may not
+    from services.node.model.memory_budget import default_budget_bytes
+
+    return str(max(1, default_budget_bytes(pick_device(settings.device)) // settings.nodes))
+
+
+def placed_nodes_text(base: str) -> str:
+    """Where the tracker placed each node, a line each (for the banner)."""
+    nodes = httpx.get(f"{base}/v1/nodes", timeout=2.0).json().get("nodes") or []
+    return "".join(f"  {n['node_id']}: layers {n['shard_start']}-{n['shard_end']} ({n.get('placement') or 'pinned'}, "
+                   f"{n.get('weight_bytes', 0) / 1e6:.1f} MB of weights)\n"
+                   for n in sorted(nodes, key=lambda n: (n["shard_start"], n["node_id"])) if n.get("routable"))
 
 
 def _port_free(host: str, port: int) -> bool:
@@ -172,8 +198,16 @@ def run_up(settings: UpSettings, log_level: str = "info") -> int:
               f"(--port, --relay-port, --bootstrap-port, --node-port)", file=sys.stderr)
         return 2
 
+    if settings.max_memory:
+        from services.node.settings import parse_size
+
+        try:
+            parse_size(settings.max_memory)
+        except ValueError as exc:
+            print(f"meshnet up: --max-memory: {exc}", file=sys.stderr)
+            return 2
     _, num_layers = _prepare_model(settings)
-    if max(settings.nodes, settings.prefill_nodes) > num_layers:
+    if settings.prefill_nodes and max(settings.nodes, settings.prefill_nodes) > num_layers:
         print(f"meshnet up: {max(settings.nodes, settings.prefill_nodes)} nodes cannot split {num_layers} layers",
               file=sys.stderr)
         return 2
@@ -201,25 +235,32 @@ def run_up(settings: UpSettings, log_level: str = "info") -> int:
                                env, boot_url, log_level))
         _wait(children, lambda: all(_healthy(c.url) for c in children), "the tracker, relay and bootstrap")
         pd = ["--bootstrap", boot_url] if settings.prefill_nodes else []
-        plan = [(f"node-{i}", r, ["--role", "decode", *pd] if pd else [])
-                for i, r in enumerate(split_layers(num_layers, settings.nodes))]
+        plan: list[tuple[str, tuple[int, int] | None, list[str]]]
         if settings.prefill_nodes:
+            plan = [(f"node-{i}", r, ["--role", "decode", *pd]) for i, r in enumerate(split_layers(num_layers,
+                                                                                                  settings.nodes))]
             plan += [(f"prefill-{i}", r, ["--role", "prefill", *pd])
                      for i, r in enumerate(split_layers(num_layers, settings.prefill_nodes))]
-        for (name, (first, last), extra), port in zip(plan, node_ports, strict=True):
-            args = ["node", "--model", settings.model, "--layers", f"{first}-{last}", "--tracker", base,
+        else:  # placed by the tracker within their budgets
+            budget = node_budget(settings)
+            log.info("nodes start without --layers: the tracker places each within --max-memory %s", budget)
+            plan = [(f"node-{i}", None, ["--max-memory", budget]) for i in range(settings.nodes)]
+        for (name, layers, extra), port in zip(plan, node_ports, strict=True):
+            pinned = ["--layers", f"{layers[0]}-{layers[1]}"] if layers is not None else []
+            args = ["node", "--model", settings.model, *pinned, "--tracker", base,
                     "--host", host, "--port", str(port), "--dtype", settings.dtype, "--device", settings.device,
                     "--node-id", name, *extra]
-            children.append(_spawn(f"{name} (layers {first}-{last})", args, env, f"http://{host}:{port}",
-                                   log_level))
+            where = f"layers {layers[0]}-{layers[1]}" if layers is not None else "placed by the tracker"
+            children.append(_spawn(f"{name} ({where})", args, env, f"http://{host}:{port}", log_level))
 
         def model_listed() -> bool:
             models = httpx.get(f"{base}/v1/models", timeout=2.0).json().get("data") or []
-            return bool(models)
+            nodes = httpx.get(f"{base}/v1/nodes", timeout=2.0).json().get("nodes") or []
+            return bool(models) and sum(1 for n in nodes if n.get("routable")) >= len(plan)
 
         _wait(children, model_listed, "every node to load its layers and join")
         model_id = httpx.get(f"{base}/v1/models", timeout=2.0).json()["data"][0]["id"]
-        print(usage_banner(base, model_id), flush=True)
+        print(f"\nthe nodes hold:\n{placed_nodes_text(base)}" + usage_banner(base, model_id), flush=True)
         while all(child.proc.poll() is None for child in children):
             time.sleep(POLL_S)
         dead = [c.name for c in children if c.proc.poll() is not None]

@@ -19,6 +19,9 @@ MESHNET = [sys.executable, "-m", "meshnet.cli"]
 UP_READY_TIMEOUT_S = 180.0
 UP_STOP_TIMEOUT_S = 60.0
 """How long `meshnet up` may take to stop its processes (each gets a grace of 10 s, then SIGKILL)."""
+UP_BUDGET = "1100KB"
+"""Each node's --max-memory: two layers of the tiny model with the embedding or the LM head, so the tracker
+places two nodes on layers 0-1 and 2-3."""
 
 
 def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
@@ -89,7 +92,7 @@ def stop_up(up: UpProcess) -> None:
 @pytest.fixture(scope="module")
 def local_mesh(tiny_model_dir: Path):
     ports = [free_port() for _ in range(3)] + [free_ports_in_a_row(2)]  # both nodes' ports must be free
-    up = UpProcess(["--model", str(tiny_model_dir), "--nodes", "2", "--dtype", "float32",
+    up = UpProcess(["--model", str(tiny_model_dir), "--nodes", "2", "--dtype", "float32", "--max-memory", UP_BUDGET,
                     "--port", str(ports[0]), "--relay-port", str(ports[1]), "--bootstrap-port", str(ports[2]),
                     "--node-port", str(ports[3])])
     try:
@@ -97,6 +100,14 @@ def local_mesh(tiny_model_dir: Path):
         yield up, f"http://127.0.0.1:{ports[0]}"
     finally:
         stop_up(up)
+
+
+def test_up_starts_its_nodes_without_layers_and_the_tracker_places_them(local_mesh) -> None:
+    up, base = local_mesh
+    nodes = httpx.get(f"{base}/v1/nodes").json()["nodes"]
+    assert sorted((n["shard_start"], n["shard_end"], n["placement"]) for n in nodes) == [
+        (0, 1, "covering"), (2, 3, "covering")]
+    assert "the nodes hold:" in up.output() and "layers 0-1 (covering" in up.output()
 
 
 def test_up_prints_the_base_url_and_an_openai_example(local_mesh) -> None:

@@ -26,10 +26,16 @@ from services.tracker.placement import (
     Placement,
     clamp_speed,
     format_bytes,
-    heal,
     place,
     stage_times,
     uncovered_runs,
+)
+from services.tracker.placement_rebalance import (
+    KV_RESERVE_LEVELS,
+    MIN_KV_RESERVE_TOKENS,
+    CannotCover,
+    Movable,
+    rebalance,
 )
 from services.tracker.settings import TrackerSettings
 from tests.procs import TEST_SECRET
@@ -185,24 +191,80 @@ def test_a_placement_request_without_a_credential_is_refused_before_it_is_read(t
 
 # --- healing -------------------------------------------------------------------------------------------------
 
+def movable(holder: Holder, budget: int, costs: LayerCosts = COSTS) -> Movable:
+    return Movable(holder, costs, budget)
+
+
+# KV room in these units: a plan is sought with KV_RESERVE_LEVELS tokens a layer at 1 byte each, so a layer
+# needs 10 + 1024 at first, then 10 + 512, then 10 + 256.
+L0, L1, L2 = (10 + tokens for tokens in KV_RESERVE_LEVELS)
+
+
 def test_a_replica_moves_wholly_to_layers_that_lost_their_last_holder() -> None:
-    replica = Holder("c", 4, 7, 0.002)
-    assert heal(COSTS, needs(4, head=True), replica, [Holder("b", 4, 7, 0.002)], KV) == Placement(0, 3, "covering")
+    replica = movable(Holder("c", 4, 7), 4 * L0 + 5)
+    plan = rebalance([replica], [Holder("b", 4, 7)], 8)
+    assert plan.moves == {"c": Placement(0, 3, "covering")} and plan.kv_reserve_tokens == KV_RESERVE_LEVELS[0]
 
 
 def test_a_node_that_holds_layers_alone_grows_toward_the_gap_next_to_it_as_far_as_it_fits() -> None:
-    own = Holder("b", 4, 7, 0.002)
-    assert heal(COSTS, needs(6, tail=True), own, [], KV) == Placement(2, 7, "covering")
-    assert heal(COSTS, needs(8, head=True, tail=True), own, [], KV) == Placement(0, 7, "covering")
-
-
-def test_a_node_without_room_stays_where_it_is() -> None:
-    assert heal(COSTS, needs(4, tail=True), Holder("b", 4, 7, 0.002), [], KV) is None
+    assert rebalance([movable(Holder("b", 4, 7), 8 * L0 + 10)], [], 8).moves == {"b": Placement(0, 7, "covering")}
 
 
 def test_nothing_moves_while_every_layer_is_held() -> None:
-    holders = [Holder("a", 0, 3, 0.002), Holder("b", 4, 7, 0.002)]
-    assert heal(COSTS, needs(8, head=True, tail=True), Holder("c", 4, 7, 0.001), holders, KV) is None
+    plan = rebalance([movable(Holder("c", 4, 7), 10**6)], [Holder("a", 0, 3), Holder("b", 4, 7)], 8)
+    assert plan.moves == {}
+
+
+def test_survivors_that_cannot_take_the_gap_as_they_are_are_re_cut_evenly_by_their_budgets() -> None:
+    # a held 0-1, b 2-3 and c 4-7 died; a and b together hold the model only by both moving: a grows to 0-3,
+    # b shifts to 4-7 (it drops 2-3, which a then holds).
+    budget = 4 * L0 + 5
+    plan = rebalance([movable(Holder("a", 0, 1), budget), movable(Holder("b", 2, 3), budget)], [], 8)
+    assert plan.moves == {"a": Placement(0, 3, "covering"), "b": Placement(4, 7, "covering")}
+
+
+def test_the_fewest_nodes_move_and_pinned_nodes_stay_where_they_are() -> None:
+    budget = 4 * L0 + 5
+    nodes = [movable(Holder("a", 0, 1), budget), movable(Holder("b", 2, 3), budget)]
+    plan = rebalance(nodes, [Holder("pinned", 6, 7)], 8)  # b grows to 2-5; a need not move
+    assert plan.moves == {"b": Placement(2, 5, "covering")}
+
+
+def test_kv_room_gives_way_to_coverage_down_to_its_floor() -> None:
+    # Two nodes that hold half the model each with 512 tokens of KV room a layer, not with 1024.
+    budget = 4 * L1 + 5
+    plan = rebalance([movable(Holder("a", 0, 1), budget), movable(Holder("b", 6, 7), budget)], [], 8)
+    assert plan.kv_reserve_tokens == KV_RESERVE_LEVELS[1]
+    assert plan.moves == {"a": Placement(0, 3, "covering"), "b": Placement(4, 7, "covering")}
+
+
+def test_when_the_budgets_cannot_hold_the_model_the_plan_says_so_and_why() -> None:
+    budget = 4 * L2  # not even four layers with the embedding at the floor's KV room
+    with pytest.raises(CannotCover) as refused:
+        rebalance([movable(Holder("a", 0, 1), budget), movable(Holder("b", 6, 7), budget)], [], 8)
+    message = str(refused.value)
+    assert "layers 2-5 cannot be restored" in message and f"{MIN_KV_RESERVE_TOKENS} tokens of KV room" in message
+    assert format_bytes(2 * budget) in message
+
+
+def test_the_default_model_at_80_mb_a_node_is_covered_again_by_any_two_of_three() -> None:
+    """SmolLM2-135M-Instruct's int4 layers as a node measures them: 3 nodes at 80 MB cover its 30 layers; any
+    two left hold them again (with 512 tokens of KV room a layer, not 1024), by both moving."""
+    smol = LayerCosts(num_layers=30, layer_bytes=2_216_448, kv_bytes_per_token=1536, head_bytes=31_850_752,
+                      tail_bytes=31_853_056)
+    budget = 80_000_000
+    holders: list[Holder] = []
+    for node_id in "abc":
+        placed = place(smol, budget, holders)
+        holders.append(Holder(node_id, placed.start, placed.end))
+    assert not uncovered_runs(holders, 30)
+    for dead in "abc":
+        survivors = [movable(h, budget, smol) for h in holders if h.node_id != dead]
+        plan = rebalance(survivors, [], 30)
+        after = [plan.moves.get(m.holder.node_id, Placement(m.holder.start, m.holder.end, "covering"))
+                 for m in survivors]
+        assert not uncovered_runs([Holder(str(i), p.start, p.end) for i, p in enumerate(after)], 30), (dead, plan)
+        assert all(smol.needed_bytes(h.start, h.end, plan.kv_reserve_tokens) <= budget for h in after)
 
 
 class Clock:
@@ -259,3 +321,45 @@ def test_a_replica_of_surviving_layers_moves_to_the_lost_ones_and_is_then_left_a
         assert _register(client, "c", 4, 7, "covering", leases["c"])["move"] is None  # moved: left alone
         clock.now += 1
         assert _register(client, "c", 4, 7, "covering", leases["c"])["move"] is None
+
+
+def test_a_node_that_must_drop_layers_is_told_only_once_another_node_holds_them() -> None:
+    """a (0-1) dies; b (2-5) and c (6-7) hold the model again only as b 0-3 and c 4-7: c grows at once, b,
+    which drops 4-5, is told once c has registered them, so no held layer goes uncovered meanwhile."""
+    clock = Clock()
+    with TestClient(create_app(TrackerSettings(secret=TEST_SECRET), clock=clock)) as client:
+        budget = 4 * L1 + 5
+        leases = {}
+        for node_id, start, end in (("a", 0, 1), ("b", 2, 5), ("c", 6, 7)):
+            assert _ask(client, node_id, budget).status_code == 200  # the tracker now knows its costs and budget
+            leases[node_id] = _register(client, node_id, start, end, "covering")["lease"]
+        client.request("DELETE", "/v1/nodes/a", headers={**bearer_headers(TEST_SECRET), LEASE: str(leases["a"])})
+        _register(client, "b", 2, 5, "covering", leases["b"])  # the gap is seen
+        clock.now += GAP_GRACE_S + 1
+        assert _register(client, "b", 2, 5, "covering", leases["b"])["move"] is None  # 4-5 would go uncovered
+        grow = _register(client, "c", 6, 7, "covering", leases["c"])["move"]
+        assert (grow["shard_start"], grow["shard_end"], grow["kv_reserve_tokens"]) == (4, 7, KV_RESERVE_LEVELS[1])
+        assert _register(client, "b", 2, 5, "covering", leases["b"])["move"] is None  # c has not loaded them yet
+        assert _register(client, "c", 4, 7, "covering", leases["c"])["move"] is None  # c moved
+        shift = _register(client, "b", 2, 5, "covering", leases["b"])["move"]
+        assert (shift["shard_start"], shift["shard_end"]) == (0, 3)
+        _register(client, "b", 0, 3, "covering", leases["b"])
+        nodes = client.get("/v1/nodes").json()
+        assert nodes["models"][0]["complete"] and nodes["models"][0]["healing"] is None
+        moves = [(m["node_id"], m["event"], tuple(m["to_layers"])) for m in nodes["models"][0]["moves"]]
+        assert moves == [("c", "told", (4, 7)), ("c", "done", (4, 7)), ("b", "told", (0, 3)), ("b", "done", (0, 3))]
+
+
+def test_when_the_survivors_cannot_hold_the_model_the_nodes_list_says_why() -> None:
+    clock = Clock()
+    with TestClient(create_app(TrackerSettings(secret=TEST_SECRET), clock=clock)) as client:
+        budget = L0 + 16  # two such budgets fall short of 8 layers at the floor's KV room (2 x 1050 < 8 x 266 + 10)
+        leases = {}
+        for node_id, start, end in (("a", 0, 1), ("b", 2, 3)):
+            assert _ask(client, node_id, budget).status_code == 200
+            leases[node_id] = _register(client, node_id, start, end, "covering")["lease"]
+        _register(client, "b", 2, 3, "covering", leases["b"])  # layers 4-7 were never held: the gap is seen
+        clock.now += GAP_GRACE_S + 1
+        assert _register(client, "b", 2, 3, "covering", leases["b"])["move"] is None
+        healing = client.get("/v1/nodes").json()["models"][0]["healing"]
+        assert "layers 4-7 cannot be restored" in healing and "2 movable placed node(s)" in healing

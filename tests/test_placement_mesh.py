@@ -11,7 +11,6 @@ replica. :data:`TOO_SMALL` holds no layer at all.
 from __future__ import annotations
 
 import logging
-import os
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -31,7 +30,10 @@ HALF_BUDGET_BYTES: Final = 1_100_000
 TOO_SMALL: Final = "100KB"
 logger = logging.getLogger(__name__)
 HEARTBEAT_S: Final = "1"
-WAIT_S: Final = 90.0
+READY_S: Final = 600.0
+"""Bound on a service's start: importing torch alone took over 120 s at a load average of 24 on 2 cores."""
+WAIT_S: Final = 240.0
+"""Bound of every wait for a state (generous: the machine may be loaded; nothing waits for a time)."""
 NODES: Final = ("placed-a", "placed-b", "placed-c")
 PROMPT: Final = [{"role": "user", "content": "Where does the river run before it reaches the sea?"}]
 MAX_TOKENS: Final = 24
@@ -58,7 +60,7 @@ def wait_for(condition: Callable[[], Any], what: str) -> Any:
 
 @pytest.fixture(scope="module")
 def tracker() -> Iterator[Service]:
-    service = start_service("tracker", {"MESHNET_HEARTBEAT_S": HEARTBEAT_S})
+    service = start_service("tracker", {"MESHNET_HEARTBEAT_S": HEARTBEAT_S}, ready_timeout_s=READY_S)
     try:
         yield service
     finally:
@@ -71,7 +73,7 @@ def placed_services(tracker: Service, tiny_model_dir: Path) -> Iterator[dict[str
                                     wait_ready=False) for node_id in NODES}
     try:
         for node in nodes.values():
-            wait_healthy(node)
+            wait_healthy(node, READY_S)
         yield nodes
     finally:
         for node in nodes.values():
@@ -119,30 +121,33 @@ def greedy_reference(reference: PreTrainedModel, tokenizer: PreTrainedTokenizerB
     return str(tokenizer.decode(out[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True))
 
 
-@pytest.mark.skipif(bool(os.environ.get("CI")), reason=(
-    "healing timed out in two full-suite runs on 2 cores (it passes alone, also under load); skipped on CI until "
-    "the logs it now prints on failure say why (issue 36 stays open)"))
-def test_when_the_last_holder_of_layers_dies_the_replica_moves_onto_them_and_chats_answer_again(
+def test_when_the_last_holder_of_layers_dies_a_survivor_moves_onto_them_and_chats_answer_again(
         placed_mesh: list[dict[str, Any]], placed_services: dict[str, Service], tracker: Service,
         tiny_model_dir: Path, reference: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> None:
+    """Two nodes hold one range (the one placed as its replica and the one it copies): either may be the one
+    the tracker moves, whichever heartbeats first once the gap is seen, so the test waits for the state (the
+    dead node's range held again by a survivor, every layer covered), not for a particular node."""
     replica = next(n for n in placed_mesh if n["placement"] == "replica")
     lone = next(n for n in placed_mesh if n["placement"] == "covering"
                 and (n["shard_start"], n["shard_end"]) != (replica["shard_start"], replica["shard_end"]))
     placed_services[lone["node_id"]].kill()
+    lost = (lone["shard_start"], lone["shard_end"])
 
     def healed() -> dict[str, Any] | None:
-        nodes = {n["node_id"]: n for n in listed(tracker)}
-        moved = nodes.get(replica["node_id"])
-        coverage = httpx.get(f"{tracker.url}/v1/nodes").json()["models"][0]
-        return moved if moved and moved["shard_start"] == lone["shard_start"] and coverage["complete"] else None
+        answer = httpx.get(f"{tracker.url}/v1/nodes").json()
+        movers = [n for n in answer["nodes"] if n["node_id"] != lone["node_id"] and n["routable"]
+                  and (n["shard_start"], n["shard_end"]) == lost]
+        return movers[0] if movers and answer["models"][0]["complete"] else None
 
     try:
-        moved = wait_for(healed, "the replica to take the dead node's layers")
-    except AssertionError:  # what the replica and the tracker said, for whoever reads the failure
-        logger.error("replica %s log:\n%s", replica["node_id"], placed_services[replica["node_id"]].log()[-4000:])
+        moved = wait_for(healed, "a survivor to take the dead node's layers")
+    except AssertionError:  # what the survivors and the tracker said, for whoever reads the failure
+        for node_id, node in placed_services.items():
+            if node_id != lone["node_id"]:
+                logger.error("survivor %s log:\n%s", node_id, node.log()[-4000:])
         logger.error("tracker log:\n%s", tracker.log()[-4000:])
         raise
-    assert moved["placement"] == "covering" and moved["shard_end"] == lone["shard_end"]
+    assert moved["placement"] == "covering"
     assert moved["weight_bytes"] <= HALF_BUDGET_BYTES
     model = wait_until_servable(tracker, tiny_model_dir.name)
     client = openai.OpenAI(base_url=f"{tracker.url}/v1", api_key="unused", max_retries=0, timeout=120)
@@ -154,7 +159,7 @@ def test_a_node_whose_budget_cannot_hold_one_layer_refuses_to_start_naming_the_b
         tracker: Service, tiny_model_dir: Path) -> None:
     node = start_service("node", node_env(tiny_model_dir, tracker, "too-small", TOO_SMALL), wait_ready=False)
     try:
-        assert node.proc.wait(timeout=WAIT_S) != 0
+        assert node.proc.wait(timeout=READY_S) != 0
         log = node.log()
         assert "cannot hold one layer" in log and "97.7 KiB" in log and "one layer needs 400.5 KiB" in log, log
     finally:

@@ -14,5 +14,8 @@ Modules, one concept each (``docs/architecture.md`` draws the same map):
 - state: ``state`` (one tracker's state and its route/model questions), ``registry`` (nodes, leases,
   states, backoffs; pure) and ``node_views`` (what it shows), ``planner`` and ``pd_routes`` (routes over
   layer ranges; pure), ``store/`` (where the registry lives: memory or Redis), ``store_fence`` and
-  ``key_limits`` (middleware), ``trust``, ``keyring`` and ``join_tokens`` (route keys, node credentials).
+  ``key_limits`` (middleware), ``trust``, ``keyring`` and ``join_tokens`` (route keys, node credentials);
+- placement: ``placement`` and ``placement_rebalance`` (where a node without ``--layers`` serves, and healing
+  plans that re-cut live nodes; pure), ``placement_api`` (``POST /v1/placement``), ``healing`` (the placement
+  book and a heartbeat's move), ``placement_view`` (what ``GET /v1/nodes`` shows of placement).
 """

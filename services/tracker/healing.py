@@ -1,16 +1,28 @@
-"""The tracker's memory of placements, and healing: moving placed nodes onto layers that lost their last holder.
+"""The tracker's memory of placements, and healing: moving placed nodes so layers that lost their last holder are held.
 
 :class:`PlacementBook` (one per app, ``app.state.placement_book``) keeps, for this tracker:
 
 - ranges handed out by ``POST /v1/placement`` and not registered yet (so nodes
   starting together are given different ranges), for :data:`PENDING_S`;
 - each placed node's costs and budget, so it can be moved later;
-- moves told and not yet carried out, so two nodes are not sent to one gap.
+- moves told and not yet carried out, so two nodes are not sent to one gap;
+- per model, why coverage cannot be restored when no plan covers it (``GET /v1/nodes``
+  shows it as the model's ``healing``).
 
 :func:`heal_move` runs on every heartbeat of a placed node (``POST /v1/nodes``):
 once some layers of its model have had no holder for :data:`GAP_GRACE_S`, the
-node is told (``RegistrationAnswer.move``) where :func:`.placement.heal` says it
-should serve. Damped so placement never flaps: pinned nodes never move; a node
+tracker plans new ranges for the live placed nodes of the model
+(:func:`.placement_rebalance.rebalance`: spare replicas first, else the chain
+of nodes re-cut, shrinking, growing or shifting live ranges within each node's
+budget) and tells each heartbeating node its part (``RegistrationAnswer.move``).
+
+Moves are carried out in an order that never uncovers a held layer: a node
+whose new range drops layers (it shrinks or shifts) is told only once every
+layer it drops is registered by another node; a node that only grows is told
+at once. A node loads its new range while still serving its old one and then
+registers it (services/node/runtime.py), so growers land first and shrinkers
+follow; the plan keeps the nodes' order along the model, so no two moves wait
+on each other. Damped so placement never flaps: pinned nodes never move; a node
 is told one move at a time, repeated on each heartbeat until it registers the
 new range (or :data:`MOVE_TIMEOUT_S` pass); after a move it stays put for
 :data:`MOVE_COOLDOWN_S`; and nothing moves while every layer is held.
@@ -22,16 +34,17 @@ another tracker is healed by that one once it has placed it.
 from __future__ import annotations
 
 import logging
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from dataclasses import dataclass
-from typing import Final
+from typing import Final, Literal
 
 from fastapi import Request
 
 from meshwire.placement import PlacementAnswer
 from meshwire.registry import NodeRegistration
 
-from .placement import DEFAULT_KV_RESERVE_TOKENS, Holder, LayerCosts, Placement, heal, uncovered_runs
+from .placement import Holder, LayerCosts, Placement, uncovered_runs
+from .placement_rebalance import CannotCover, Movable, Plan, rebalance
 from .planner import Candidate
 from .state import tracker_state
 
@@ -48,6 +61,9 @@ MOVE_TIMEOUT_S: Final = 180.0
 """How long a told move is repeated and reserved before it is given up."""
 MOVE_COOLDOWN_S: Final = 30.0
 """How long a node that moved stays where it is before it may be moved again."""
+MAX_HISTORY: Final = 64
+"""Most recent move events remembered for ``GET /v1/nodes`` and the page."""
+MoveEvent = Literal["told", "done", "given up"]
 
 
 @dataclass(frozen=True)
@@ -74,22 +90,48 @@ def _bounded_set(table: OrderedDict[str, object], key: str, value: object) -> No
         table.popitem(last=False)
 
 
+@dataclass(frozen=True)
+class MoveRecord:
+    """One event of a move, as ``GET /v1/nodes`` lists it under the model's ``moves``."""
+
+    model: str
+    node_id: str
+    from_layers: tuple[int, int]
+    to_layers: tuple[int, int]
+    event: MoveEvent
+    at: float
+
+
+@dataclass(frozen=True)
+class Told:
+    """A move told to a node and not carried out yet."""
+
+    move: Placement
+    kv_reserve_tokens: int
+    told_at: float
+    from_layers: tuple[int, int]
+    """The range the node held when it was told."""
+
+
 class PlacementBook:
-    """Reservations, placed nodes and moves (see the module doc); bounded, expiring."""
+    """Reservations, placed nodes, moves and healing notes (see the module doc); bounded, expiring."""
 
     def __init__(self) -> None:
         self._pending: OrderedDict[str, Reservation] = OrderedDict()
         self._placed: OrderedDict[str, PlacedNode] = OrderedDict()
-        self._moves: OrderedDict[str, tuple[Placement, float]] = OrderedDict()
+        self._moves: OrderedDict[str, Told] = OrderedDict()
         self._moved_at: OrderedDict[str, float] = OrderedDict()
         self._uncovered_since: dict[str, float] = {}
+        self._plans: dict[str, tuple[object, Plan | CannotCover]] = {}
+        self._notes: dict[str, str] = {}
+        self._history: deque[MoveRecord] = deque(maxlen=MAX_HISTORY)
 
     def pending(self, model: str, now: float, registered: set[str]) -> list[Holder]:
         """Live reservations and told moves of ``model`` not registered yet; expired ones are dropped."""
         for node_id in [k for k, v in self._pending.items() if v.expires_at <= now or k in registered]:
             del self._pending[node_id]
-        moving = [Holder(node_id, move.start, move.end, self._placed[node_id].seconds_per_layer)
-                  for node_id, (move, _) in self._moves.items()
+        moving = [Holder(node_id, told.move.start, told.move.end, self._placed[node_id].seconds_per_layer)
+                  for node_id, told in self._moves.items()
                   if node_id in self._placed and self._placed[node_id].model == model]
         return [r.holder for r in self._pending.values() if r.model == model] + moving
 
@@ -99,43 +141,104 @@ class PlacementBook:
         _bounded_set(self._placed, holder.node_id, placed)  # type: ignore[arg-type]
         self._moves.pop(holder.node_id, None)
 
-    def move_for(self, registration: NodeRegistration, candidates: list[Candidate], now: float) -> Placement | None:
-        """The move to tell this heartbeating node, if any (see the module doc)."""
+    def note(self, model: str) -> str | None:
+        """Why coverage of ``model`` cannot be restored now, if that is so."""
+        return self._notes.get(model)
+
+    def history(self, model: str) -> list[MoveRecord]:
+        """The recent move events of ``model``, oldest first."""
+        return [record for record in self._history if record.model == model]
+
+    def _record(self, registration: NodeRegistration, told: Told, event: MoveEvent, now: float) -> None:
+        self._history.append(MoveRecord(registration.model, registration.node_id, told.from_layers,
+                                        (told.move.start, told.move.end), event, now))
+
+    def move_for(self, registration: NodeRegistration, candidates: list[Candidate],
+                 now: float) -> tuple[Placement, int] | None:
+        """The move (and KV room a layer) to tell this heartbeating node, if any (see the module doc)."""
         node_id = registration.node_id
         placed = self._placed.get(node_id)
-        if placed is None or registration.placement in (None, "pinned") or placed.model != registration.model:
+        if placed is not None and (registration.placement in (None, "pinned") or placed.model != registration.model):
+            del self._placed[node_id]  # restarted pinned, or on another model: no longer this tracker's to move
+            placed = None
+        if placed is None:
             return None
         if (told := self._moves.get(node_id)) is not None:
-            move, told_at = told
-            if (registration.shard_start, registration.shard_end) == (move.start, move.end):
+            if (registration.shard_start, registration.shard_end) == (told.move.start, told.move.end):
                 del self._moves[node_id]
                 _bounded_set(self._moved_at, node_id, now)  # type: ignore[arg-type]
-                logger.info("node %s now holds layers %d-%d as told", node_id, move.start, move.end)
+                self._record(registration, told, "done", now)
+                logger.info("node %s now holds layers %d-%d as told", node_id, told.move.start, told.move.end)
                 return None
-            if now - told_at < MOVE_TIMEOUT_S:
-                return move
+            if now - told.told_at < MOVE_TIMEOUT_S:
+                return told.move, told.kv_reserve_tokens
             del self._moves[node_id]
-            logger.warning("node %s did not move to layers %d-%d within %.0f s", node_id, move.start, move.end,
-                           MOVE_TIMEOUT_S)
+            self._record(registration, told, "given up", now)
+            logger.warning("node %s did not move to layers %d-%d within %.0f s", node_id, told.move.start,
+                           told.move.end, MOVE_TIMEOUT_S)
         if now - self._moved_at.get(node_id, float("-inf")) < MOVE_COOLDOWN_S:
             return None
-        n = placed.costs.num_layers
-        others = [Holder(c.node_id, c.shard_start, c.shard_end) for c in candidates if c.node_id != node_id]
-        others += [h for h in self.pending(registration.model, now, {c.node_id for c in candidates})
-                   if h.node_id != node_id]
-        own = Holder(node_id, registration.shard_start, registration.shard_end, placed.seconds_per_layer)
-        if not uncovered_runs([*others, own], n):
-            self._uncovered_since.pop(registration.model, None)
+        model, n = registration.model, placed.costs.num_layers
+        live = [c for c in candidates if c.node_id != node_id]
+        live.append(Candidate(node_id, registration.endpoint, registration.shard_start, registration.shard_end,
+                              role=registration.role))
+        pending = self.pending(model, now, {c.node_id for c in live})
+        if not uncovered_runs([*(Holder(c.node_id, c.shard_start, c.shard_end) for c in live), *pending], n):
+            self._uncovered_since.pop(model, None)
+            self._notes.pop(model, None)
             return None
-        since = self._uncovered_since.setdefault(registration.model, now)
+        since = self._uncovered_since.setdefault(model, now)
         if now - since < GAP_GRACE_S:
             return None
-        move = heal(placed.costs, placed.budget_bytes, own, others, DEFAULT_KV_RESERVE_TOKENS)
-        if move is not None:
-            _bounded_set(self._moves, node_id, (move, now))  # type: ignore[arg-type]
-            logger.info("healing: node %s (layers %d-%d) is told to hold layers %d-%d of %s", node_id, own.start,
-                        own.end, move.start, move.end, registration.model)
-        return move
+        plan = self._plan(model, n, live, pending, now)
+        if plan is None or (move := plan.moves.get(node_id)) is None:
+            return None
+        dropped = set(range(registration.shard_start, registration.shard_end + 1)) - set(range(move.start,
+                                                                                            move.end + 1))
+        if any(not any(c.shard_start <= layer <= c.shard_end for c in live if c.node_id != node_id)
+               for layer in dropped):
+            logger.debug("node %s waits: layers it would drop are not held by another node yet", node_id)
+            return None
+        told = Told(move, plan.kv_reserve_tokens, now, (registration.shard_start, registration.shard_end))
+        _bounded_set(self._moves, node_id, told)  # type: ignore[arg-type]
+        self._record(registration, told, "told", now)
+        logger.info("healing: node %s (layers %d-%d) is told to hold layers %d-%d of %s (%d tokens of KV room a "
+                    "layer)", node_id, registration.shard_start, registration.shard_end, move.start, move.end, model,
+                    plan.kv_reserve_tokens)
+        return move, plan.kv_reserve_tokens
+
+    def _plan(self, model: str, num_layers: int, live: list[Candidate], pending: list[Holder],
+              now: float) -> Plan | None:
+        """The healing plan of ``model`` for these live nodes (the last one is reused while nothing changed)."""
+        moving = {h.node_id for h in pending}
+        movable = [Movable(Holder(c.node_id, c.shard_start, c.shard_end, self._placed[c.node_id].seconds_per_layer),
+                           self._placed[c.node_id].costs, self._placed[c.node_id].budget_bytes)
+                   for c in live if c.node_id in self._placed and self._placed[c.node_id].model == model
+                   and c.node_id not in moving and c.role == "both"
+                   and now - self._moved_at.get(c.node_id, float("-inf")) >= MOVE_COOLDOWN_S]
+        movers = {m.holder.node_id for m in movable}
+        fixed = [Holder(c.node_id, c.shard_start, c.shard_end) for c in live
+                 if c.node_id not in movers and c.node_id not in moving] + pending
+        key = (sorted((m.holder.node_id, m.holder.start, m.holder.end, m.budget_bytes) for m in movable),
+               sorted((h.node_id, h.start, h.end) for h in fixed))
+        cached = self._plans.get(model)
+        if cached is not None and cached[0] == key:
+            result = cached[1]
+        else:
+            try:
+                result = rebalance(movable, fixed, num_layers)
+            except CannotCover as exc:
+                result = exc
+                if self._notes.get(model) != str(exc):
+                    logger.warning("healing %s: %s", model, exc)
+            self._plans[model] = (key, result)
+            while len(self._plans) > MAX_BOOK_ENTRIES:
+                self._plans.pop(next(iter(self._plans)))
+        if isinstance(result, CannotCover):
+            self._notes[model] = str(result)
+            return None
+        self._notes.pop(model, None)
+        return result
 
 
 def book_of(request: Request) -> PlacementBook:
@@ -151,8 +254,9 @@ def heal_move(request: Request, registration: NodeRegistration) -> PlacementAnsw
     state = tracker_state(request)
     now = state.now()
     candidates = list(state.registry.candidates(registration.model, now))
-    move = book_of(request).move_for(registration, candidates, now)
-    if move is None:
+    told = book_of(request).move_for(registration, candidates, now)
+    if told is None:
         return None
+    move, kv_reserve_tokens = told
     return PlacementAnswer(shard_start=move.start, shard_end=move.end, reason=move.reason,
-                           kv_reserve_tokens=DEFAULT_KV_RESERVE_TOKENS)
+                           kv_reserve_tokens=kv_reserve_tokens)

@@ -26,7 +26,8 @@ Routes:
   its last failure: one word of :data:`.failure_kinds.FAILURE_KINDS`, never
   what its endpoint answered, and its speed as this tracker measured it:
   ``measured_tokens_per_s``, ``measured_streams``, ``measured_ttft_s``, see
-  :mod:`.ratings`) and each model's coverage.
+  :mod:`.ratings`) and each model's coverage, with its placement (``stages`` as this tracker
+  rates them and ``healing``: see :mod:`.placement_view`).
 - ``GET /v1/mesh``: the same plus the tracker's clocks, for the live page.
 - ``GET /v1/route?model=M&exclude=a,b``: a signed route
   (:class:`~meshwire.routes.SignedRoute`).
@@ -65,6 +66,7 @@ from .endpoint_policy import EndpointPolicy
 from .failure_reports import ROUTE_GRACE_S, TooManyReports, run_of
 from .healing import heal_move
 from .join_tokens import TokenRefused
+from .placement_view import model_placement
 from .registry import MAX_REASON_CHARS, Registered, RegistryError, UnknownNode
 from .responses import HTTPError, read_body, require_api_key
 from .state import TrackerState, parse_exclude, tracker_state
@@ -304,7 +306,8 @@ async def _mesh_view(request: Request) -> dict[str, Any]:
                    **dataclasses.asdict(state.ratings.rating(node.node_id, node.shard_end - node.shard_start + 1)),
                    **verification_view(state.verifier, node.node_id)}
                   for node in state.registry.snapshot(now)],
-        "models": [model.model_dump(mode="json") for model in state.registry.coverage(now)],
+        "models": [{**model.model_dump(mode="json"), **model_placement(request, model.model, model.num_layers)}
+                   for model in state.registry.coverage(now)],
     }
 
 

@@ -198,39 +198,3 @@ def place(costs: LayerCosts, budget_bytes: int, holders: Iterable[Holder],
             return Placement(layer, layer, "replica")
     raise CannotHoldLayer(budget_bytes, cheapest)  # pragma: no cover - the cheapest layer fits, checked above
 
-
-def heal(costs: LayerCosts, budget_bytes: int, own: Holder, others: Iterable[Holder],
-         kv_reserve_tokens: int = DEFAULT_KV_RESERVE_TOKENS) -> Placement | None:
-    """Where a placed node ``own`` should move so layers nobody holds are held again; ``None``: stay.
-
-    A node whose every layer others also hold (a replica) may move wholly to the
-    uncovered run :func:`place` picks for it. A node that covers layers alone
-    stays on them and grows toward an uncovered run next to its range, as far as its
-    budget holds (the lower run first). Nothing moves while every layer is held:
-    replicas are added by joining nodes, not by shuffling live ones, so placement
-    does not flap.
-    """
-    n = costs.num_layers
-    peers = [h for h in others if 0 <= h.start <= h.end < n and h.node_id != own.node_id]
-    if not uncovered_runs([*peers, own], n):
-        return None
-    if all(any(p.start <= layer <= p.end for p in peers) for layer in range(own.start, own.end + 1)):
-        try:
-            moved = place(costs, budget_bytes, peers, kv_reserve_tokens)
-        except CannotHoldLayer:
-            return None
-        return moved if moved.reason == "covering" else None
-    for first, last in uncovered_runs([*peers, own], n):
-        if last + 1 == own.start:  # grow downward, one layer at a time while it fits
-            start = own.start
-            while start > first and costs.needed_bytes(start - 1, own.end, kv_reserve_tokens) <= budget_bytes:
-                start -= 1
-            if start < own.start:
-                return Placement(start, own.end, "covering")
-        if first == own.end + 1:
-            end = own.end
-            while end < last and costs.needed_bytes(own.start, end + 1, kv_reserve_tokens) <= budget_bytes:
-                end += 1
-            if end > own.end:
-                return Placement(own.start, end, "covering")
-    return None

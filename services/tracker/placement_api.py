@@ -31,7 +31,7 @@ from meshwire.placement import PlacementAnswer, PlacementRequest
 from .healing import PlacedNode, book_of
 from .mesh_api import require_member
 from .placement import DEFAULT_KV_RESERVE_TOKENS, CannotHoldLayer, Holder, LayerCosts, clamp_speed, place
-from .planner import Candidate
+from .placement_view import rated_holders
 from .responses import HTTPError, read_body
 from .state import tracker_state
 
@@ -41,12 +41,6 @@ MAX_PLACEMENT_BYTES: Final = 4 * limits.KIB
 """Largest placement request body read."""
 
 router = APIRouter()
-
-
-def seconds_per_layer(candidate: Candidate) -> float:
-    """A registered node's speed, seconds a layer for one decode row (0: it reported none)."""
-    layers = candidate.shard_end - candidate.shard_start + 1
-    return 1.0 / (candidate.decode_tokens_per_s * layers) if candidate.decode_tokens_per_s > 0 else 0.0
 
 
 @router.post("/v1/placement")
@@ -65,10 +59,9 @@ async def placement(request: Request) -> JSONResponse:
         raise HTTPError(403, f"this join token is not node {ask.node_id!r}'s", errors.PERMISSION,
                         "token_node_mismatch")
     now = state.now()
-    candidates = [c for c in state.registry.candidates(ask.model, now) if c.node_id != ask.node_id]
     book = book_of(request)
-    holders = [Holder(c.node_id, c.shard_start, c.shard_end, seconds_per_layer(c)) for c in candidates]
-    holders += [h for h in book.pending(ask.model, now, {c.node_id for c in candidates}) if h.node_id != ask.node_id]
+    holders = rated_holders(request, ask.model, now, exclude=ask.node_id)  # speeds as measured, not as claimed
+    holders += [h for h in book.pending(ask.model, now, {h.node_id for h in holders}) if h.node_id != ask.node_id]
     costs = LayerCosts(num_layers=ask.num_layers, layer_bytes=ask.layer_bytes,
                        kv_bytes_per_token=ask.kv_bytes_per_token, head_bytes=ask.head_bytes,
                        tail_bytes=ask.tail_bytes)

@@ -1,0 +1,104 @@
+"""Placement and healing on the default model (SmolLM2-135M-Instruct, int4 from its GGUF), as real processes.
+
+Slow: three nodes load the default model. Three nodes of ``--max-memory 80MB``
+and no ``--layers`` cover its 30 layers, each within its budget (a layer is
+about 2.1 MiB of int4 weights and 1.5 MiB of KV room; the embedding and the LM
+head about 30 MiB each), and answer Paris. When the node holding layer 0 dies,
+neither survivor has room for its layers as it is: the tracker re-cuts them
+(with less KV room a layer) and the model is covered again. The tests wait for
+states within generous bounds; the seconds healing took are printed, not asserted.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from typing import Any, Final
+
+import httpx
+import openai
+import pytest
+
+from tests.procs import Service, start_service, wait_healthy
+from tests.test_placement_mesh import HEARTBEAT_S, READY_S, wait_for
+from tests.tiny_mesh import wait_until_servable
+
+pytestmark = pytest.mark.slow
+
+BUDGET: Final = "80MB"
+BUDGET_BYTES: Final = 80_000_000
+NODES: Final = ("smol-a", "smol-b", "smol-c")
+NUM_LAYERS: Final = 30
+QUESTION: Final = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+@pytest.fixture(scope="module")
+def tracker() -> Iterator[Service]:
+    service = start_service("tracker", {"MESHNET_HEARTBEAT_S": HEARTBEAT_S}, ready_timeout_s=READY_S)
+    try:
+        yield service
+    finally:
+        service.stop()
+
+
+@pytest.fixture(scope="module")
+def services(tracker: Service) -> Iterator[dict[str, Service]]:
+    env = {"MESHNET_MODEL": "default", "MESHNET_TRACKER": tracker.url, "MESHNET_MAX_MEMORY": BUDGET,
+           "MESHNET_DEVICE": "cpu", "MESHNET_HEARTBEAT_S": HEARTBEAT_S}
+    nodes = {node_id: start_service("node", {**env, "MESHNET_NODE_ID": node_id}, wait_ready=False)
+             for node_id in NODES}
+    try:
+        for node in nodes.values():
+            wait_healthy(node, READY_S)
+        yield nodes
+    finally:
+        for node in nodes.values():
+            node.stop()
+
+
+def view(tracker: Service) -> dict[str, Any]:
+    return dict(httpx.get(f"{tracker.url}/v1/nodes").json())
+
+
+def live(tracker: Service) -> dict[str, dict[str, Any]]:
+    return {n["node_id"]: n for n in view(tracker)["nodes"] if n["routable"]}
+
+
+def ask_paris(tracker: Service) -> str:
+    model = wait_until_servable(tracker, "SmolLM2-135M-Instruct")
+    client = openai.OpenAI(base_url=f"{tracker.url}/v1", api_key="unused", max_retries=0, timeout=300)
+    answer = client.chat.completions.create(model=model, messages=QUESTION, max_tokens=12, temperature=0)
+    return str(answer.choices[0].message.content)
+
+
+def test_three_nodes_of_80_mb_cover_the_default_model_and_heal_after_a_death(
+        tracker: Service, services: dict[str, Service]) -> None:
+    placed = wait_for(lambda: (nodes := live(tracker)) and len(nodes) == len(NODES) and nodes,
+                      "every node to register")
+    held = set()
+    for node in placed.values():
+        assert 0 < node["weight_bytes"] <= BUDGET_BYTES, node
+        held.update(range(node["shard_start"], node["shard_end"] + 1))
+    assert held == set(range(NUM_LAYERS)) and view(tracker)["models"][0]["complete"]
+    assert "Paris" in ask_paris(tracker)
+    head = next(node_id for node_id, node in placed.items() if node["shard_start"] == 0)
+    services[head].kill()
+    killed_at = time.monotonic()
+
+    def covered() -> dict[str, dict[str, Any]] | None:
+        nodes = live(tracker)
+        return nodes if head not in nodes and view(tracker)["models"][0]["complete"] else None
+
+    try:
+        healed = wait_for(covered, "the two survivors to cover the model again")
+    except AssertionError:
+        for node_id, node in services.items():
+            if node_id != head:
+                print(f"--- {node_id}\n{node.log()[-4000:]}")
+        print(f"--- tracker\n{tracker.log()[-6000:]}")
+        raise
+    print(f"covered again {time.monotonic() - killed_at:.1f} s after the death: "
+          f"{ {k: (v['shard_start'], v['shard_end']) for k, v in healed.items()} }")
+    for node in healed.values():
+        assert node["weight_bytes"] <= BUDGET_BYTES, node
+    assert "Paris" in ask_paris(tracker)
