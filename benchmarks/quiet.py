@@ -2,17 +2,23 @@
 
 Timings taken while other work shares the cores are worth less than quiet
 ones, yet they still say something (ratios measured in one interleaved run
-hold up better than absolute figures). A run whose 1-minute load average
-went above :data:`QUIET_LOAD_MAX` at its start or end is *loaded*: its rows
-are marked as such in the README table, and it never overwrites a quiet
-result of the same benchmark unless asked (``--replace-quiet``); it is kept
-beside it as ``<name>.loaded.json`` instead.
+hold up better than absolute figures). The load average cannot tell: on a
+2-core machine a benchmark's own meshes raise it past 2, and the next
+benchmark starts under the last one's. So a run measures what *other* work
+used: the cores busy machine-wide (``/proc/stat``) minus the CPU time of
+this process and the children it reaped (its meshes, stopped by the end),
+averaged over the run. Above :data:`QUIET_OTHER_CORES_MAX` the run is
+*loaded*: its rows are marked as such in the README table, and it never
+overwrites a quiet result of the same benchmark unless asked
+(``--replace-quiet``); it is kept beside it as ``<name>.loaded.json``.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Final
 
@@ -20,29 +26,79 @@ from benchmarks.results import Result, load_result, result_path, write_result
 
 logger = logging.getLogger(__name__)
 
+QUIET_OTHER_CORES_MAX: Final = 0.25
+"""Most cores' worth of other work, averaged over a run, at which it still counts as quiet."""
 QUIET_LOAD_MAX: Final = 1.0
-"""The highest 1-minute load average at which a run still counts as quiet on the machine it ran on."""
+"""For results written before other work was measured: the highest load average at their start."""
 LOADED_SUFFIX: Final = ".loaded.json"
+PROC_STAT: Final = Path("/proc/stat")
+IDLE_FIELDS: Final = (3, 4)
+"""``idle`` and ``iowait`` among the ``cpu`` line's fields: every other field is time a core was busy."""
 
 
-def peak_load(load_at_start: float) -> float:
-    """The worst of the load average at the start and the 1- and 5-minute averages now (the run's end)."""
-    now_1m, now_5m, _ = os.getloadavg()
-    return round(max(load_at_start, now_1m, now_5m), 2)
+def _busy_seconds() -> float | None:
+    """Seconds every core was busy since boot, machine-wide; ``None`` where ``/proc/stat`` is not there."""
+    try:
+        fields = PROC_STAT.read_text(encoding="ascii").splitlines()[0].split()[1:]
+    except (OSError, IndexError):
+        return None
+    ticks = sum(int(value) for index, value in enumerate(fields[:8]) if index not in IDLE_FIELDS)
+    return ticks / os.sysconf("SC_CLK_TCK")
 
 
-def run_load(result: Result) -> float:
-    """The load a result ran under: its peak when recorded, else the load at its start (older results)."""
-    return result.peak_load_1m if result.peak_load_1m is not None else result.machine.load_average_1m
+def _own_seconds() -> float:
+    """CPU seconds of this process and of the children it has reaped."""
+    times = os.times()
+    return times.user + times.system + times.children_user + times.children_system
+
+
+@dataclass
+class OtherWork:
+    """Measures, over one run, the cores' worth of work done by processes outside it."""
+
+    began: float
+    busy: float | None
+    own: float
+
+    @classmethod
+    def start(cls) -> OtherWork:
+        return cls(began=time.monotonic(), busy=_busy_seconds(), own=_own_seconds())
+
+    def cores(self) -> float | None:
+        """Average cores other processes kept busy since :meth:`start`; ``None`` where it cannot be told."""
+        busy = _busy_seconds()
+        if busy is None or self.busy is None:
+            return None
+        return other_cores(busy - self.busy, _own_seconds() - self.own, time.monotonic() - self.began)
+
+
+def other_cores(busy_s: float, own_s: float, elapsed_s: float) -> float | None:
+    """Cores' worth of other work: the machine's busy core-seconds less this run's own, over the run's time."""
+    if elapsed_s <= 0:
+        return None
+    return round(max(busy_s - own_s, 0.0) / elapsed_s, 2)
 
 
 def is_quiet(result: Result) -> bool:
-    return run_load(result) <= QUIET_LOAD_MAX
+    if result.other_cores is not None:
+        return result.other_cores <= QUIET_OTHER_CORES_MAX
+    return result.machine.load_average_1m <= QUIET_LOAD_MAX
 
 
 def loaded_note(result: Result) -> str:
     """What the README says beside a loaded run's rows; empty for a quiet run."""
-    return "" if is_quiet(result) else f"loaded machine (load average up to {run_load(result):.1f})"
+    if is_quiet(result):
+        return ""
+    if result.other_cores is not None:
+        return f"loaded machine (other work used {result.other_cores:.1f} cores on average)"
+    return f"loaded machine (load average {result.machine.load_average_1m:.1f} at start)"
+
+
+def describe_load(result: Result) -> str:
+    """The run's load for the README's list of runs."""
+    if result.other_cores is not None:
+        return f"other work {result.other_cores:.2f} cores"
+    return f"load average {result.machine.load_average_1m:.2f} at start"
 
 
 def save_result(result: Result, directory: Path, *, replace_quiet: bool = False) -> Path:
@@ -54,7 +110,7 @@ def save_result(result: Result, directory: Path, *, replace_quiet: bool = False)
         return write_result(result, directory)
     aside = directory / f"{result.benchmark}{LOADED_SUFFIX}"
     aside.write_text(result.model_dump_json(indent=2) + "\n", encoding="utf-8")
-    logger.warning("%s ran on a loaded machine (load average up to %.1f): kept the quiet result of %s in the "
-                   "table and wrote this one to %s (pass --replace-quiet to replace it)", result.benchmark,
-                   run_load(result), previous.started_at, aside)
+    logger.warning("%s ran on a loaded machine (%s): kept the quiet result of %s in the table and wrote this "
+                   "one to %s (pass --replace-quiet to replace it)", result.benchmark, describe_load(result),
+                   previous.started_at, aside)
     return aside

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Final
 
 from benchmarks.machine import Machine
-from benchmarks.quiet import loaded_note, run_load
+from benchmarks.quiet import describe_load, loaded_note
 from benchmarks.results import Result
 from benchmarks.stats import Spread
 
@@ -48,7 +48,7 @@ def render_section(results: Sequence[Result]) -> str:
                          f"{_range(row.value, row.unit)} | {row.value.n} | {_escape(note)} | "
                          f"`{result.command}` |")
     lines += ["", "Runs: " + "; ".join(f"{r.benchmark} {r.started_at} ({r.elapsed_s:.0f} s, "
-                                       f"load average up to {run_load(r):.2f})" for r in results)]
+                                       f"{describe_load(r)})" for r in results)]
     notes = [(r.benchmark, note) for r in results for note in r.outcome.notes]
     if notes:
         lines += ["", "Notes from the runs:", ""] + [f"- {name}: {_escape(note)}" for name, note in notes]

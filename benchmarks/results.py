@@ -65,9 +65,9 @@ class Result(BaseModel):
     elapsed_s: float
     machine: Machine
     outcome: Outcome
-    peak_load_1m: float | None = None
-    """The highest load average seen at the run's start or end (:mod:`benchmarks.quiet`); ``None`` in results
-    written before it was recorded."""
+    other_cores: float | None = None
+    """Cores' worth of work other processes did during the run, on average (:mod:`benchmarks.quiet`); ``None``
+    in results written before it was measured."""
 
 
 def result_path(name: BenchmarkName, directory: Path = RESULTS_DIR) -> Path:

@@ -31,7 +31,7 @@ from typing import Final, cast, get_args
 
 from benchmarks.harness import Harness
 from benchmarks.machine import describe_machine
-from benchmarks.quiet import QUIET_LOAD_MAX, peak_load, save_result
+from benchmarks.quiet import QUIET_OTHER_CORES_MAX, OtherWork, save_result
 from benchmarks.report import update_readme
 from benchmarks.results import (
     BENCHMARK_ORDER,
@@ -73,8 +73,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                         help="where JSON and PNG results go (elsewhere than the default: the README is left alone)")
     parser.add_argument("--no-readme", action="store_true", help="do not rebuild the table in benchmarks/README.md")
     parser.add_argument("--replace-quiet", action="store_true",
-                        help=f"let a run on a loaded machine (load average above {QUIET_LOAD_MAX:g}) replace a "
-                             "quiet result; without it the loaded one is kept beside it as <name>.loaded.json")
+                        help=f"let a run on a loaded machine (other work above {QUIET_OTHER_CORES_MAX:g} cores on "
+                             "average) replace a quiet result; without it the loaded one is kept beside it as <name>.loaded.json")
     return parser.parse_args(argv)
 
 
@@ -138,6 +138,7 @@ def _run_one(name: BenchmarkName, harness: Harness, results: Path, *, replace_qu
     began = time.perf_counter()
     log.info("starting: %s%s", module.TITLE, " (quick)" if harness.quick else "")
     machine = describe_machine()
+    others = OtherWork.start()
     try:
         outcome = module.run(harness)
     except Exception:
@@ -146,7 +147,7 @@ def _run_one(name: BenchmarkName, harness: Harness, results: Path, *, replace_qu
     result = Result(benchmark=name, title=module.TITLE, command=command_for(name, harness.quick),
                     quick=harness.quick, started_at=started.isoformat(timespec="seconds"),
                     elapsed_s=round(time.perf_counter() - began, 1), machine=machine, outcome=outcome,
-                    peak_load_1m=peak_load(machine.load_average_1m))
+                    other_cores=others.cores())
     path = save_result(result, results, replace_quiet=replace_quiet)
     png = module.plot(outcome, plot_path(name, results), caption=f"{machine.one_line()}; {result.command}")
     for row in outcome.rows:

@@ -166,6 +166,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--skip-throughput", action="store_true",
                         help="measure detection only (the throughput of the last run's results file is kept)")
+    parser.add_argument("--skip-detection", action="store_true",
+                        help="measure throughput only (the detection of the last run's results file is kept)")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="[verify] %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)
@@ -185,7 +187,9 @@ def main() -> None:
                       "throughput": (json.loads(RESULT.read_text())["throughput"]
                                      if args.skip_throughput and RESULT.exists() else throughput(bench, args.rounds)),
                       "detect_max_tokens": DETECT_MAX_TOKENS,
-                      "detection": [detection(bench, fault) for fault in FAULT_RATES],
+                      "detection": (json.loads(RESULT.read_text())["detection"]
+                                    if args.skip_detection and RESULT.exists()
+                                    else [detection(bench, fault) for fault in FAULT_RATES]),
                       "load_average_before": [round(v, 2) for v in load_before],
                       "load_average_after": [round(v, 2) for v in os.getloadavg()],
                       "cpus": os.cpu_count(), "failed_chats": bench.failures}

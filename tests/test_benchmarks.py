@@ -113,7 +113,7 @@ def test_a_written_result_reads_back_and_its_rows_reach_the_table_with_their_com
     result = Result(benchmark="hops", title="t", command=command_for("hops", quick=True), quick=True,
                     started_at=dt.datetime.now(dt.UTC).isoformat(), elapsed_s=1.0, machine=describe_machine(),
                     outcome=Outcome(rows=(Row(label="tiny model, 2 nodes", value=spread([4.0, 5.0]),
-                                              unit="ms/token", note="a | note"),)), peak_load_1m=0.0)
+                                              unit="ms/token", note="a | note"),)), other_cores=0.0)
     write_result(result, tmp_path)
     assert load_results(tmp_path) == [result]
     table = report.render_section(load_results(tmp_path))
@@ -121,28 +121,44 @@ def test_a_written_result_reads_back_and_its_rows_reach_the_table_with_their_com
     assert "`.venv/bin/python -m benchmarks.run --only hops --quick`" in table
 
 
-def _result_under_load(load: float | None, started_at: str = "2026-12-03T00:00:00+00:00") -> Result:
+def _result_under_load(others: float | None, started_at: str = "2026-12-03T00:00:00+00:00") -> Result:
     machine = describe_machine().model_copy(update={"load_average_1m": 0.0})
     return Result(benchmark="decode", title="t", command=command_for("decode", quick=False), quick=False,
-                  started_at=started_at, elapsed_s=1.0, machine=machine, peak_load_1m=load,
+                  started_at=started_at, elapsed_s=1.0, machine=machine, other_cores=others,
                   outcome=Outcome(rows=(Row(label="mesh", value=spread([10.0]), unit="tok/s", note="goal"),)))
 
 
 def test_a_loaded_run_is_marked_in_the_table_and_a_quiet_one_is_not(tmp_path: Path) -> None:
-    loaded = report.render_section([_result_under_load(7.5)])
-    assert "| goal; loaded machine (load average up to 7.5) |" in loaded and "load average up to 7.50" in loaded
-    assert "loaded machine" not in report.render_section([_result_under_load(0.4)])
+    loaded = report.render_section([_result_under_load(1.5)])
+    assert "| goal; loaded machine (other work used 1.5 cores on average) |" in loaded
+    assert "other work 1.50 cores" in loaded
+    assert "loaded machine" not in report.render_section([_result_under_load(0.1)])
     assert "loaded machine" not in report.render_section([_result_under_load(None)])  # older results: start load
 
 
+def test_other_work_is_the_machines_busy_time_less_this_runs_own_children_included() -> None:
+    import subprocess
+    import sys
+
+    from benchmarks import quiet
+
+    assert quiet.other_cores(busy_s=30.0, own_s=20.0, elapsed_s=10.0) == 1.0
+    assert quiet.other_cores(busy_s=19.0, own_s=20.0, elapsed_s=10.0) == 0.0  # ticks rounding: never negative
+    assert quiet.other_cores(busy_s=1.0, own_s=0.0, elapsed_s=0.0) is None
+    before = quiet._own_seconds()
+    burn = "import time\nend = time.process_time() + 0.5\nwhile time.process_time() < end: pass"
+    subprocess.run([sys.executable, "-c", burn], check=True)
+    assert quiet._own_seconds() - before >= 0.45  # a reaped child's CPU (a stopped mesh's) is this run's own
+
+
 def test_a_loaded_run_never_replaces_a_quiet_result_unless_asked(tmp_path: Path) -> None:
-    quiet, loaded = _result_under_load(0.2, "quiet"), _result_under_load(9.0, "loaded")
+    quiet, loaded = _result_under_load(0.1, "quiet"), _result_under_load(1.8, "loaded")
     save_result(quiet, tmp_path)
     aside = save_result(loaded, tmp_path)
     assert aside.name == "decode.loaded.json" and load_results(tmp_path) == [quiet]
     save_result(loaded, tmp_path, replace_quiet=True)
     assert load_results(tmp_path) == [loaded]
-    newer_quiet = _result_under_load(0.1, "newer quiet")
+    newer_quiet = _result_under_load(0.0, "newer quiet")
     save_result(newer_quiet, tmp_path)  # a quiet run replaces a loaded one, and a loaded one a loaded one
     assert load_results(tmp_path) == [newer_quiet]
 
