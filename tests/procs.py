@@ -22,10 +22,10 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Final, Literal, Self
+from typing import Final, Literal, Self, TypeVar
 
 import httpx
 import orjson
@@ -293,3 +293,22 @@ def named_nodes(layers: Mapping[str, tuple[int, int]], common: Mapping[str, str]
     finally:
         for service in started.values():
             service.stop()
+
+
+T = TypeVar("T")
+WAIT_S: Final = 120.0
+"""How long :func:`wait_for` waits for a state by default: generous, for a loaded machine; it returns at once."""
+
+
+def wait_for(condition: Callable[[], T], what: str, timeout_s: float = WAIT_S) -> T:
+    """Poll ``condition`` until it returns something truthy, and return that; a service that does not answer
+    yet (an ``httpx.HTTPError``) counts as not yet. Fails naming ``what`` after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            if value := condition():
+                return value
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.1)
+    raise AssertionError(f"timed out waiting for: {what}")

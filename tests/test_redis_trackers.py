@@ -10,18 +10,17 @@ deadline; nothing sleeps and asserts.
 
 from __future__ import annotations
 
-import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import httpx
 import openai
 import pytest
 
-from tests.procs import TEST_SECRET, Service, start_service, wait_healthy
+from tests.procs import TEST_SECRET, Service, start_service, wait_for, wait_healthy
 from tests.redis_server import RedisServer, require_redis_server
 
 AUTH = {"Authorization": f"Bearer {TEST_SECRET}"}
@@ -32,7 +31,6 @@ WAIT_S = 120.0
 NODES = {"half-0": "0-1", "half-1": "2-3"}
 PROMPT = [{"role": "user", "content": "Where does the river run?"}]
 
-T = TypeVar("T")
 
 
 @dataclass
@@ -73,17 +71,6 @@ def mesh(tiny_model_dir: Path) -> Iterator[Mesh]:
             service.stop()
         redis.stop()
 
-
-def wait_for(condition: Callable[[], T], what: str, timeout_s: float = WAIT_S) -> T:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            if value := condition():
-                return value
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.1)
-    raise AssertionError(f"timed out waiting for: {what}")
 
 
 def listed(tracker: Service) -> dict[str, dict[str, Any]]:

@@ -16,10 +16,10 @@ from __future__ import annotations
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Final, TypeVar
+from typing import Any, Final
 
 import httpx
 import orjson
@@ -33,7 +33,7 @@ from meshwire.frames import encode_frame
 from meshwire.hop_proof import sign_request
 from meshwire.route_keys import SigningKey
 from services.relay.join_tokens import ADMIT_TTL_S
-from tests.procs import REPO_ROOT, Service, free_port, service_env, start_service, wait_healthy
+from tests.procs import REPO_ROOT, Service, free_port, service_env, start_service, wait_for, wait_healthy
 from tests.redis_server import RedisServer, require_redis_server
 from tests.tiny_mesh import wait_until_servable
 
@@ -47,7 +47,6 @@ CLOSE_SLACK_S: Final = 5.0
 """What a loaded machine may add to the relay's stated bound before a revoked connection is seen closed."""
 MALLORY_KEY: Final = SigningKey.generate()
 
-T = TypeVar("T")
 
 
 @dataclass
@@ -95,17 +94,6 @@ def mesh(tiny_model_dir: Path) -> Iterator[Mesh]:
         fake.wait(10)
         redis.stop()
 
-
-def wait_for(condition: Callable[[], T], what: str, timeout_s: float = WAIT_S) -> T:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            if value := condition():
-                return value
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.1)
-    raise AssertionError(f"timed out waiting for: {what}")
 
 
 def admin(tracker: Service) -> dict[str, str]:

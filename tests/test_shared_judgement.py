@@ -12,16 +12,15 @@ from __future__ import annotations
 
 import subprocess
 import sys
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Final, TypeVar
+from typing import Any, Final
 
 import httpx
 import pytest
 
-from tests.procs import REPO_ROOT, Service, free_port, service_env, start_service, wait_healthy
+from tests.procs import REPO_ROOT, Service, free_port, service_env, start_service, wait_for, wait_healthy
 from tests.redis_server import RedisServer, require_redis_server
 from tests.tiny_mesh import wait_until_servable
 
@@ -29,7 +28,6 @@ ADMIN: Final = "admin-key-for-the-shared-judgement-tests"
 NUM_LAYERS: Final = 4
 WAIT_S: Final = 120.0
 
-T = TypeVar("T")
 
 
 @dataclass
@@ -71,17 +69,6 @@ def mesh(tiny_model_dir: Path) -> Iterator[Mesh]:
         fake.wait(10)
         redis.stop()
 
-
-def wait_for(condition: Callable[[], T], what: str, timeout_s: float = WAIT_S) -> T:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            if value := condition():
-                return value
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.1)
-    raise AssertionError(f"timed out waiting for: {what}")
 
 
 def join(tracker: Service, model: str, node_id: str, endpoint: str, layers: tuple[int, int],
