@@ -107,6 +107,7 @@ def add_settings_flags(parser: argparse.ArgumentParser, settings_cls: type[BaseS
         env = ENV_PREFIX + name.upper()
         description = (info.description or "").rstrip(".")
         help_text = f"{description + '. ' if description else ''}env {env}, default {_describe_default(name, info)}"
+        help_text = help_text.replace("%", "%%")  # argparse formats help with %: a description's "0.5%" is text
         literal_choices = _literal_choices(info.annotation)
         if info.annotation is bool:
             parser.add_argument(_flag(name), dest=name, action=argparse.BooleanOptionalAction, default=None,
