@@ -158,10 +158,6 @@ def streamed_chat(tracker: Service, model: str, on_chunk: Callable[[int], None] 
     return text, errors
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "the head's failover asks the tracker for a route around the dead tail at once; while layer 3 has no "
-    "holder (the survivors are not re-cut yet) the tracker answers 503 no_route and the head gives up, ending "
-    "the stream with that error event, instead of waiting within its failover budget for the healing to land"))
 def test_a_greedy_stream_outlives_the_death_of_its_tail_while_the_survivors_are_re_cut(
         stream_mesh: tuple[Service, dict[str, Service]], tiny_model_dir: Path) -> None:
     """Issue 36, what must hold: one of three placed nodes killed while a greedy stream runs through it; the two
