@@ -136,11 +136,12 @@ def stream_mesh(tiny_model_dir: Path) -> Iterator[tuple[Service, dict[str, Servi
         tracker.stop()
 
 
-def streamed_chat(tracker: Service, model: str, on_chunk: Callable[[int], None] = lambda _: None) -> tuple[str, list[Any]]:
+def streamed_chat(tracker: Service, model: str, on_chunk: Callable[[int], None] = lambda _: None, *,
+                  messages: list[dict[str, str]] = PROMPT, max_tokens: int = STREAM_TOKENS) -> tuple[str, list[Any]]:
     """A greedy streamed chat through the tracker's OpenAI API: its text and any error events;
     ``on_chunk`` hears the count of content chunks after each one."""
     text, errors, chunks = "", [], 0
-    body = {"model": model, "messages": PROMPT, "max_tokens": STREAM_TOKENS, "temperature": 0, "stream": True}
+    body = {"model": model, "messages": messages, "max_tokens": max_tokens, "temperature": 0, "stream": True}
     with httpx.stream("POST", f"{tracker.url}/v1/chat/completions", json=body, timeout=STREAM_TIMEOUT_S) as response:
         assert response.status_code == 200, response.read().decode()
         for line in response.iter_lines():
