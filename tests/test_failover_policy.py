@@ -10,7 +10,7 @@ clock is the test's, so a spent budget needs no waiting.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Collection
 from pathlib import Path
 from typing import Any, Final
 
@@ -18,8 +18,9 @@ import httpx
 import pytest
 import torch
 
+from services.node.head import failover as failover_module
 from services.node.head.failover import Failover, FailoverGaveUp, FailoverPolicy
-from services.node.hop.routing import TrackerRoutes
+from services.node.hop.routing import NoRoute, RoutedHop, TrackerRoutes
 from services.node.model.shard import Shard
 from services.node.model.shard_load import load_shard
 from services.tracker.app import create_app
@@ -190,3 +191,52 @@ async def test_outside_a_recovery_a_step_is_not_bounded(http: httpx.AsyncClient,
         await asyncio.sleep(0)
 
     assert not moves.recovering and moves.moves == 0
+
+
+class HealingRoutes(TrackerRoutes):
+    """A tracker that has no route while it heals the gap (``healing``), then has one."""
+
+    def __init__(self, http: httpx.AsyncClient, gaps: int, *, healing: bool = True) -> None:
+        super().__init__(http, TRACKER, TEST_SECRET, "head")
+        self.gaps, self.asked, self._healing = gaps, 0, healing
+
+    async def route_from_here(self, model: str, shard: Shard, exclude: Collection[str] = ()) -> RoutedHop:
+        self.asked += 1
+        if self.asked <= self.gaps:
+            raise NoRoute("no live node holds layers 2-3", healing=self._healing)
+        return await super().route_from_here(model, shard, exclude)
+
+
+async def test_while_the_tracker_heals_the_gap_it_asks_again_until_a_route_comes(
+        http: httpx.AsyncClient, shard: Shard, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(failover_module, "HEALING_POLL_S", 0.0)
+    await mesh(http, "tail-a", "tail-b")
+    routes = HealingRoutes(http, gaps=3)
+    moves = Failover(FailoverPolicy(budget_s=BUDGET_S), routes, model=MODEL, shard=shard, clock=Clock())
+
+    hop = await moves.reroute("tail-a", "reset", failed=True)
+
+    assert hop.node_ids == ("head", "tail-b") and routes.asked == 4 and moves.moves == 1
+
+
+async def test_a_gap_nobody_heals_gives_up_at_once(http: httpx.AsyncClient, shard: Shard) -> None:
+    await mesh(http, "tail-a", "tail-b")
+    routes = HealingRoutes(http, gaps=1, healing=False)
+    moves = Failover(FailoverPolicy(budget_s=BUDGET_S), routes, model=MODEL, shard=shard, clock=Clock())
+
+    with pytest.raises(FailoverGaveUp) as gave_up:
+        await moves.reroute("tail-a", "reset", failed=True)
+
+    assert gave_up.value.code == "no_route" and routes.asked == 1
+
+
+async def test_a_gap_not_healed_within_the_budget_gives_up_naming_it(
+        http: httpx.AsyncClient, shard: Shard, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(failover_module, "HEALING_POLL_S", 0.01)
+    await mesh(http, "tail-a")
+    moves = Failover(FailoverPolicy(budget_s=0.2), HealingRoutes(http, gaps=10**6), model=MODEL, shard=shard)
+
+    with pytest.raises(FailoverGaveUp) as gave_up:
+        await moves.reroute("tail-a", "reset", failed=True)
+
+    assert gave_up.value.code == "no_route" and "while the mesh healed" in str(gave_up.value)

@@ -363,3 +363,29 @@ def test_when_the_survivors_cannot_hold_the_model_the_nodes_list_says_why() -> N
         assert _register(client, "b", 2, 3, "covering", leases["b"])["move"] is None
         healing = client.get("/v1/nodes").json()["models"][0]["healing"]
         assert "layers 4-7 cannot be restored" in healing and "2 movable placed node(s)" in healing
+        assert "healing" not in _route_error(client)  # no plan covers the gap: a head need not wait for it
+
+
+def _route_error(client: TestClient) -> dict[str, object]:
+    answer = client.get("/v1/route", params={"model": "tiny"}, headers=bearer_headers(TEST_SECRET))
+    assert answer.status_code == 503, answer.text
+    return dict(answer.json()["error"])
+
+
+def test_a_gap_placed_nodes_may_heal_is_a_no_route_that_says_healing_and_a_pinned_one_is_not() -> None:
+    """A head's failover waits for a gap the tracker is healing, and gives up at once on one nobody heals."""
+    clock = Clock()
+    with TestClient(create_app(TrackerSettings(secret=TEST_SECRET), clock=clock)) as client:
+        budget = 4 * (10 + DEFAULT_KV_RESERVE_TOKENS) + 5
+        leases = {}
+        for node_id in ("a", "b"):
+            placed = _ask(client, node_id, budget).json()
+            leases[node_id] = _register(client, node_id, placed["shard_start"], placed["shard_end"],
+                                        placed["reason"])["lease"]
+        client.request("DELETE", "/v1/nodes/b", headers={**bearer_headers(TEST_SECRET), LEASE: str(leases["b"])})
+        error = _route_error(client)
+        assert error["code"] == "no_route" and error["healing"] is True
+    with TestClient(create_app(TrackerSettings(secret=TEST_SECRET), clock=clock)) as client:
+        _register(client, "a", 0, 3, "pinned")
+        error = _route_error(client)
+        assert error["code"] == "no_route" and "healing" not in error

@@ -21,6 +21,7 @@ import pytest
 
 from tests.procs import Service, start_service, wait_healthy
 from tests.test_placement_mesh import HEARTBEAT_S, READY_S, wait_for
+from tests.test_placement_rebalance_mesh import streamed_chat
 from tests.tiny_mesh import wait_until_servable
 
 pytestmark = pytest.mark.slow
@@ -102,3 +103,61 @@ def test_three_nodes_of_80_mb_cover_the_default_model_and_heal_after_a_death(
     for node in healed.values():
         assert node["weight_bytes"] <= BUDGET_BYTES, node
     assert "Paris" in ask_paris(tracker)
+
+
+STREAM_NODES: Final = ("smol-kill-a", "smol-kill-b", "smol-kill-c")
+STREAM_TOKENS: Final = 64
+KILL_AFTER_CHUNKS: Final = 4
+
+
+@pytest.fixture
+def stream_mesh() -> Iterator[tuple[Service, dict[str, Service]]]:
+    """A tracker of its own and three default-model nodes of 80 MB, apart from the module's mesh."""
+    tracker = start_service("tracker", {"MESHNET_HEARTBEAT_S": HEARTBEAT_S}, ready_timeout_s=READY_S)
+    env = {"MESHNET_MODEL": "default", "MESHNET_TRACKER": tracker.url, "MESHNET_MAX_MEMORY": BUDGET,
+           "MESHNET_DEVICE": "cpu", "MESHNET_HEARTBEAT_S": HEARTBEAT_S}
+    nodes: dict[str, Service] = {}
+    try:
+        nodes = {node_id: start_service("node", {**env, "MESHNET_NODE_ID": node_id}, wait_ready=False)
+                 for node_id in STREAM_NODES}
+        for node in nodes.values():
+            wait_healthy(node, READY_S)
+        yield tracker, nodes
+    finally:
+        for node in nodes.values():
+            node.stop()
+        tracker.stop()
+
+
+def test_a_greedy_stream_outlives_the_death_of_its_tail_on_the_default_model(
+        stream_mesh: tuple[Service, dict[str, Service]]) -> None:
+    tracker, services = stream_mesh
+    placed = wait_for(lambda: (nodes := {k: v for k, v in live(tracker).items() if k in STREAM_NODES})
+                      and len(nodes) == len(STREAM_NODES) and view(tracker)["models"][0]["complete"] and nodes,
+                      "every node to register")
+    tail = next(node_id for node_id, node in placed.items() if node["shard_end"] == NUM_LAYERS - 1)
+    model = wait_until_servable(tracker, "SmolLM2-135M-Instruct")
+    whole, errors = streamed_chat(tracker, model, messages=QUESTION, max_tokens=STREAM_TOKENS)
+    assert errors == [] and "Paris" in whole
+    killed: list[float] = []
+
+    def kill_the_tail(chunks: int) -> None:
+        if not killed and chunks >= KILL_AFTER_CHUNKS:
+            services[tail].kill()
+            killed.append(time.monotonic())
+
+    try:
+        broken, errors = streamed_chat(tracker, model, kill_the_tail, messages=QUESTION, max_tokens=STREAM_TOKENS)
+        assert killed and errors == [], errors
+        assert broken == whole
+        wait_for(lambda: view(tracker)["models"][0]["complete"] and tail not in live(tracker),
+                 "the two survivors to cover the model again")
+    except AssertionError:
+        for node_id, node in services.items():
+            if node_id != tail:
+                print(f"--- {node_id}\n{node.log()[-4000:]}")
+        print(f"--- tracker\n{tracker.log()[-6000:]}")
+        raise
+    print(f"stream finished and the model covered again {time.monotonic() - killed[0]:.1f} s after the death")
+    again, errors = streamed_chat(tracker, model, messages=QUESTION, max_tokens=STREAM_TOKENS)
+    assert errors == [] and again == whole

@@ -11,15 +11,17 @@ it). The tests wait for states, never for a time.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, Final
 
 import httpx
 import openai
+import orjson
 import pytest
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from meshwire.sse import parse_sse_line
 from services.tracker.placement_rebalance import KV_RESERVE_LEVELS
 from tests.procs import Service, start_service, wait_healthy
 from tests.test_placement_mesh import (
@@ -107,3 +109,89 @@ def test_when_no_survivor_has_room_the_survivors_are_re_cut_and_chats_answer_aga
     client = openai.OpenAI(base_url=f"{tracker.url}/v1", api_key="unused", max_retries=0, timeout=120)
     answer = client.chat.completions.create(model=model, messages=PROMPT, max_tokens=MAX_TOKENS, temperature=0)
     assert answer.choices[0].message.content == greedy_reference(reference, tokenizer)
+
+
+STREAM_NODES: Final = ("kill-a", "kill-b", "kill-c")
+STREAM_TOKENS: Final = 200
+"""Long enough that the stream is still running when its tail is killed a few chunks in."""
+KILL_AFTER_CHUNKS: Final = 5
+STREAM_TIMEOUT_S: Final = 600.0
+
+
+@pytest.fixture
+def stream_mesh(tiny_model_dir: Path) -> Iterator[tuple[Service, dict[str, Service]]]:
+    """A tracker of its own and three placed nodes (layers 0, 1-2 and 3), apart from the module's mesh."""
+    tracker = start_service("tracker", {"MESHNET_HEARTBEAT_S": HEARTBEAT_S, "MESHNET_NODE_TTL_S": NODE_TTL_S},
+                            ready_timeout_s=READY_S)
+    nodes: dict[str, Service] = {}
+    try:
+        nodes = {node_id: start_service("node", node_env(tiny_model_dir, tracker, node_id, BUDGET), wait_ready=False)
+                 for node_id in STREAM_NODES}
+        for node in nodes.values():
+            wait_healthy(node, READY_S)
+        yield tracker, nodes
+    finally:
+        for node in nodes.values():
+            node.stop()
+        tracker.stop()
+
+
+def streamed_chat(tracker: Service, model: str, on_chunk: Callable[[int], None] = lambda _: None, *,
+                  messages: list[dict[str, str]] = PROMPT, max_tokens: int = STREAM_TOKENS) -> tuple[str, list[Any]]:
+    """A greedy streamed chat through the tracker's OpenAI API: its text and any error events;
+    ``on_chunk`` hears the count of content chunks after each one."""
+    text, errors, chunks = "", [], 0
+    body = {"model": model, "messages": messages, "max_tokens": max_tokens, "temperature": 0, "stream": True}
+    with httpx.stream("POST", f"{tracker.url}/v1/chat/completions", json=body, timeout=STREAM_TIMEOUT_S) as response:
+        assert response.status_code == 200, response.read().decode()
+        for line in response.iter_lines():
+            data = parse_sse_line(line)
+            if data is None or data == "[DONE]":
+                continue
+            event = orjson.loads(data)
+            if "error" in event:
+                errors.append(event["error"])
+            for choice in event.get("choices") or []:
+                if content := choice.get("delta", {}).get("content"):
+                    text += content
+                    chunks += 1
+                    on_chunk(chunks)
+    return text, errors
+
+
+def test_a_greedy_stream_outlives_the_death_of_its_tail_while_the_survivors_are_re_cut(
+        stream_mesh: tuple[Service, dict[str, Service]], tiny_model_dir: Path) -> None:
+    """Issue 36, what must hold: one of three placed nodes killed while a greedy stream runs through it; the two
+    left cover the model again, the stream finishes identical to its uninterrupted run, and new chats answer."""
+    tracker, services = stream_mesh
+    placed = wait_for(lambda: (found := {n["node_id"]: (n["shard_start"], n["shard_end"]) for n in mesh(tracker)["nodes"]
+                                         if n["routable"] and n["node_id"] in STREAM_NODES})
+                      and len(found) == len(STREAM_NODES) and found, "every node to register")
+    assert sorted(placed.values()) == [(0, 0), (1, 2), (3, 3)], placed
+    tail = next(node_id for node_id, held in placed.items() if held == (3, 3))
+    model = wait_until_servable(tracker, tiny_model_dir.name)
+    whole, errors = streamed_chat(tracker, model)
+    assert errors == [] and len(whole) > 0
+
+    killed: list[int] = []
+
+    def kill_the_tail(chunks: int) -> None:
+        if not killed and chunks >= KILL_AFTER_CHUNKS:
+            services[tail].kill()
+            killed.append(chunks)
+
+    try:
+        broken, errors = streamed_chat(tracker, model, kill_the_tail)
+        assert killed, "the stream ended before the kill"
+        assert errors == [], errors
+        assert broken == whole
+        wait_for(lambda: mesh(tracker)["models"][0]["complete"] and tail not in {
+            n["node_id"] for n in mesh(tracker)["nodes"] if n["routable"]}, "the survivors to cover every layer again")
+    except (AssertionError, ValueError):  # what the survivors and the tracker said, for whoever reads the failure
+        for node_id, node in services.items():
+            if node_id != tail:
+                print(f"--- {node_id}\n{node.log()[-6000:]}")
+        print(f"--- tracker\n{tracker.log()[-8000:]}")
+        raise
+    again, errors = streamed_chat(tracker, wait_until_servable(tracker, tiny_model_dir.name))
+    assert errors == [] and again == whole

@@ -285,7 +285,10 @@ class NodeRuntime:
 
     def _install(self, shard: Shard, runner: ShardRunner, forward: ForwardService, kv_serve: KvServeService | None,
                  generator: Generator | None) -> None:
-        """Serve from now on with these (no await: requests see either the old set or the new one)."""
+        """Serve from now on with these (no await: requests see either the old set or the new one); a request
+        still running on the old generator fails over onto the new one."""
+        if self.generator is not None and generator is not None and self.generator is not generator:
+            self.generator.successor = generator
         self.shard, self.runner, self.forward, self.kv_serve, self.generator = shard, runner, forward, kv_serve, \
             generator
 

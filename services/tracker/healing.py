@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import logging
 from collections import OrderedDict, deque
+from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Final, Literal
 
@@ -144,6 +145,13 @@ class PlacementBook:
     def note(self, model: str) -> str | None:
         """Why coverage of ``model`` cannot be restored now, if that is so."""
         return self._notes.get(model)
+
+    def may_heal(self, model: str, live: Collection[str]) -> bool:
+        """Whether a gap in ``model`` may be filled by moving nodes: some of the ``live`` node ids were placed
+        here for it, and no plan has said coverage cannot be restored. A route's 503 says so (``healing``),
+        and a head's failover then waits for the gap to close within its budget instead of giving up at once."""
+        return model not in self._notes and any(
+            (placed := self._placed.get(node_id)) is not None and placed.model == model for node_id in live)
 
     def history(self, model: str) -> list[MoveRecord]:
         """The recent move events of ``model``, oldest first."""

@@ -15,6 +15,10 @@ answers a 5xx, does not answer in time, or lost the session), the head
 A node that is merely busy (503 ``kv_budget``) while the request is recovering
 is left out of the next route too, but not reported: it did not fail.
 
+When the tracker has no route but says it is healing the gap (placed nodes are
+being moved onto the missing layers, issue 36), the failover asks again every
+:data:`HEALING_POLL_S` within its budget instead of giving up at once.
+
 Bounds, so a request never hangs on a broken mesh: at most ``max_failovers``
 moves per request, and at most ``budget_s`` seconds spent recovering in total,
 counted from each failure until the next token arrives (a replay still running
@@ -42,6 +46,8 @@ MAX_FAILOVERS: Final = 3
 """Routes one request may move to after its first route broke."""
 FAILOVER_BUDGET_S: Final = 60.0
 """Seconds one request may spend recovering, all its failovers together (failure to next token)."""
+HEALING_POLL_S: Final = 1.0
+"""How often a failover asks again for a route while the tracker says it is moving placed nodes onto the gap."""
 
 GiveUpCode = Literal["no_route", "failover_exhausted", "failover_timeout"]
 
@@ -72,12 +78,13 @@ class FailoverPolicy:
 class Failover:
     """One request's failovers: the nodes it avoids, the moves and the recovery time it has left."""
 
-    def __init__(self, policy: FailoverPolicy, routes: TrackerRoutes | None, *, model: str, shard: Shard,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, policy: FailoverPolicy, routes: TrackerRoutes | None, *, model: str,
+                 shard: Shard | Callable[[], Shard], clock: Callable[[], float] = time.monotonic) -> None:
         self._policy = policy
         self._routes = routes
         self._model = model
-        self._shard = shard
+        self._shard = shard if callable(shard) else (lambda: shard)
+        """The layers this node holds now (a placed node may move to another range while a request recovers)."""
         self._clock = clock
         self.avoided: set[str] = set()
         """Nodes this request's routes must not use any more."""
@@ -116,15 +123,31 @@ class Failover:
             raise FailoverGaveUp("no_route", f"node {node_id} failed ({reason}), and this node has no tracker "
                                  "to ask for a route around it", node_id)
         self.moves += 1
+        gap: NoRoute | None = None
         try:
             async with asyncio.timeout(max(self.remaining_s(), 0.0)):
                 if failed:
                     await routes.report_failure(node_id, reason, route)
-                return await routes.route_from_here(self._model, self._shard, self.avoided)
+                while True:
+                    try:
+                        return await routes.route_from_here(self._model, self._shard(), self.avoided)
+                    except NoRoute as exc:
+                        if not exc.healing:
+                            raise
+                        if gap is None:
+                            logger.info("no route avoids %s yet; the tracker is healing the gap, asking again "
+                                        "every %.0f s", ", ".join(sorted(self.avoided)), HEALING_POLL_S)
+                        gap = exc
+                    await asyncio.sleep(HEALING_POLL_S)
         except NoRoute as exc:
             raise FailoverGaveUp("no_route", f"node {node_id} failed ({reason}), and no route avoids "
                                  f"{', '.join(sorted(self.avoided))}: {exc}", node_id) from None
         except TimeoutError:
+            if gap is not None:  # the mesh was healing, but not in time: say what was missing
+                raise FailoverGaveUp("no_route", f"node {node_id} failed ({reason}), and no route avoiding "
+                                     f"{', '.join(sorted(self.avoided))} came within this request's "
+                                     f"{self._policy.budget_s:.0f} s failover budget while the mesh healed: "
+                                     f"{gap}", node_id) from None
             raise self._timed_out(node_id) from None
 
     @asynccontextmanager

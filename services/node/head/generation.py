@@ -166,6 +166,9 @@ class Generator:
         self._generating = 0
         """Requests generating on this head now (speculation's ``auto`` stands down when there are many)."""
         self._groups = ChoiceGroups()
+        self.successor: Generator | None = None
+        """The generator this node serves with after it moved to another range (placement, issue 36): a request
+        still running here opens its next session there when it fails over (the move closed its session)."""
 
     async def generate(self, request: GenerationRequest, hop: RoutedHop | None) -> AsyncIterator[GenerationEvent]:
         """Generate the answer to ``request`` along ``hop``'s route (``None``: alone), as events."""
@@ -203,7 +206,8 @@ class Generator:
         text = AnswerText(self.tokenizer, request.stop)
         text.replay(request.resume)
         return _Run(request=request, history=history, text=text, chain=self._chain(hop, request, history),
-                    failover=Failover(self._failover, self._routes, model=self._model_id, shard=self._runner.shard),
+                    failover=Failover(self._failover, self._routes, model=self._model_id,
+                                      shard=lambda: self.current()._runner.shard),
                     speculation=Speculation(self._mode_for(request), self._speculate_max, model=self._draft_model,
                                             busy=lambda: self._generating))
 
@@ -268,6 +272,13 @@ class Generator:
         if request.sampling.grammar is not None:  # the tail verifies drafts without a grammar's mask
             return "off"
         return self._speculate
+
+    def current(self) -> Generator:
+        """The generator this node serves with now: this one, or the last it moved to (:attr:`successor`)."""
+        generator = self
+        while generator.successor is not None:
+            generator = generator.successor
+        return generator
 
     def _chain(self, hop: RoutedHop | None, request: GenerationRequest, history: History) -> SessionChain:
         """A new session for ``request`` along ``hop``'s route, whose prefill replays ``history``."""
@@ -392,7 +403,7 @@ class Generator:
         hop = await run.failover.reroute(node_id, reason, failed=failed,
                                          route=old.hop.token if old.hop is not None else None)
         await asyncio.wait({closing}, timeout=RETIRE_WAIT_S)
-        run.chain = self._chain(hop, run.request, run.history)
+        run.chain = self.current()._chain(hop, run.request, run.history)  # on this node's layers now
         self._metrics.failovers.labels(reason="failed" if failed else "busy", outcome="moved").inc()
         logger.warning("session %s: node %s %s (%s); moving to session %s along %s, replaying %d tokens",
                        log_tag(old.session_id), node_id, "failed" if failed else "is busy", reason,

@@ -46,9 +46,11 @@ class RouteRefused(Exception):
 class NoRoute(Exception):
     """No route could be had: the tracker has none (or is unreachable, or not configured)."""
 
-    def __init__(self, message: str, status: int = 503) -> None:
+    def __init__(self, message: str, status: int = 503, *, healing: bool = False) -> None:
         super().__init__(message)
         self.status = status
+        self.healing = healing
+        """The tracker said it may move placed nodes onto the missing layers: asking again later may succeed."""
 
 
 @dataclass(frozen=True)
@@ -191,7 +193,8 @@ class TrackerRoutes:
         response = await self._call("GET", ROUTE_PATH, params=params)
         if response.status_code != 200:
             raise NoRoute(f"tracker has no route for {model}: {_error_message(response)}",
-                          status=response.status_code if response.status_code in (404, 503) else 503)
+                          status=response.status_code if response.status_code in (404, 503) else 503,
+                          healing=response.status_code == 503 and _error_field(response, "healing") is True)
         if len(response.content) > MAX_ROUTE_ANSWER_BYTES:
             raise NoRoute("tracker's route answer is too large")
         try:
@@ -261,11 +264,16 @@ class TrackerRoutes:
             raise NoRoute(f"the tracker refused {len(receipts)} receipts: {_error_message(response)}")
 
 
-def _error_code(response: httpx.Response) -> str | None:
+def _error_field(response: httpx.Response, key: str) -> Any:
+    """``error.<key>`` of an OpenAI-shaped error answer, or ``None``."""
     try:
-        code = response.json()["error"]["code"]
+        return response.json()["error"][key]
     except (ValueError, KeyError, TypeError):
         return None
+
+
+def _error_code(response: httpx.Response) -> str | None:
+    code = _error_field(response, "code")
     return code if isinstance(code, str) else None
 
 
