@@ -256,9 +256,10 @@ def running(*services: Service) -> Iterator[tuple[Service, ...]]:
 
 
 def start_together(specs: Sequence[tuple[ServiceKind, Mapping[str, str]]],
-                   ports: Sequence[int | None] | None = None) -> list[Service]:
-    """Start several services at once (they load in parallel), then wait until each is healthy; ``ports``
-    gives each its port (``None``: a free one).
+                   ports: Sequence[int | None] | None = None,
+                   ready_timeout_s: float = READY_TIMEOUT_S) -> list[Service]:
+    """Start several services at once (they load in parallel), then wait until each is healthy (each within
+    ``ready_timeout_s``); ``ports`` gives each its port (``None``: a free one).
 
     If any fails to come up, every one started is stopped before the error propagates.
     """
@@ -267,7 +268,7 @@ def start_together(specs: Sequence[tuple[ServiceKind, Mapping[str, str]]],
                                                                                               strict=True)]
     try:
         for service in services:
-            wait_healthy(service)
+            wait_healthy(service, ready_timeout_s)
     except Exception:
         for service in services:
             service.kill()

@@ -19,8 +19,8 @@ import httpx
 import openai
 import pytest
 
-from tests.procs import Service, start_service, wait_healthy
-from tests.test_placement_mesh import HEARTBEAT_S, READY_S, wait_for
+from tests.procs import Service
+from tests.test_placement_mesh import HEARTBEAT_S, placed_nodes, placement_tracker, wait_for
 from tests.test_placement_rebalance_mesh import streamed_chat
 from tests.tiny_mesh import wait_until_servable
 
@@ -33,28 +33,21 @@ NUM_LAYERS: Final = 30
 QUESTION: Final = [{"role": "user", "content": "What is the capital of France?"}]
 
 
+def default_model_env(tracker: Service, node_id: str) -> dict[str, str]:
+    return {"MESHNET_MODEL": "default", "MESHNET_TRACKER": tracker.url, "MESHNET_MAX_MEMORY": BUDGET,
+            "MESHNET_DEVICE": "cpu", "MESHNET_HEARTBEAT_S": HEARTBEAT_S, "MESHNET_NODE_ID": node_id}
+
+
 @pytest.fixture(scope="module")
 def tracker() -> Iterator[Service]:
-    service = start_service("tracker", {"MESHNET_HEARTBEAT_S": HEARTBEAT_S}, ready_timeout_s=READY_S)
-    try:
+    with placement_tracker() as service:
         yield service
-    finally:
-        service.stop()
 
 
 @pytest.fixture(scope="module")
 def services(tracker: Service) -> Iterator[dict[str, Service]]:
-    env = {"MESHNET_MODEL": "default", "MESHNET_TRACKER": tracker.url, "MESHNET_MAX_MEMORY": BUDGET,
-           "MESHNET_DEVICE": "cpu", "MESHNET_HEARTBEAT_S": HEARTBEAT_S}
-    nodes = {node_id: start_service("node", {**env, "MESHNET_NODE_ID": node_id}, wait_ready=False)
-             for node_id in NODES}
-    try:
-        for node in nodes.values():
-            wait_healthy(node, READY_S)
+    with placed_nodes({node_id: default_model_env(tracker, node_id) for node_id in NODES}) as nodes:
         yield nodes
-    finally:
-        for node in nodes.values():
-            node.stop()
 
 
 def view(tracker: Service) -> dict[str, Any]:
@@ -113,20 +106,9 @@ KILL_AFTER_CHUNKS: Final = 4
 @pytest.fixture
 def stream_mesh() -> Iterator[tuple[Service, dict[str, Service]]]:
     """A tracker of its own and three default-model nodes of 80 MB, apart from the module's mesh."""
-    tracker = start_service("tracker", {"MESHNET_HEARTBEAT_S": HEARTBEAT_S}, ready_timeout_s=READY_S)
-    env = {"MESHNET_MODEL": "default", "MESHNET_TRACKER": tracker.url, "MESHNET_MAX_MEMORY": BUDGET,
-           "MESHNET_DEVICE": "cpu", "MESHNET_HEARTBEAT_S": HEARTBEAT_S}
-    nodes: dict[str, Service] = {}
-    try:
-        nodes = {node_id: start_service("node", {**env, "MESHNET_NODE_ID": node_id}, wait_ready=False)
-                 for node_id in STREAM_NODES}
-        for node in nodes.values():
-            wait_healthy(node, READY_S)
+    with placement_tracker() as tracker, \
+            placed_nodes({node_id: default_model_env(tracker, node_id) for node_id in STREAM_NODES}) as nodes:
         yield tracker, nodes
-    finally:
-        for node in nodes.values():
-            node.stop()
-        tracker.stop()
 
 
 def test_a_greedy_stream_outlives_the_death_of_its_tail_on_the_default_model(

@@ -21,11 +21,12 @@ import pytest
 from tests.procs import Service, start_service, wait_healthy
 from tests.test_placement_mesh import (
     HALF_BUDGET,
-    HEARTBEAT_S,
     MAX_TOKENS,
     PROMPT,
     READY_S,
     node_env,
+    placed_nodes,
+    placement_tracker,
     wait_for,
 )
 from tests.tiny_mesh import wait_until_servable
@@ -41,25 +42,15 @@ a loaded machine delays is not taken for dead while the others are placed (that 
 
 @pytest.fixture(scope="module")
 def tracker() -> Iterator[Service]:
-    service = start_service("tracker", {"MESHNET_HEARTBEAT_S": HEARTBEAT_S, "MESHNET_NODE_TTL_S": NODE_TTL_S},
-                            ready_timeout_s=READY_S)
-    try:
+    with placement_tracker({"MESHNET_NODE_TTL_S": NODE_TTL_S}) as service:
         yield service
-    finally:
-        service.stop()
 
 
 @pytest.fixture(scope="module")
 def services(tracker: Service, tiny_model_dir: Path) -> Iterator[dict[str, Service]]:
-    nodes = {node_id: start_service("node", node_env(tiny_model_dir, tracker, node_id, HALF_BUDGET),
-                                    wait_ready=False) for node_id in NODES}
-    try:
-        for node in nodes.values():
-            wait_healthy(node, READY_S)
+    with placed_nodes({node_id: node_env(tiny_model_dir, tracker, node_id, HALF_BUDGET)
+                       for node_id in NODES}) as nodes:
         yield nodes
-    finally:
-        for node in nodes.values():
-            node.stop()
 
 
 def model_view(tracker: Service) -> dict[str, Any]:

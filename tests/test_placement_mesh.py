@@ -10,9 +10,10 @@ replica. :data:`TOO_SMALL` holds no layer at all.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any, Final
 
@@ -22,7 +23,7 @@ import pytest
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from meshwire.auth import bearer_headers
-from tests.procs import TEST_SECRET, Service, start_service, wait_healthy
+from tests.procs import TEST_SECRET, Service, running, start_service, start_together
 from tests.tiny_mesh import wait_until_servable
 
 HALF_BUDGET: Final = "1100KB"
@@ -58,26 +59,34 @@ def wait_for(condition: Callable[[], Any], what: str) -> Any:
     raise AssertionError(f"timed out waiting for {what}")
 
 
+@contextlib.contextmanager
+def placement_tracker(env: Mapping[str, str] | None = None) -> Iterator[Service]:
+    """A tracker heartbeating every :data:`HEARTBEAT_S` (plus ``env``), stopped on the way out."""
+    with running(start_service("tracker", {"MESHNET_HEARTBEAT_S": HEARTBEAT_S, **(env or {})},
+                               ready_timeout_s=READY_S)) as (service,):
+        yield service
+
+
+@contextlib.contextmanager
+def placed_nodes(envs: Mapping[str, Mapping[str, str]]) -> Iterator[dict[str, Service]]:
+    """One node per ``envs`` entry (its id: its environment), started at once so they load in parallel, each
+    healthy within :data:`READY_S`; every one stopped on the way out (a test may have killed some)."""
+    services = start_together([("node", env) for env in envs.values()], ready_timeout_s=READY_S)
+    with running(*services):
+        yield dict(zip(envs, services, strict=True))
+
+
 @pytest.fixture(scope="module")
 def tracker() -> Iterator[Service]:
-    service = start_service("tracker", {"MESHNET_HEARTBEAT_S": HEARTBEAT_S}, ready_timeout_s=READY_S)
-    try:
+    with placement_tracker() as service:
         yield service
-    finally:
-        service.stop()
 
 
 @pytest.fixture(scope="module")
 def placed_services(tracker: Service, tiny_model_dir: Path) -> Iterator[dict[str, Service]]:
-    nodes = {node_id: start_service("node", node_env(tiny_model_dir, tracker, node_id, HALF_BUDGET),
-                                    wait_ready=False) for node_id in NODES}
-    try:
-        for node in nodes.values():
-            wait_healthy(node, READY_S)
+    with placed_nodes({node_id: node_env(tiny_model_dir, tracker, node_id, HALF_BUDGET)
+                       for node_id in NODES}) as nodes:
         yield nodes
-    finally:
-        for node in nodes.values():
-            node.stop()
 
 
 @pytest.fixture(scope="module")

@@ -23,14 +23,14 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from meshwire.sse import parse_sse_line
 from services.tracker.placement_rebalance import KV_RESERVE_LEVELS
-from tests.procs import Service, start_service, wait_healthy
+from tests.procs import Service
 from tests.test_placement_mesh import (
-    HEARTBEAT_S,
     MAX_TOKENS,
     PROMPT,
-    READY_S,
     greedy_reference,
     node_env,
+    placed_nodes,
+    placement_tracker,
     wait_for,
 )
 from tests.tiny_mesh import wait_until_servable
@@ -46,25 +46,14 @@ a loaded machine delays is not taken for dead while the others are placed (that 
 
 @pytest.fixture(scope="module")
 def tracker() -> Iterator[Service]:
-    service = start_service("tracker", {"MESHNET_HEARTBEAT_S": HEARTBEAT_S, "MESHNET_NODE_TTL_S": NODE_TTL_S},
-                            ready_timeout_s=READY_S)
-    try:
+    with placement_tracker({"MESHNET_NODE_TTL_S": NODE_TTL_S}) as service:
         yield service
-    finally:
-        service.stop()
 
 
 @pytest.fixture(scope="module")
 def services(tracker: Service, tiny_model_dir: Path) -> Iterator[dict[str, Service]]:
-    nodes = {node_id: start_service("node", node_env(tiny_model_dir, tracker, node_id, BUDGET), wait_ready=False)
-             for node_id in NODES}
-    try:
-        for node in nodes.values():
-            wait_healthy(node, READY_S)
+    with placed_nodes({node_id: node_env(tiny_model_dir, tracker, node_id, BUDGET) for node_id in NODES}) as nodes:
         yield nodes
-    finally:
-        for node in nodes.values():
-            node.stop()
 
 
 def mesh(tracker: Service) -> dict[str, Any]:
@@ -121,19 +110,10 @@ STREAM_TIMEOUT_S: Final = 600.0
 @pytest.fixture
 def stream_mesh(tiny_model_dir: Path) -> Iterator[tuple[Service, dict[str, Service]]]:
     """A tracker of its own and three placed nodes (layers 0, 1-2 and 3), apart from the module's mesh."""
-    tracker = start_service("tracker", {"MESHNET_HEARTBEAT_S": HEARTBEAT_S, "MESHNET_NODE_TTL_S": NODE_TTL_S},
-                            ready_timeout_s=READY_S)
-    nodes: dict[str, Service] = {}
-    try:
-        nodes = {node_id: start_service("node", node_env(tiny_model_dir, tracker, node_id, BUDGET), wait_ready=False)
-                 for node_id in STREAM_NODES}
-        for node in nodes.values():
-            wait_healthy(node, READY_S)
+    with placement_tracker({"MESHNET_NODE_TTL_S": NODE_TTL_S}) as tracker, \
+            placed_nodes({node_id: node_env(tiny_model_dir, tracker, node_id, BUDGET)
+                          for node_id in STREAM_NODES}) as nodes:
         yield tracker, nodes
-    finally:
-        for node in nodes.values():
-            node.stop()
-        tracker.stop()
 
 
 def streamed_chat(tracker: Service, model: str, on_chunk: Callable[[int], None] = lambda _: None, *,
