@@ -25,7 +25,10 @@ follow; the plan keeps the nodes' order along the model, so no two moves wait
 on each other. Damped so placement never flaps: pinned nodes never move; a node
 is told one move at a time, repeated on each heartbeat until it registers the
 new range (or :data:`MOVE_TIMEOUT_S` pass); after a move it stays put for
-:data:`MOVE_COOLDOWN_S`; and nothing moves while every layer is held.
+:data:`MOVE_COOLDOWN_S`; and while every layer is held, nodes move only to make
+the mesh's slowest stage :data:`.placement_tune.TUNE_GAIN` times faster
+(:func:`.placement_tune.tune`: the same moves, re-cut by speed once nobody is
+joining or moving).
 
 All of it is this tracker's own memory: with a shared store, a node heartbeating to
 another tracker is healed by that one once it has placed it.
@@ -46,6 +49,7 @@ from meshwire.registry import NodeRegistration
 
 from .placement import Holder, LayerCosts, Placement, uncovered_runs
 from .placement_rebalance import CannotCover, Movable, Plan, rebalance
+from .placement_tune import tune
 from .planner import Candidate
 from .state import tracker_state
 
@@ -123,7 +127,7 @@ class PlacementBook:
         self._moves: OrderedDict[str, Told] = OrderedDict()
         self._moved_at: OrderedDict[str, float] = OrderedDict()
         self._uncovered_since: dict[str, float] = {}
-        self._plans: dict[str, tuple[object, Plan | CannotCover]] = {}
+        self._plans: dict[str, tuple[object, Plan | CannotCover]] = {}  # the last plan of each model, by its inputs
         self._notes: dict[str, str] = {}
         self._history: deque[MoveRecord] = deque(maxlen=MAX_HISTORY)
 
@@ -194,11 +198,12 @@ class PlacementBook:
         if not uncovered_runs([*(Holder(c.node_id, c.shard_start, c.shard_end) for c in live), *pending], n):
             self._uncovered_since.pop(model, None)
             self._notes.pop(model, None)
-            return None
-        since = self._uncovered_since.setdefault(model, now)
-        if now - since < GAP_GRACE_S:
-            return None
-        plan = self._plan(model, n, live, pending, now)
+            plan = None if pending else self._plan(model, n, live, pending, now, tuning=True)
+        else:
+            since = self._uncovered_since.setdefault(model, now)
+            if now - since < GAP_GRACE_S:
+                return None
+            plan = self._plan(model, n, live, pending, now)
         if plan is None or (move := plan.moves.get(node_id)) is None:
             return None
         dropped = set(range(registration.shard_start, registration.shard_end + 1)) - set(range(move.start,
@@ -210,14 +215,17 @@ class PlacementBook:
         told = Told(move, plan.kv_reserve_tokens, now, (registration.shard_start, registration.shard_end))
         _bounded_set(self._moves, node_id, told)  # type: ignore[arg-type]
         self._record(registration, told, "told", now)
-        logger.info("healing: node %s (layers %d-%d) is told to hold layers %d-%d of %s (%d tokens of KV room a "
-                    "layer)", node_id, registration.shard_start, registration.shard_end, move.start, move.end, model,
+        logger.info("%s: node %s (layers %d-%d) is told to hold layers %d-%d of %s (%d tokens of KV room a "
+                    "layer)", "healing" if self._uncovered_since.get(model) is not None else "tuning for speed",
+                    node_id, registration.shard_start, registration.shard_end, move.start, move.end, model,
                     plan.kv_reserve_tokens)
         return move, plan.kv_reserve_tokens
 
     def _plan(self, model: str, num_layers: int, live: list[Candidate], pending: list[Holder],
-              now: float) -> Plan | None:
-        """The healing plan of ``model`` for these live nodes (the last one is reused while nothing changed)."""
+              now: float, tuning: bool = False) -> Plan | None:
+        """The healing plan of ``model`` for these live nodes, or with ``tuning`` (every layer held, nobody
+        joining or moving) the re-cut for speed (:func:`.placement_tune.tune`); the last one is reused while
+        nothing changed."""
         moving = {h.node_id for h in pending}
         movable = [Movable(Holder(c.node_id, c.shard_start, c.shard_end, self._placed[c.node_id].seconds_per_layer),
                            self._placed[c.node_id].costs, self._placed[c.node_id].budget_bytes)
@@ -225,16 +233,17 @@ class PlacementBook:
                    and c.node_id not in moving and c.role == "both"
                    and now - self._moved_at.get(c.node_id, float("-inf")) >= MOVE_COOLDOWN_S]
         movers = {m.holder.node_id for m in movable}
-        fixed = [Holder(c.node_id, c.shard_start, c.shard_end) for c in live
-                 if c.node_id not in movers and c.node_id not in moving] + pending
-        key = (sorted((m.holder.node_id, m.holder.start, m.holder.end, m.budget_bytes) for m in movable),
+        fixed = [Holder(c.node_id, c.shard_start, c.shard_end,
+                        placed.seconds_per_layer if (placed := self._placed.get(c.node_id)) is not None else 0.0)
+                 for c in live if c.node_id not in movers and c.node_id not in moving] + pending
+        key = (tuning, sorted((m.holder.node_id, m.holder.start, m.holder.end, m.budget_bytes) for m in movable),
                sorted((h.node_id, h.start, h.end) for h in fixed))
         cached = self._plans.get(model)
         if cached is not None and cached[0] == key:
             result = cached[1]
         else:
             try:
-                result = rebalance(movable, fixed, num_layers)
+                result = tune(movable, fixed, num_layers) if tuning else rebalance(movable, fixed, num_layers)
             except CannotCover as exc:
                 result = exc
                 if self._notes.get(model) != str(exc):

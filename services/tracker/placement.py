@@ -70,6 +70,12 @@ class LayerCosts:
     tail_bytes: int = 0
     """Extra weights of the last layer's holder (the final norm and LM head)."""
 
+    @property
+    def tail_extra_layers(self) -> float:
+        """The LM head's decode cost counted in layers: its bytes over a layer's (a decode row reads every
+        weight once, so on the memory-bound devices nodes run on its time follows its bytes)."""
+        return self.tail_bytes / self.layer_bytes if self.layer_bytes > 0 else 0.0
+
     def needed_bytes(self, start: int, end: int, kv_reserve_tokens: int) -> int:
         """Bytes layers ``start..end`` take with ``kv_reserve_tokens`` tokens of KV room each."""
         count = end - start + 1
@@ -161,16 +167,25 @@ def _best_within(costs: LayerCosts, budget: int, first: int, last: int, kv_token
     return min(found, key=lambda r: (r[0] - r[1], r[0])) if found else None
 
 
-def stage_times(holders: Sequence[Holder], num_layers: int) -> dict[tuple[int, int], float]:
-    """Seconds a decode row spends in each distinct held range, replicas serving in parallel."""
+def stage_times(holders: Sequence[Holder], num_layers: int,
+                tail_extra_layers: float = 0.0) -> dict[tuple[int, int], float]:
+    """Seconds a decode row spends in each distinct held range, replicas serving in parallel.
+
+    ``tail_extra_layers``: the LM head's cost in layers (:meth:`LayerCosts.tail_extra_layers`), added to
+    every stage that ends at the last layer, shared by those stages' holders as a layer is.
+    """
     known = [h.seconds_per_layer for h in holders if h.seconds_per_layer > 0]
     fallback = sorted(known)[len(known) // 2] if known else DEFAULT_SECONDS_PER_LAYER
-    rate = [0.0] * num_layers  # layers a second each layer's holders run together
+    rate = [0.0] * (num_layers + 1)  # layers a second each layer's holders run together; the LM head last
     for holder in holders:
         seconds = clamp_speed(holder.seconds_per_layer if holder.seconds_per_layer > 0 else fallback)
         for layer in range(holder.start, holder.end + 1):
             rate[layer] += 1.0 / seconds
-    return {(h.start, h.end): sum(1.0 / rate[layer] for layer in range(h.start, h.end + 1)) for h in holders}
+        if holder.end == num_layers - 1:
+            rate[num_layers] += 1.0 / seconds
+    tail_s = tail_extra_layers / rate[num_layers] if tail_extra_layers > 0 and rate[num_layers] > 0 else 0.0
+    return {(h.start, h.end): sum(1.0 / rate[layer] for layer in range(h.start, h.end + 1))
+            + (tail_s if h.end == num_layers - 1 else 0.0) for h in holders}
 
 
 def place(costs: LayerCosts, budget_bytes: int, holders: Iterable[Holder],

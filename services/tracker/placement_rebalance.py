@@ -18,8 +18,9 @@ How a plan is found, cheapest first:
    covered"): a node keeps its range where that fits the cut, else it is given
    the next run from the first uncovered layer, as long as its budget holds.
    Among the plans that cover, the one that moves the fewest nodes wins, then
-   the one whose busiest node uses the smallest share of its budget (ranges
-   balanced by memory). So after a death the survivors may both grow, or one
+   the one whose slowest node is fastest (faster nodes take more layers, see
+   :func:`recut`), then the one whose busiest node uses the smallest share of
+   its budget. So after a death the survivors may both grow, or one
    may shrink at one end and grow at the other; the order of the nodes along
    the model never changes, which is what lets the tracker carry the moves out
    without a cycle (see :mod:`.healing`).
@@ -33,16 +34,19 @@ How a plan is found, cheapest first:
 
 from __future__ import annotations
 
+import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Final
 
 from .placement import (
     DEFAULT_KV_RESERVE_TOKENS,
+    DEFAULT_SECONDS_PER_LAYER,
     CannotHoldLayer,
     Holder,
     LayerCosts,
     Placement,
+    clamp_speed,
     format_bytes,
     place,
     uncovered_runs,
@@ -52,6 +56,9 @@ MIN_KV_RESERVE_TOKENS: Final = 256
 """Fewest tokens of KV room a layer a rebalancing plan leaves (below it the model is not worth covering)."""
 KV_RESERVE_LEVELS: Final = (DEFAULT_KV_RESERVE_TOKENS, DEFAULT_KV_RESERVE_TOKENS // 2, MIN_KV_RESERVE_TOKENS)
 """KV room a layer a plan is sought with, most first."""
+MAX_SPEEDUP: Final = 4.0
+"""Most times faster than the median placed node of its model a node is believed to be when layers are cut
+by speed (a node that claims a microsecond a layer among honest milliseconds is weighed at a quarter of them)."""
 MAX_PLAN_NODES: Final = 256
 """Most movable nodes one plan weighs (the rest stay where they are)."""
 
@@ -104,19 +111,39 @@ def _spares_first(movable: Sequence[Movable], fixed: Sequence[Holder], num_layer
     return moves if not uncovered_runs([*fixed, *where.values()], num_layers) else None
 
 
-_Best = tuple[int, float, tuple[tuple[str, int, int] | None, ...]]
-"""A partial cut: nodes moved, the busiest moved node's share of its budget, and each node's choice so far."""
+_Best = tuple[tuple[float, ...], tuple[tuple[str, int, int] | None, ...]]
+"""A partial cut: its key (see :func:`recut`) and each node's choice so far (``None``: it stays)."""
 
 
 def _offer(step: dict[int, _Best], first: int, value: _Best) -> None:
-    """Keep ``value`` as the way to reach ``first`` where it moves fewer nodes, or as many more evenly."""
-    if first not in step or value[:2] < step[first][:2]:
+    """Keep ``value`` as the way to reach ``first`` where its key is smaller."""
+    if first not in step or value[0] < step[first][0]:
         step[first] = value
 
 
-def _recut(movable: Sequence[Movable], fixed: Sequence[Holder], num_layers: int,
-           kv_tokens: int) -> dict[str, Placement] | None:
-    """The chain re-cut with the fewest moves, then the most even use of budgets (module doc, rule 2)."""
+def believed_speeds(holders: Sequence[Holder]) -> dict[str, float]:
+    """Seconds a layer each holder is weighed at when layers are cut by speed: its figure clamped
+    (:func:`.placement.clamp_speed`) and never more than :data:`MAX_SPEEDUP` times faster than the median of
+    the known figures, so one node's claim cannot make it take every layer its memory holds because
+    it says it is a million times faster; an unknown speed (0) counts at the median."""
+    known = sorted(clamp_speed(h.seconds_per_layer) for h in holders if h.seconds_per_layer > 0)
+    median = statistics.median(known) if known else DEFAULT_SECONDS_PER_LAYER
+    return {h.node_id: max(clamp_speed(h.seconds_per_layer), median / MAX_SPEEDUP)
+            if h.seconds_per_layer > 0 else median for h in holders}
+
+
+def recut(movable: Sequence[Movable], fixed: Sequence[Holder], num_layers: int, kv_tokens: int,
+          speed_first: bool = False) -> dict[str, Placement] | None:
+    """The chain of ``movable`` (in layer order) re-cut to cover every layer ``fixed`` leaves, or ``None``.
+
+    Each node stays or is given the next run from the first layer not yet covered, within its budget. A
+    cut's key is, compared in order: nodes moved, then the slowest node's seconds a decode row (its layers,
+    and the LM head's :attr:`.placement.LayerCosts.tail_extra_layers` where it holds the last layer, at
+    :func:`believed_speeds`), then the busiest node's share of its budget; with ``speed_first`` the slowest
+    node's seconds come first (tuning a covered mesh, :mod:`.placement_tune`). Slowest-first is exact: a
+    cut's slowest node is the slower of the cut so far and the rest.
+    """
+    speeds = believed_speeds([m.holder for m in movable])
     covered = [False] * num_layers
     for holder in fixed:
         for layer in range(max(holder.start, 0), min(holder.end, num_layers - 1) + 1):
@@ -124,15 +151,29 @@ def _recut(movable: Sequence[Movable], fixed: Sequence[Holder], num_layers: int,
     after = [num_layers] * (num_layers + 1)  # after[f]: the first layer >= f that staying nodes leave
     for layer in range(num_layers - 1, -1, -1):
         after[layer] = after[layer + 1] if covered[layer] else layer
-    # best[f]: (moves, busiest share, choices) of the nodes seen so far, with every layer below f covered
-    best: dict[int, _Best] = {after[0]: (0, 0.0, ())}
+
+    def key(moves: int, slowest: float, share: float) -> tuple[float, ...]:
+        return (slowest, moves, share) if speed_first else (moves, slowest, share)
+
+    def unpack(k: tuple[float, ...]) -> tuple[int, float, float]:
+        return (int(k[1]), k[0], k[2]) if speed_first else (int(k[0]), k[1], k[2])
+
+    def seconds(node: Movable, first: int, end: int) -> float:
+        extra = node.costs.tail_extra_layers if end == num_layers - 1 else 0.0
+        return (end - first + 1 + extra) * speeds[node.holder.node_id]
+
+    # best[f]: the key and choices of the nodes seen so far, with every layer below f covered
+    best: dict[int, _Best] = {after[0]: (key(0, 0.0, 0.0), ())}
     for node in movable:
         own = node.holder
         step: dict[int, _Best] = {}
-        for first, (moves, share, chosen) in best.items():
+        for first, (k, chosen) in best.items():
+            moves, slowest, share = unpack(k)
             # It stays: it carries the cover on where the cut has reached its range, else it adds nothing here.
             reach = after[own.end + 1] if own.start <= first <= own.end else first
-            _offer(step, reach, (moves, share, (*chosen, None)))
+            own_share = node.costs.needed_bytes(own.start, own.end, kv_tokens) / node.budget_bytes
+            _offer(step, reach, (key(moves, max(slowest, seconds(node, own.start, own.end)),
+                                     max(share, own_share) if speed_first else share), (*chosen, None)))
             if first == num_layers:
                 continue
             for end in range(first, num_layers):
@@ -141,12 +182,13 @@ def _recut(movable: Sequence[Movable], fixed: Sequence[Holder], num_layers: int,
                     break
                 if (first, end) == (own.start, own.end):
                     continue  # that is staying, offered above
-                _offer(step, after[end + 1], (moves + 1, max(share, needed / node.budget_bytes),
-                                       (*chosen, (own.node_id, first, end))))
+                _offer(step, after[end + 1], (key(moves + 1, max(slowest, seconds(node, first, end)),
+                                                  max(share, needed / node.budget_bytes)),
+                                              (*chosen, (own.node_id, first, end))))
         best = step
     if num_layers not in best:
         return None
-    return {choice[0]: Placement(choice[1], choice[2], "covering") for choice in best[num_layers][2] if choice}
+    return {choice[0]: Placement(choice[1], choice[2], "covering") for choice in best[num_layers][1] if choice}
 
 
 def rebalance(movable: Sequence[Movable], fixed: Sequence[Holder], num_layers: int) -> Plan:
@@ -158,8 +200,8 @@ def rebalance(movable: Sequence[Movable], fixed: Sequence[Holder], num_layers: i
     if not uncovered_runs([*fixed, *(m.holder for m in movable)], num_layers):
         return Plan({}, DEFAULT_KV_RESERVE_TOKENS)
     for kv_tokens in KV_RESERVE_LEVELS:
-        for planner in (_spares_first, _recut):
-            moves = planner(movable, fixed, num_layers, kv_tokens)
+        for planner in (_spares_first, recut):
+            moves = planner(movable, fixed, num_layers, kv_tokens)  # type: ignore[operator]
             if moves is not None:
                 return Plan(moves, kv_tokens)
     missing = ", ".join(f"{a}-{b}" for a, b in uncovered_runs([*fixed, *(m.holder for m in movable)], num_layers))
