@@ -107,10 +107,16 @@ KILL_AFTER_CHUNKS: Final = 5
 STREAM_TIMEOUT_S: Final = 600.0
 
 
+CONTINUE_DEADLINE_S: Final = "600"
+"""How long the tracker's own continuation of a stream may take: its head's death is seen only after the
+node TTL, then the survivors load their new layers, on a machine that may be loaded (a bound, not a wait)."""
+
+
 @pytest.fixture
 def stream_mesh(tiny_model_dir: Path) -> Iterator[tuple[Service, dict[str, Service]]]:
     """A tracker of its own and three placed nodes (layers 0, 1-2 and 3), apart from the module's mesh."""
-    with placement_tracker({"MESHNET_NODE_TTL_S": NODE_TTL_S}) as tracker, \
+    with placement_tracker({"MESHNET_NODE_TTL_S": NODE_TTL_S,
+                            "MESHNET_CONTINUE_DEADLINE_S": CONTINUE_DEADLINE_S}) as tracker, \
             placed_nodes({node_id: node_env(tiny_model_dir, tracker, node_id, BUDGET)
                           for node_id in STREAM_NODES}) as nodes:
         yield tracker, nodes
@@ -175,3 +181,42 @@ def test_a_greedy_stream_outlives_the_death_of_its_tail_while_the_survivors_are_
         raise
     again, errors = streamed_chat(tracker, wait_until_servable(tracker, tiny_model_dir.name))
     assert errors == [] and again == whole
+
+
+def test_a_greedy_stream_the_tracker_relays_outlives_the_death_of_its_head_while_the_survivors_are_re_cut(
+        stream_mesh: tuple[Service, dict[str, Service]], tiny_model_dir: Path) -> None:
+    """The head (layer 0) killed mid-stream: no route avoids it until the survivors are re-cut, and the
+    tracker's continuation (services/tracker/continuation.py) waits for that, as it says ``healing``, instead
+    of ending the stream; it then finishes identical to its uninterrupted run on the new head."""
+    tracker, services = stream_mesh
+    placed = wait_for(lambda: (found := {n["node_id"]: (n["shard_start"], n["shard_end"]) for n in mesh(tracker)["nodes"]
+                                         if n["routable"] and n["node_id"] in STREAM_NODES})
+                      and len(found) == len(STREAM_NODES) and found, "every node to register")
+    assert sorted(placed.values()) == [(0, 0), (1, 2), (3, 3)], placed
+    head = next(node_id for node_id, held in placed.items() if held == (0, 0))
+    model = wait_until_servable(tracker, tiny_model_dir.name)
+    whole, errors = streamed_chat(tracker, model)
+    assert errors == [] and len(whole) > 0
+
+    killed: list[int] = []
+
+    def kill_the_head(chunks: int) -> None:
+        if not killed and chunks >= KILL_AFTER_CHUNKS:
+            services[head].kill()
+            killed.append(chunks)
+
+    try:
+        broken, errors = streamed_chat(tracker, model, kill_the_head)
+        assert killed, "the stream ended before the kill"
+        assert errors == [], errors
+        assert broken == whole
+        assert "the tracker is healing the gap" in tracker.log()
+        healed = {n["node_id"]: (n["shard_start"], n["shard_end"]) for n in mesh(tracker)["nodes"]
+                  if n["routable"] and n["node_id"] in STREAM_NODES}
+        assert head not in healed and sorted(healed.values()) == [(0, 1), (2, 3)], healed
+    except (AssertionError, ValueError):  # what the survivors and the tracker said, for whoever reads the failure
+        for node_id, node in services.items():
+            if node_id != head:
+                print(f"--- {node_id}\n{node.log()[-6000:]}")
+        print(f"--- tracker\n{tracker.log()[-8000:]}")
+        raise

@@ -40,6 +40,7 @@ from meshwire.logs import configure_logging
 
 from . import admin_api, mesh_api, openai_api, placement_api, service_api, verify_api
 from .error_answers import add_error_handlers
+from .healing import PlacementBook
 from .key_limits import KeyLimits
 from .settings import TrackerSettings
 from .state import TrackerState
@@ -62,6 +63,8 @@ def create_app(settings: TrackerSettings | None = None, *, clock: Callable[[], f
     app = FastAPI(title="meshnet tracker", lifespan=_lifespan(state), docs_url=None, redoc_url=None,
                   openapi_url=None)
     app.state.tracker = state
+    book = app.state.placement_book = PlacementBook()
+    state.may_heal = book.may_heal
     for router in (service_api.router, openai_api.router, mesh_api.router, placement_api.router, admin_api.router,
                    verify_api.router):
         app.include_router(router)

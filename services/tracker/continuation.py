@@ -11,11 +11,16 @@ follows. The client sees one stream: same id on every event, no second
 opening, no repeated or missing text (greedy: identical to an uninterrupted
 run; seeded sampling: the same draws). At most ``attempts`` new heads are
 tried within ``deadline_s``; when none can go on, the stream ends with an
-OpenAI error event and ``[DONE]``, never a silent cut.
+OpenAI error event and ``[DONE]``, never a silent cut. When there is no route
+but the tracker is healing the gap (``no_route`` with ``healing``: placed nodes
+are being moved onto the layers the dead head held, issue 36), the
+continuation asks again every :data:`HEALING_POLL_S` within ``deadline_s``
+(waiting is not counted as an attempt), as a head's failover does.
 """
 
 from __future__ import annotations
 
+import asyncio
 import enum
 import logging
 import time
@@ -37,6 +42,9 @@ from .responses import HTTPError
 
 logger = logging.getLogger(__name__)
 
+HEALING_POLL_S: Final = 1.0
+"""How often a continuation asks again for a route while the tracker says placed nodes are moving onto the gap
+(as a head's failover does: services/node/head/failover.py)."""
 EVENT_END: Final = b"\n\n"
 MAX_EVENT_BYTES: Final = 4 << 20
 """Longest single stream event accepted from a head (a chunk with 20 log-probabilities per token is far smaller)."""
@@ -135,6 +143,7 @@ class ContinuedStream:
             # route already, and the head may be the only one.
             avoid = set() if cut else {head}
             opened = None
+            waited = False
             while opened is None:
                 continuations += 1
                 spent = time.monotonic() - started
@@ -148,6 +157,15 @@ class ContinuedStream:
                 try:
                     route = self._route_for(avoid)
                 except HTTPError as exc:
+                    if exc.body["error"].get("healing") is True and spent + HEALING_POLL_S <= self._deadline_s:
+                        if not waited:
+                            logger.info("stream %s: no route avoids %s yet; the tracker is healing the gap, "
+                                        "asking again every %.0f s", self.history.response_id,
+                                        ", ".join(sorted(avoid)), HEALING_POLL_S)
+                        waited = True
+                        continuations -= 1  # waiting for the gap to close is not another head tried
+                        await asyncio.sleep(HEALING_POLL_S)
+                        continue
                     for payload in self._give_up(f"the head node {head} stopped answering mid-stream and there "
                                                  f"is no route to continue on: {exc}"):
                         yield payload

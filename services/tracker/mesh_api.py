@@ -64,7 +64,7 @@ from meshwire.routes import RouteError, verify_route
 
 from .endpoint_policy import EndpointPolicy
 from .failure_reports import ROUTE_GRACE_S, TooManyReports, run_of
-from .healing import book_of, heal_move
+from .healing import heal_move
 from .join_tokens import TokenRefused
 from .placement_view import model_placement
 from .registry import MAX_REASON_CHARS, Registered, RegistryError, UnknownNode
@@ -338,11 +338,5 @@ async def route(request: Request) -> JSONResponse:
     exclude = parse_exclude(request.query_params.getlist("exclude"))
     await state.trust.ready()
     resolved = state.resolve_model(model)
-    try:
-        signed = state.route_for(resolved, exclude)
-    except HTTPError as exc:
-        live = {c.node_id for c in state.registry.candidates(resolved, state.now())} - set(exclude)
-        if exc.body["error"].get("code") == "no_route" and book_of(request).may_heal(resolved, live):
-            exc.body["error"]["healing"] = True  # placed nodes may be moved onto the gap: worth asking again
-        raise
+    signed = state.route_for(resolved, exclude)  # a no_route says healing where placed nodes may close the gap
     return JSONResponse(signed.model_dump(mode="json"))

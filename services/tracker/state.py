@@ -69,6 +69,10 @@ class TrackerState:
     """Who may put a node in failure backoff, how often, on whose word (:mod:`.failure_reports`): the store's."""
     background: set[asyncio.Task[None]] = field(default_factory=set)
     """Failure reports being judged and applied in the background (held here until done)."""
+    may_heal: Callable[[str, Collection[str]], bool] = lambda _model, _live: False
+    """Whether a gap in a model may close by itself: the placement book's answer for the live node ids
+    (:meth:`.healing.PlacementBook.may_heal`, wired by the app). A no-route answer then says ``healing``, and
+    whoever waits on the route (a head's failover, the tracker's own stream continuation) asks again."""
     verifier: Verifier = field(init=False)
     """Receipts, spot checks and the quarantine (:mod:`.verification`), on this tracker's store and metrics."""
 
@@ -141,12 +145,14 @@ class TrackerState:
         except IncompleteCoverage as gap:
             self.metrics.routes.labels("incomplete").inc()
             excluded = f" (excluding {', '.join(sorted(exclude))})" if exclude else ""
+            healing = self.may_heal(model, {c.node_id for c in candidates} - set(exclude))
             raise HTTPError(
                 503, f"No complete route for model {model!r}: no live node holds layers "
                      f"{format_ranges(gap.missing)} of {num_layers}{excluded}.",
                 errors.UNAVAILABLE, "no_route", "model",
                 headers={"Retry-After": str(math.ceil(self.settings.heartbeat_s))},
                 missing_layers=[list(r) for r in gap.missing], num_layers=num_layers,
+                **({"healing": True} if healing else {}),  # placed nodes may be moved onto the gap: ask again
             ) from None
         except RouteTooLong as exc:
             self.metrics.routes.labels("incomplete").inc()
