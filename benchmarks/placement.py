@@ -3,6 +3,7 @@
 Run alone (it loads the default model nine times and takes the machine's cores):
 
     PYTHONPATH=libs:. python -m benchmarks.placement [--rounds 3] [--streams 8] [--tokens 32]
+        [--meshes even placed placed-80MB] [--no-heal]
 
 Three "machines" are simulated with cgroup (v1) CPU quotas of 0.5, 1 and 1.5
 cores (:data:`CORES`; ``/sys/fs/cgroup/cpu``, root needed; where that cannot be
@@ -18,6 +19,9 @@ the default model run side by side, each with its own tracker:
 - ``placed-80MB``: the nodes without ``--layers`` at ``--max-memory 80MB`` (the
   issue's test: the tracker must split the model by memory).
 
+Once a mesh covers the model the tracker may re-cut its placed nodes by speed
+(services/tracker/placement_tune.py): the benchmark waits until no move is under
+way (:func:`settle`) and records the first layout, the moves and the settled one.
 Rounds are interleaved (even, placed, placed-80MB, then again) so the machine's
 background load, which other people share, falls on each alike; each round is
 ``--streams`` greedy streamed chats at once, and its figure is the tokens of all of
@@ -61,6 +65,9 @@ BUDGET_80MB: Final = "80MB"
 READY_TIMEOUT_S: Final = 900.0
 HEAL_TIMEOUT_S: Final = 300.0
 POLL_S: Final = 0.2
+SETTLE_S: Final = 8.0
+"""Quiet seconds (eight heartbeats) after which a mesh's placement counts as settled."""
+MESHES: Final = {"even": (EVEN, None), "placed": (None, None), "placed-80MB": (None, BUDGET_80MB)}
 RESULTS: Final = Path(__file__).with_name("results") / "placement.json"
 PROMPTS: Final = ("What is the capital of France?", "Name three colours.", "What is 2 + 2?",
                   "Write a short sentence about the sea.", "Who wrote Hamlet?", "What do bees make?",
@@ -131,6 +138,26 @@ def start_mesh(name: str, model: str, layers: tuple[str, ...] | None, budget: st
     raise RuntimeError(f"{name}: the mesh did not cover the model within {READY_TIMEOUT_S:.0f} s")
 
 
+def settle(mesh: Mesh) -> list[str]:
+    """Wait until the tracker has stopped moving the mesh's nodes (it re-cuts a covered mesh by speed): every
+    move told is done or given up, and nothing changed for :data:`SETTLE_S`. The moves made, as text."""
+    quiet_since, last = time.monotonic(), None
+    deadline = time.monotonic() + READY_TIMEOUT_S
+    while time.monotonic() < deadline:
+        with contextlib.suppress(httpx.HTTPError, ValueError, KeyError, IndexError):
+            model = httpx.get(f"{mesh.tracker.url}/v1/nodes", timeout=5).json()["models"][0]
+            moves = model.get("moves") or []
+            state = (tuple(layout(mesh)), len(moves))
+            open_moves = {m["node_id"] for m in moves if m["event"] == "told"} - {
+                m["node_id"] for m in moves if m["event"] != "told"}
+            if state != last or open_moves or not model["complete"]:
+                quiet_since, last = time.monotonic(), state
+            elif time.monotonic() - quiet_since >= SETTLE_S:
+                return [f"{m['node_id']} {m['event']} {m['from_layers']} -> {m['to_layers']}" for m in moves]
+        time.sleep(POLL_S)
+    raise RuntimeError(f"{mesh.name}: placement did not settle within {READY_TIMEOUT_S:.0f} s")
+
+
 def layout(mesh: Mesh) -> list[str]:
     nodes = httpx.get(f"{mesh.tracker.url}/v1/nodes", timeout=5).json()["nodes"]
     return [f"{n['node_id']} ({CORES[int(n['node_id'].rsplit('-', 1)[1])]} cores): layers {n['shard_start']}-"
@@ -178,11 +205,11 @@ def heal_seconds(mesh: Mesh) -> float:
 
 
 @contextlib.contextmanager
-def meshes(model: str) -> Iterator[list[Mesh]]:
+def meshes(model: str, names: list[str]) -> Iterator[list[Mesh]]:
     started: list[Mesh] = []
     try:
-        for name, layers, budget in (("even", EVEN, None), ("placed", None, None),
-                                     ("placed-80MB", None, BUDGET_80MB)):
+        for name in names:
+            layers, budget = MESHES[name]
             logger.info("starting mesh %s", name)
             started.append(start_mesh(name, model, layers, budget))
         yield started
@@ -196,6 +223,9 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--streams", type=int, default=8)
     parser.add_argument("--tokens", type=int, default=32)
+    parser.add_argument("--meshes", nargs="+", choices=list(MESHES), default=list(MESHES),
+                        help="the meshes to start (fewer: a shorter run; 'even' is the baseline of the ratios)")
+    parser.add_argument("--no-heal", action="store_true", help="skip the death-to-coverage measurement")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)
@@ -204,8 +234,12 @@ def main() -> None:
 
     resolve_model("default")  # converted once here, not by nine nodes at once
     model = "default"  # the nodes resolve it as a user's would: its GGUF's int4 layers
-    with meshes(model) as started:
+    with meshes(model, args.meshes) as started:
+        first_layouts = {mesh.name: layout(mesh) for mesh in started}
+        moves = {mesh.name: settle(mesh) for mesh in started}  # the tracker's re-cuts by speed, if any
         layouts = {mesh.name: layout(mesh) for mesh in started}
+        for name, lines in first_layouts.items():
+            logger.info("%s as first placed: %s", name, "; ".join(lines))
         for name, lines in layouts.items():
             logger.info("%s: %s", name, "; ".join(lines))
         for mesh in started:  # one untimed round each: caches, the tracker's first measurements
@@ -215,15 +249,17 @@ def main() -> None:
             for mesh in started:
                 rates[mesh.name].append(round_of(mesh, args.streams, args.tokens))
                 logger.info("round %d %s: %.1f tok/s aggregate", number + 1, mesh.name, rates[mesh.name][-1])
-        healed_s = heal_seconds(started[2])
-        healed_layout = layout(started[2])
+        small = next((mesh for mesh in started if mesh.name == "placed-80MB"), None)
+        healed_s = heal_seconds(small) if small is not None and not args.no_heal else None
+        healed_layout = layout(small) if healed_s is not None and small is not None else None
     load = os.getloadavg()
     median = {name: statistics.median(values) for name, values in rates.items()}
     result = {
-        "cores": CORES, "streams": args.streams, "tokens": args.tokens, "rounds": args.rounds, "layouts": layouts,
+        "cores": CORES, "streams": args.streams, "tokens": args.tokens, "rounds": args.rounds,
+        "first_layouts": first_layouts, "moves": moves, "layouts": layouts,
         "aggregate_tok_s": rates, "median_tok_s": median,
-        "placed_over_even": median["placed"] / median["even"],
-        "placed_80mb_over_even": median["placed-80MB"] / median["even"],
+        **({f"{name.lower().replace('-', '_')}_over_even": median[name] / median["even"]
+            for name in median if name != "even"} if "even" in median else {}),
         "seconds_death_to_coverage_80mb": healed_s, "layout_after_healing": healed_layout,
         "load_average_1_5_15": load, "cpus": os.cpu_count(),
     }

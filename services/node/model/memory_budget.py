@@ -30,6 +30,14 @@ FREE_MEMORY_SHARE: Final = 0.8
 PROBE_PROMPT_TOKENS: Final = 8
 PROBE_UNTIMED_STEPS: Final = 4
 PROBE_TIMED_STEPS: Final = 8
+"""Fewest decode rows timed."""
+PROBE_MIN_S: Final = 0.5
+"""Shortest the timed rows last together: longer than a CPU quota's period (a cgroup's 100 ms), so a node
+given half a core is timed at half a core's speed, not at the full core it bursts on for a few rows."""
+PROBE_MAX_STEPS: Final = 4096
+"""Most decode rows timed (a fast device stops here, well before :data:`PROBE_MIN_S`)."""
+PROBE_CACHE_TOKENS: Final = 64
+"""Rows one probe cache takes before a fresh one is started (the rows are timed at a short context)."""
 FALLBACK_FREE_BYTES: Final = 1 << 30
 """Budget assumed where free memory cannot be read (neither CUDA nor ``/proc/meminfo``)."""
 
@@ -91,10 +99,12 @@ def default_budget_bytes(device: torch.device) -> int:
 
 
 def _time_decode_rows(shard: Shard) -> float:
-    """Seconds one decode row takes through the probe's layer (after a short prompt and untimed steps)."""
-    cache = shard.new_cache()
+    """Seconds one decode row takes through the probe's layer (after a short prompt and untimed steps),
+    timed over at least :data:`PROBE_TIMED_STEPS` rows and :data:`PROBE_MIN_S` seconds (see there)."""
     generator = torch.Generator().manual_seed(0)
     with torch.inference_mode():
+        cache = shard.new_cache()
+
         def step(tokens: int) -> None:
             states = torch.randn((1, tokens, shard.hidden_size), generator=generator).to(shard.dtype)
             shard.run_layers(states.to(shard.device), cache, cache.seq_len, from_layer=shard.start)
@@ -104,12 +114,18 @@ def _time_decode_rows(shard: Shard) -> float:
             step(1)
         if shard.device.type == "cuda":
             torch.cuda.synchronize(shard.device)
-        began = time.perf_counter()
-        for _ in range(PROBE_TIMED_STEPS):
+        timed, steps = 0.0, 0
+        while steps < PROBE_TIMED_STEPS or (timed < PROBE_MIN_S and steps < PROBE_MAX_STEPS):
+            if cache.seq_len >= PROBE_CACHE_TOKENS:
+                cache = shard.new_cache()
+                step(PROBE_PROMPT_TOKENS)  # a fresh short context; its prompt is not a decode row
+            began = time.perf_counter()
             step(1)
-        if shard.device.type == "cuda":
-            torch.cuda.synchronize(shard.device)
-    return (time.perf_counter() - began) / PROBE_TIMED_STEPS
+            if shard.device.type == "cuda":
+                torch.cuda.synchronize(shard.device)
+            timed += time.perf_counter() - began
+            steps += 1
+    return timed / steps
 
 
 def measure_layer_costs(path: Path, dtype: torch.dtype, device: torch.device, weights: str = "float",
