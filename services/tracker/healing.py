@@ -30,12 +30,15 @@ the mesh's slowest stage :data:`.placement_tune.TUNE_GAIN` times faster
 (:func:`.placement_tune.tune`: the same moves, re-cut by speed once nobody is
 joining or moving).
 
-All of it is this tracker's own memory: with a shared store, a node heartbeating to
-another tracker is healed by that one once it has placed it.
+The book is this tracker's own memory; with a shared store, the ranges it hands
+out and the moves it tells are also claims in the store (:mod:`.placement_claims`)
+that the other trackers count, so two trackers neither give two nodes one gap nor
+move nodes of one model at once. A node is moved only by the tracker that placed it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections import OrderedDict, deque
 from collections.abc import Collection
@@ -48,10 +51,12 @@ from meshwire.placement import PlacementAnswer
 from meshwire.registry import NodeRegistration
 
 from .placement import Holder, LayerCosts, Placement, uncovered_runs
+from .placement_claims import Claim, ClaimBook, LostRace
 from .placement_rebalance import CannotCover, Movable, Plan, rebalance
 from .placement_tune import tune
 from .planner import Candidate
 from .state import tracker_state
+from .store import StoreUnavailable
 
 logger = logging.getLogger(__name__)
 
@@ -165,9 +170,27 @@ class PlacementBook:
         self._history.append(MoveRecord(registration.model, registration.node_id, told.from_layers,
                                         (told.move.start, told.move.end), event, now))
 
-    def move_for(self, registration: NodeRegistration, candidates: list[Candidate],
-                 now: float) -> tuple[Placement, int] | None:
-        """The move (and KV room a layer) to tell this heartbeating node, if any (see the module doc)."""
+    def placed_here(self, node_id: str) -> bool:
+        """Whether this tracker placed ``node_id`` (and so may move it)."""
+        return node_id in self._placed
+
+    def told(self, node_id: str) -> Told | None:
+        """The move told to ``node_id`` and not carried out yet, if any."""
+        return self._moves.get(node_id)
+
+    def withdraw(self, node_id: str) -> None:
+        """Forget the move just told to ``node_id`` (another tracker claimed the model's moves first)."""
+        if self._moves.pop(node_id, None) is not None and self._history and \
+                (self._history[-1].node_id, self._history[-1].event) == (node_id, "told"):
+            self._history.pop()
+
+    def move_for(self, registration: NodeRegistration, candidates: list[Candidate], now: float,
+                 shared: Collection[Holder] = (), hold_new: bool = False) -> tuple[Placement, int] | None:
+        """The move (and KV room a layer) to tell this heartbeating node, if any (see the module doc).
+
+        ``shared``: ranges other trackers of the store handed out or told (:mod:`.placement_claims`), counted
+        as this tracker's own pending ones; ``hold_new``: tell no new move now (another tracker is moving
+        nodes of the model), only repeat one told already."""
         node_id = registration.node_id
         placed = self._placed.get(node_id)
         if placed is not None and (registration.placement in (None, "pinned") or placed.model != registration.model):
@@ -188,13 +211,14 @@ class PlacementBook:
             self._record(registration, told, "given up", now)
             logger.warning("node %s did not move to layers %d-%d within %.0f s", node_id, told.move.start,
                            told.move.end, MOVE_TIMEOUT_S)
-        if now - self._moved_at.get(node_id, float("-inf")) < MOVE_COOLDOWN_S:
+        if hold_new or now - self._moved_at.get(node_id, float("-inf")) < MOVE_COOLDOWN_S:
             return None
         model, n = registration.model, placed.costs.num_layers
         live = [c for c in candidates if c.node_id != node_id]
         live.append(Candidate(node_id, registration.endpoint, registration.shard_start, registration.shard_end,
                               role=registration.role))
         pending = self.pending(model, now, {c.node_id for c in live})
+        pending += [h for h in shared if h.node_id not in {p.node_id for p in pending}]
         if not uncovered_runs([*(Holder(c.node_id, c.shard_start, c.shard_end) for c in live), *pending], n):
             self._uncovered_since.pop(model, None)
             self._notes.pop(model, None)
@@ -266,14 +290,52 @@ def book_of(request: Request) -> PlacementBook:
     return book
 
 
-def heal_move(request: Request, registration: NodeRegistration) -> PlacementAnswer | None:
-    """The move a heartbeating node is told in its answer, if any."""
+def claims_of(request: Request) -> ClaimBook:
+    """The app's placement claims in the store (made on first use)."""
+    claims = getattr(request.app.state, "placement_claims", None)
+    if claims is None:
+        claims = request.app.state.placement_claims = ClaimBook(tracker_state(request).store)
+    return claims
+
+
+async def heal_move(request: Request, registration: NodeRegistration) -> PlacementAnswer | None:
+    """The move a heartbeating node is told in its answer, if any; with the other trackers' claims counted,
+    and a new move claimed in the store before the node hears of it (:mod:`.placement_claims`)."""
     state = tracker_state(request)
     now = state.now()
-    candidates = list(state.registry.candidates(registration.model, now))
-    told = book_of(request).move_for(registration, candidates, now)
+    book, claims = book_of(request), claims_of(request)
+    node_id, model = registration.node_id, registration.model
+    candidates = list(state.registry.candidates(model, now))
+    if not book.placed_here(node_id):
+        return None
+    try:
+        others: list[Claim] | None = await claims.others(model, candidates)
+    except StoreUnavailable:
+        others = None  # the store is away: no new move while the other trackers' cannot be seen
+    shared = [c.holder() for c in others or ()]
+    hold_new = others is None or any(c.kind == "move" or c.node_id == node_id for c in others)
+    before = book.told(node_id)
+    told = book.move_for(registration, candidates, now, shared, hold_new)
+    after = book.told(node_id)
+    if before is not None and after is None:  # carried out or given up: its claim goes
+        with contextlib.suppress(StoreUnavailable, LostRace):
+            await claims.change(model, candidates, lambda _, mine: ([c for c in mine if c.node_id != node_id], None))
     if told is None:
         return None
+    if before is None and after is not None:  # a new move: claimed in the store, or withdrawn
+
+        def claim_move(standing: list[Claim], mine: list[Claim]) -> tuple[list[Claim], None]:
+            if any(c.kind == "move" or c.node_id == node_id for c in standing):
+                raise LostRace(f"another tracker is moving nodes of {model!r}")
+            move = Holder(node_id, after.move.start, after.move.end, 0.0)
+            return [*(c for c in mine if c.node_id != node_id), claims.claim(node_id, "move", move, MOVE_TIMEOUT_S)], None
+
+        try:
+            await claims.change(model, candidates, claim_move)
+        except (LostRace, StoreUnavailable) as exc:
+            book.withdraw(node_id)
+            logger.info("node %s is not moved now: %s", node_id, exc)
+            return None
     move, kv_reserve_tokens = told
     return PlacementAnswer(shard_start=move.start, shard_end=move.end, reason=move.reason,
                            kv_reserve_tokens=kv_reserve_tokens)

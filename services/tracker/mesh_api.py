@@ -200,7 +200,7 @@ async def register(request: Request) -> JSONResponse:
     state.metrics.registrations.labels("new" if registered.new_lease else "heartbeat").inc()
     answer = RegistrationAnswer(lease=registered.lease, heartbeat_s=state.settings.heartbeat_s,
                                 ttl_s=state.settings.node_ttl_s, prefill_group=state.prefill_assignment(registration),
-                                move=heal_move(request, registration), revoked_nodes=state.revoked.notice())
+                                move=await heal_move(request, registration), revoked_nodes=state.revoked.notice())
     return JSONResponse(answer.model_dump(mode="json"))
 
 

@@ -11,9 +11,12 @@ registered. A budget that cannot hold one layer is a 422
 
 Handed-out placements are remembered (:class:`.healing.PlacementBook`) until the node
 registers or :data:`.healing.PENDING_S` pass, so nodes that start together are given
-different ranges instead of all being told to cover the same gap. The book
-is this tracker's own: nodes asking two trackers of one shared store at the
-same moment may be given the same range (they then serve it as replicas).
+different ranges instead of all being told to cover the same gap. With a shared
+store each handed-out range is also a claim there (:mod:`.placement_claims`),
+decided against the other trackers' claims and written in one atomic swap, so
+nodes asking two trackers of one store at the same moment are given different
+ranges too (a swap that keeps losing the race is a 503 ``placement_busy``, which
+the node asks again after).
 """
 
 from __future__ import annotations
@@ -28,9 +31,18 @@ from pydantic import ValidationError
 from meshwire import errors, limits
 from meshwire.placement import PlacementAnswer, PlacementRequest
 
-from .healing import PlacedNode, book_of
+from .healing import PENDING_S, PlacedNode, book_of, claims_of
 from .mesh_api import require_member
-from .placement import DEFAULT_KV_RESERVE_TOKENS, CannotHoldLayer, Holder, LayerCosts, clamp_speed, place
+from .placement import (
+    DEFAULT_KV_RESERVE_TOKENS,
+    CannotHoldLayer,
+    Holder,
+    LayerCosts,
+    Placement,
+    clamp_speed,
+    place,
+)
+from .placement_claims import Claim, LostRace
 from .placement_view import rated_holders
 from .responses import HTTPError, read_body
 from .state import tracker_state
@@ -59,18 +71,33 @@ async def placement(request: Request) -> JSONResponse:
         raise HTTPError(403, f"this join token is not node {ask.node_id!r}'s", errors.PERMISSION,
                         "token_node_mismatch")
     now = state.now()
-    book = book_of(request)
+    book, claims = book_of(request), claims_of(request)
     holders = rated_holders(request, ask.model, now, exclude=ask.node_id)  # speeds as measured, not as claimed
     holders += [h for h in book.pending(ask.model, now, {h.node_id for h in holders}) if h.node_id != ask.node_id]
     costs = LayerCosts(num_layers=ask.num_layers, layer_bytes=ask.layer_bytes,
                        kv_bytes_per_token=ask.kv_bytes_per_token, head_bytes=ask.head_bytes,
                        tail_bytes=ask.tail_bytes)
+
+    def decide(standing: list[Claim], mine: list[Claim]) -> tuple[list[Claim], Placement]:
+        """The range, given the other trackers' claims too; this tracker's claim on it, in the same swap."""
+        known = {h.node_id for h in holders} | {ask.node_id}
+        chosen = place(costs, ask.max_memory_bytes, [*holders, *(c.holder() for c in standing
+                                                                 if c.node_id not in known)],
+                       DEFAULT_KV_RESERVE_TOKENS)
+        held = Holder(ask.node_id, chosen.start, chosen.end, ask.seconds_per_layer)
+        return [*(c for c in mine if c.node_id != ask.node_id), claims.claim(ask.node_id, "pending", held,
+                                                                            PENDING_S)], chosen
+
+    live = state.registry.candidates(ask.model, now)
     try:
-        placed = place(costs, ask.max_memory_bytes, holders, DEFAULT_KV_RESERVE_TOKENS)
+        placed = await claims.change(ask.model, live, decide)
     except CannotHoldLayer as exc:
         logger.warning("node %s cannot be placed: %s", ask.node_id, exc)
         raise HTTPError(422, str(exc), errors.INVALID_REQUEST, "cannot_hold_layer", "max_memory_bytes",
                         budget_bytes=exc.budget_bytes, needed_bytes=exc.needed_bytes) from None
+    except LostRace as exc:
+        raise HTTPError(503, f"placement is busy: {exc}", errors.UNAVAILABLE, "placement_busy",
+                        headers={"Retry-After": "1"}) from None
     book.hold(ask.model, Holder(ask.node_id, placed.start, placed.end, ask.seconds_per_layer), now,
               PlacedNode(ask.model, costs, ask.max_memory_bytes, clamp_speed(ask.seconds_per_layer)))
     logger.info("placed node %s on layers %d-%d of %s (%s; budget %d bytes, %d holders)", ask.node_id, placed.start,
