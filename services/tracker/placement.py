@@ -19,8 +19,10 @@ The rules, in order:
 3. **Memory bounds everything.** A range fits when its weights (``layer_bytes``
    a layer, plus the embedding on the first layer and the LM head on the last)
    and ``kv_reserve_tokens`` tokens of KV cache per layer stay within the
-   budget. Speed never buys layers: a node that claims to be fast gets no more
-   than its memory holds, and every speed figure is clamped to
+   budget. Speed never buys the asking node layers here: a node that claims to be
+   fast gets no more than its memory holds (once the model is covered, the tracker
+   re-cuts the placed nodes by speed within their budgets: :mod:`.placement_tune`),
+   and every speed figure is clamped to
    [:data:`MIN_SECONDS_PER_LAYER`, :data:`MAX_SECONDS_PER_LAYER`] so one absurd
    claim (1e300 tokens a second) cannot dwarf every honest figure.
 
