@@ -112,3 +112,6 @@ def test_a_covered_mesh_placed_slow_node_first_is_re_cut_by_speed_growers_first(
         clock.now += 1
         assert _register(client, "a", 0, 1, "covering", leases["a"])["move"] is None  # settled
         assert _register(client, "b", 2, 7, "covering", leases["b"])["move"] is None
+        moves = client.get("/v1/nodes").json()["models"][0]["moves"]
+        assert [(m["node_id"], m["event"], m["why"]) for m in moves] == [
+            ("b", "told", "speed"), ("b", "done", "speed"), ("a", "told", "speed"), ("a", "done", "speed")]

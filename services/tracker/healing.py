@@ -74,6 +74,8 @@ MOVE_COOLDOWN_S: Final = 30.0
 MAX_HISTORY: Final = 64
 """Most recent move events remembered for ``GET /v1/nodes`` and the page."""
 MoveEvent = Literal["told", "done", "given up"]
+MoveWhy = Literal["healing", "speed"]
+"""Why a node was moved: layers had lost their last holder, or a covered mesh was re-cut for speed."""
 
 
 @dataclass(frozen=True)
@@ -110,6 +112,7 @@ class MoveRecord:
     to_layers: tuple[int, int]
     event: MoveEvent
     at: float
+    why: MoveWhy = "healing"
 
 
 @dataclass(frozen=True)
@@ -121,6 +124,7 @@ class Told:
     told_at: float
     from_layers: tuple[int, int]
     """The range the node held when it was told."""
+    why: MoveWhy = "healing"
 
 
 class PlacementBook:
@@ -168,7 +172,7 @@ class PlacementBook:
 
     def _record(self, registration: NodeRegistration, told: Told, event: MoveEvent, now: float) -> None:
         self._history.append(MoveRecord(registration.model, registration.node_id, told.from_layers,
-                                        (told.move.start, told.move.end), event, now))
+                                        (told.move.start, told.move.end), event, now, told.why))
 
     def placed_here(self, node_id: str) -> bool:
         """Whether this tracker placed ``node_id`` (and so may move it)."""
@@ -236,11 +240,12 @@ class PlacementBook:
                for layer in dropped):
             logger.debug("node %s waits: layers it would drop are not held by another node yet", node_id)
             return None
-        told = Told(move, plan.kv_reserve_tokens, now, (registration.shard_start, registration.shard_end))
+        why: MoveWhy = "healing" if self._uncovered_since.get(model) is not None else "speed"
+        told = Told(move, plan.kv_reserve_tokens, now, (registration.shard_start, registration.shard_end), why)
         _bounded_set(self._moves, node_id, told)  # type: ignore[arg-type]
         self._record(registration, told, "told", now)
         logger.info("%s: node %s (layers %d-%d) is told to hold layers %d-%d of %s (%d tokens of KV room a "
-                    "layer)", "healing" if self._uncovered_since.get(model) is not None else "tuning for speed",
+                    "layer)", "healing" if why == "healing" else "tuning for speed",
                     node_id, registration.shard_start, registration.shard_end, move.start, move.end, model,
                     plan.kv_reserve_tokens)
         return move, plan.kv_reserve_tokens

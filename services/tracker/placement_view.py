@@ -9,7 +9,9 @@
 - ``healing``: why layers nobody holds cannot be held again by moving placed
   nodes (:meth:`.healing.PlacementBook.note`), or ``None``.
 - ``moves``: the recent move events (``told``, ``done``, ``given up``), each with
-  the node, the range it left and the one it was told, and how many seconds ago.
+  the node, the range it left and the one it was told, why (``healing``: layers had
+  lost their last holder; ``speed``: a covered mesh re-cut, :mod:`.placement_tune`),
+  and how many seconds ago.
 """
 
 from __future__ import annotations
@@ -54,6 +56,6 @@ def model_placement(request: Request, model: str, num_layers: int) -> dict[str, 
     now = tracker_state(request).now()
     book = book_of(request)
     moves = [{"node_id": r.node_id, "from_layers": list(r.from_layers), "to_layers": list(r.to_layers),
-              "event": r.event, "age_s": round(now - r.at, 1)} for r in book.history(model)]
+              "event": r.event, "why": r.why, "age_s": round(now - r.at, 1)} for r in book.history(model)]
     return {"stages": stages(rated_holders(request, model, now), num_layers), "healing": book.note(model),
             "moves": moves}
