@@ -112,6 +112,51 @@ def test_the_tracker_names_a_spare_replica_of_the_same_format_as_shadow() -> Non
     assert verifier.shadow_for(hops, candidates[:1]) is None  # nobody else holds the layers
 
 
+def _replicas(*loads: tuple[str, int]) -> list[Candidate]:
+    return [Candidate(node_id=n, endpoint=f"http://127.0.0.1:1/{n}", shard_start=2, shard_end=3,
+                      hop_key=node_hop_key(n).public_text, active_sessions=load) for n, load in loads]
+
+
+def test_a_route_through_a_disputed_node_is_shadowed_by_the_replica_that_can_settle_it() -> None:
+    """The loaded run that missed the quarantine (issue 37): ``bad`` was the primary of every route and the
+    least loaded other replica (``a``) its shadow every time, so ``bad`` was only ever compared with ``a``: one
+    dispute, never the second one a majority needs. The replica whose disagreement makes the verdict comes first,
+    however loaded it is."""
+    verifier = _verifier(rate=1.0)
+    _run(verifier, "bad", "a", (WRONG, RIGHT), 1)
+    _run(verifier, "a", "b", (RIGHT, RIGHT), 2, session="s2")
+    hops = (_node("head", 0, 1), _node("bad", 2, 3))
+    candidates = _replicas(("bad", 0), ("a", 0), ("b", 5))
+    for _ in range(20):
+        shadow = verifier.shadow_for(hops, candidates)
+        assert shadow is not None and shadow.node.node_id == "b"
+    shadow = verifier.shadow_for((_node("head", 0, 1), _node("b", 2, 3)), candidates)
+    assert shadow is not None and shadow.node.node_id == "bad"  # the same comparison, the other way round
+
+
+def test_a_disputed_node_is_compared_with_a_replica_it_was_never_compared_with_on_its_next_route() -> None:
+    """At a low rate a dispute would wait about 1/rate sessions for each comparison a verdict still needs;
+    instead the next route through either disputed node, or through a replica that has not yet been compared
+    with them, is shadowed at once (the cost is bounded: once per pair of nodes), and rate 0 still checks
+    nothing."""
+    verifier = _verifier(rate=1e-9)
+    hops_a = (_node("head", 0, 1), _node("a", 2, 3))
+    candidates = _replicas(("a", 0), ("b", 0), ("c", 9))
+    assert verifier.shadow_for(hops_a, candidates) is None  # no dispute: the rate decides
+    _run(verifier, "a", "b", (WRONG, RIGHT), 1)
+    shadow = verifier.shadow_for(hops_a, candidates)
+    assert shadow is not None and shadow.node.node_id == "c"  # never compared with a, though the most loaded
+    shadow = verifier.shadow_for((_node("head", 0, 1), _node("c", 2, 3)), candidates)
+    assert shadow is not None and shadow.node.node_id in {"a", "b"}
+    _run(verifier, "a", "c", (WRONG, RIGHT), 2, session="s2")
+    _run(verifier, "b", "c", (RIGHT, RIGHT), 3, session="s3")
+    assert verifier.quarantine.ids() == frozenset({"a"})
+    assert verifier.shadow_for((_node("head", 0, 1), _node("b", 2, 3)), candidates) is None  # settled
+    off = _verifier(rate=0.0)
+    _run(off, "a", "b", (WRONG, RIGHT), 1)
+    assert off.shadow_for(hops_a, candidates) is None
+
+
 # --- reports -------------------------------------------------------------------------------------------------
 
 

@@ -120,14 +120,29 @@ class Verifier:
 
     def shadow_for(self, hops: Sequence[RouteNode], candidates: Collection[Candidate],
                    formats: Callable[[], dict[str, tuple[object, ...]]] | None = None) -> ShadowHop | None:
-        """A shadow for one hop of ``hops`` (drawn at :attr:`rate`), or ``None``: another node holding the same
-        layers (not on the route, not quarantined, not backed off, in the same number format), spare first."""
-        if self.rate <= 0 or len(hops) < 2 or self._rng.random() >= self.rate:
+        """A shadow for one hop of ``hops``, or ``None``: another node holding the same layers (not on the route,
+        not quarantined, not backed off, in the same number format).
+
+        Which one. A shadow whose disagreement with the hop would make a verdict comes first (the hop disagreed
+        with a node the candidate agreed with, or the other way round); then one that was never compared with
+        the hop while either is in an unresolved dispute (a comparison a verdict may still need); then the least
+        loaded, at random among equals. Load alone would pick the same idle replica again and again, so a wrong
+        node would meet only one other replica and its disputes would never make a majority.
+
+        When. A route is shadowed at :attr:`rate`, and also, whatever the draw, when it can make one of those
+        comparisons a dispute still needs with a pair never compared (bounded: once per pair of nodes, until it
+        is compared); rate 0 checks nothing.
+        """
+        if self.rate <= 0 or len(hops) < 2:
+            return None
+        drawn = self._rng.random() < self.rate
+        if not drawn and not self.disputes:
             return None
         on_route = {hop.node_id for hop in hops}
         out = self.quarantine.ids()
         known = formats() if formats is not None else {}
-        options: list[tuple[int, Candidate]] = []
+        against = self._open_disputes(out)
+        options: list[tuple[tuple[int, int, int], int, Candidate]] = []
         for index, hop in enumerate(hops[1:], start=1):
             for candidate in candidates:
                 if (candidate.node_id in on_route or candidate.node_id in out or candidate.backoff
@@ -135,17 +150,43 @@ class Verifier:
                         or candidate.shard_end != hop.shard_end or not candidate.shard_start <= hop.start_layer
                         or known.get(candidate.node_id) != known.get(hop.node_id)):
                     continue
-                options.append((index, candidate))
+                decisive, wanted = self._worth(hop.node_id, candidate.node_id, against)
+                options.append(((-decisive, -wanted, candidate.active_sessions), index, candidate))
         if not options:
             return None
-        least = min(candidate.active_sessions for _, candidate in options)
-        index, chosen = self._rng.choice([option for option in options if option[1].active_sessions == least])
+        best = min(rank for rank, _, _ in options)
+        if not drawn and best[1] == 0:  # no comparison a dispute needs: the draw decides, and it said no
+            return None
+        index, chosen = self._rng.choice([(index, candidate) for rank, index, candidate in options if rank == best])
         hop = hops[index]
         self.shadowed.inc()
         return ShadowHop(hop_index=index, node=RouteNode(
             node_id=chosen.node_id, endpoint=chosen.endpoint, shard_start=chosen.shard_start,
             shard_end=chosen.shard_end, start_layer=hop.start_layer, relay_addr=chosen.relay_addr,
             hop_key=chosen.hop_key))
+
+    def _open_disputes(self, out: frozenset[str]) -> dict[str, set[str]]:
+        """Each node in an unresolved dispute (neither side quarantined): the nodes it disagreed with."""
+        against: dict[str, set[str]] = {}
+        for pair in self.disputes:
+            if not pair & out:
+                first, second = sorted(pair)
+                against.setdefault(first, set()).add(second)
+                against.setdefault(second, set()).add(first)
+        return against
+
+    def _worth(self, x: str, y: str, against: dict[str, set[str]]) -> tuple[int, int]:
+        """What comparing ``x`` with ``y`` now is worth to the open disputes: (1 when a disagreement would make a
+        verdict, else 0; 1 when the pair was never compared and either is disputed, else 0)."""
+        if not against:
+            return 0, 0
+        pair = frozenset((x, y))
+        if pair in self.disputes:
+            return 0, 0
+        decisive = any(frozenset((p, y)) in self._agreed for p in against.get(x, ()) if p != y) or any(
+            frozenset((p, x)) in self._agreed for p in against.get(y, ()) if p != x)
+        wanted = pair not in self._agreed and (x in against or y in against)
+        return int(decisive), int(wanted)
 
     # --- reports ------------------------------------------------------------------------------
 
