@@ -11,7 +11,6 @@ transformers. A forged or replayed receipt report is refused.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -181,9 +180,6 @@ def test_a_forged_or_replayed_receipt_report_is_refused(mesh: dict[str, Service]
     assert unsigned_route.status_code == 403
 
 
-@pytest.mark.skipif(os.environ.get("CI") == "1", reason="issue 37 stays open on it: in the lead's full CI=1 run "
-                    "after merging (2,365 others passed) the faulty replica was not quarantined within 40 chats and "
-                    "30 s more; it passed alone on the branch; not yet diagnosed")
 def test_a_node_that_computes_wrong_is_quarantined_and_routed_around(
         mesh: dict[str, Service], tiny_model_dir: Path, reference: PreTrainedModel,
         tokenizer: PreTrainedTokenizerBase) -> None:
