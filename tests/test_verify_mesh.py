@@ -5,8 +5,9 @@ whenever prompt lookup has a draft) and honest
 replicas ``r1`` and ``r2`` of layers 2-3, all float32 with batching on. Honest replicas compared on every
 step of mixed batched and lone, greedy and seeded chats never disagree. Then ``bad``, a third replica of 2-3
 with ``--fault corrupt-output:1.0``, joins: within 40 greedy chats sent 8 at a time it is quarantined (with
-the reason and the receipts, in ``GET /v1/nodes``), no honest node is, and every answer after equals
-transformers. A forged or replayed receipt report is refused.
+the reason and the receipts, in ``GET /v1/nodes``), no honest node is, every answer after equals
+transformers, and a request started on the head directly along a route planned before the quarantine moves off
+``bad`` at its next step. A forged or replayed receipt report is refused.
 """
 
 from __future__ import annotations
