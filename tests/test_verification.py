@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import random
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 from prometheus_client import CollectorRegistry
@@ -110,6 +111,95 @@ def test_the_tracker_names_a_spare_replica_of_the_same_format_as_shadow() -> Non
     assert shadow is not None and shadow.node.node_id == "b"  # c computes in another format: never compared
     assert _verifier(rate=0.0).shadow_for(hops, candidates) is None
     assert verifier.shadow_for(hops, candidates[:1]) is None  # nobody else holds the layers
+
+
+def _replicas(*loads: tuple[str, int]) -> list[Candidate]:
+    return [Candidate(node_id=n, endpoint=f"http://127.0.0.1:1/{n}", shard_start=2, shard_end=3,
+                      hop_key=node_hop_key(n).public_text, active_sessions=load) for n, load in loads]
+
+
+def test_only_the_tail_is_shadowed_for_its_tokens_never_a_hop_whose_output_is_hidden_states() -> None:
+    """Three hops with replicas of the middle one only: no shadow; with a replica of the tail too: the tail's."""
+    verifier = _verifier(rate=1.0)
+    hops = (_node("head", 0, 1), _node("a", 2, 2), _node("t", 3, 3))
+    middle = [Candidate(node_id=n, endpoint=f"http://127.0.0.1:1/{n}", shard_start=2, shard_end=2,
+                        hop_key=node_hop_key(n).public_text) for n in ("b", "c")]
+    assert verifier.shadow_for(hops, middle) is None
+    tails = [Candidate(node_id="t2", endpoint="http://127.0.0.1:1/t2", shard_start=3, shard_end=3,
+                       hop_key=node_hop_key("t2").public_text)]
+    for _ in range(10):
+        shadow = verifier.shadow_for(hops, [*middle, *tails])
+        assert shadow is not None and (shadow.hop_index, shadow.node.node_id) == (2, "t2")
+
+
+def test_a_decode_row_batched_with_other_company_is_not_the_same_bits(tiny_model_dir: Path) -> None:
+    """Why only the tail is compared: an honest hop and its shadow batch a session's decode row with different
+    other rows, and a float32 row's hidden states then differ in their last bits (so their exact hashes differ),
+    while the token the tail picks from them does not. If the kernels become batch-invariant this fails, and
+    hops before the tail can be compared exactly too."""
+    import torch
+
+    from meshwire.frames import wire_bytes
+    from services.node.model.shard_load import load_shard
+
+    shard = load_shard(tiny_model_dir, 0, 3, torch.float32, torch.device("cpu"))
+    prompts = [[(11 * s + 5 * i + 1) % shard.vocab_size for i in range(n)] for s, n in enumerate((3, 9, 1, 17, 5))]
+    differ = 0
+    for company in range(1, len(prompts)):
+        caches = []
+        for ids in prompts[:company + 1]:
+            cache = shard.new_cache()
+            shard.run_layers(shard.embed(torch.tensor([ids])), cache, 0)
+            caches.append(cache)
+        alone_cache = shard.new_cache()
+        shard.run_layers(shard.embed(torch.tensor([prompts[0]])), alone_cache, 0)
+        tokens = [ids[-1] for ids in prompts[:company + 1]]
+        rows = shard.run_rows(shard.embed(torch.tensor([tokens])).transpose(0, 1), caches,
+                              [c.seq_len for c in caches], from_layer=0)
+        alone = shard.run_layers(shard.embed(torch.tensor([[tokens[0]]])), alone_cache, alone_cache.seq_len)
+        differ += sha256_hex(wire_bytes(rows[:1])) != sha256_hex(wire_bytes(alone))
+        assert int(shard.logits_rows(rows[:1]).argmax(-1)) == int(shard.logits_rows(alone).argmax(-1))
+    assert differ > 0, differ
+
+
+def test_a_route_through_a_disputed_node_is_shadowed_by_the_replica_that_can_settle_it() -> None:
+    """The loaded run that missed the quarantine (issue 37): ``bad`` was the primary of every route and the
+    least loaded other replica (``a``) its shadow every time, so ``bad`` was only ever compared with ``a``: one
+    dispute, never the second one a majority needs. The replica whose disagreement makes the verdict comes first,
+    however loaded it is."""
+    verifier = _verifier(rate=1.0)
+    _run(verifier, "bad", "a", (WRONG, RIGHT), 1)
+    _run(verifier, "a", "b", (RIGHT, RIGHT), 2, session="s2")
+    hops = (_node("head", 0, 1), _node("bad", 2, 3))
+    candidates = _replicas(("bad", 0), ("a", 0), ("b", 5))
+    for _ in range(20):
+        shadow = verifier.shadow_for(hops, candidates)
+        assert shadow is not None and shadow.node.node_id == "b"
+    shadow = verifier.shadow_for((_node("head", 0, 1), _node("b", 2, 3)), candidates)
+    assert shadow is not None and shadow.node.node_id == "bad"  # the same comparison, the other way round
+
+
+def test_a_disputed_node_is_compared_with_a_replica_it_was_never_compared_with_on_its_next_route() -> None:
+    """At a low rate a dispute would wait about 1/rate sessions for each comparison a verdict still needs;
+    instead the next route through either disputed node, or through a replica that has not yet been compared
+    with them, is shadowed at once (the cost is bounded: once per pair of nodes), and rate 0 still checks
+    nothing."""
+    verifier = _verifier(rate=1e-9)
+    hops_a = (_node("head", 0, 1), _node("a", 2, 3))
+    candidates = _replicas(("a", 0), ("b", 0), ("c", 9))
+    assert verifier.shadow_for(hops_a, candidates) is None  # no dispute: the rate decides
+    _run(verifier, "a", "b", (WRONG, RIGHT), 1)
+    shadow = verifier.shadow_for(hops_a, candidates)
+    assert shadow is not None and shadow.node.node_id == "c"  # never compared with a, though the most loaded
+    shadow = verifier.shadow_for((_node("head", 0, 1), _node("c", 2, 3)), candidates)
+    assert shadow is not None and shadow.node.node_id in {"a", "b"}
+    _run(verifier, "a", "c", (WRONG, RIGHT), 2, session="s2")
+    _run(verifier, "b", "c", (RIGHT, RIGHT), 3, session="s3")
+    assert verifier.quarantine.ids() == frozenset({"a"})
+    assert verifier.shadow_for((_node("head", 0, 1), _node("b", 2, 3)), candidates) is None  # settled
+    off = _verifier(rate=0.0)
+    _run(off, "a", "b", (WRONG, RIGHT), 1)
+    assert off.shadow_for(hops_a, candidates) is None
 
 
 # --- reports -------------------------------------------------------------------------------------------------

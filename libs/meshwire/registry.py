@@ -171,6 +171,8 @@ class NodeRegistration(BaseModel):
 
 
 MAX_REVOKED_NOTICE: Final = 1024
+MAX_QUARANTINE_NOTICE: Final = 1024
+"""Most quarantined node ids a heartbeat answer names (the tracker quarantines at most as many)."""
 """Most revoked node ids one registration answer names (the newest)."""
 
 
@@ -194,3 +196,6 @@ class RegistrationAnswer(BaseModel):
     revoked_nodes: tuple[NodeId, ...] = Field(default=(), max_length=MAX_REVOKED_NOTICE)
     """Nodes whose join token was revoked (the newest :data:`MAX_REVOKED_NOTICE`): the node refuses from then on
     every route, frame and relayed call whose route names one of them (issue 34, finding 11)."""
+    quarantined_nodes: tuple[NodeId, ...] = Field(default=(), max_length=MAX_QUARANTINE_NOTICE)
+    """Nodes the tracker quarantined for computing wrong (issue 37): a head moves a stream it runs (one started
+    on it directly, not through the tracker) off a route naming one of them at its next step."""

@@ -300,6 +300,13 @@ class NodeRuntime:
                 logger.warning("the tracker revoked %s: routes naming them are refused from now on",
                                ", ".join(sorted(revoked - self.trust.revoked)))
             self.trust.revoked = revoked
+        quarantined = frozenset(answer.quarantined_nodes)
+        if quarantined != self.trust.quarantined:
+            if quarantined - self.trust.quarantined:
+                logger.warning("the tracker quarantined %s for computing wrong: a head moves its streams off them at "
+                               "their next step", ", ".join(sorted(quarantined - self.trust.quarantined)))
+            self.trust.quarantined = quarantined
+            self.metrics.quarantined_known.set(len(quarantined))
         if self.membership is not None:
             self.membership.on_answer(answer)
         move = answer.move

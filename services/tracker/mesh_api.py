@@ -58,7 +58,7 @@ from meshwire import errors, limits
 from meshwire.fields import STRICT_MODEL, NodeId
 from meshwire.headers import LEASE
 from meshwire.openai import validation_error_message, validation_error_param
-from meshwire.registry import NodeRegistration, RegistrationAnswer
+from meshwire.registry import MAX_QUARANTINE_NOTICE, NodeRegistration, RegistrationAnswer
 from meshwire.route_keys import KeySet
 from meshwire.routes import RouteError, verify_route
 
@@ -198,9 +198,13 @@ async def register(request: Request) -> JSONResponse:
         state.metrics.registrations.labels("refused").inc()
         raise
     state.metrics.registrations.labels("new" if registered.new_lease else "heartbeat").inc()
+    quarantine = state.verifier.quarantine
+    if quarantine.stale:  # another tracker of the store may have quarantined a node since (read at most every 5 s)
+        await quarantine.refresh()
     answer = RegistrationAnswer(lease=registered.lease, heartbeat_s=state.settings.heartbeat_s,
                                 ttl_s=state.settings.node_ttl_s, prefill_group=state.prefill_assignment(registration),
-                                move=await heal_move(request, registration), revoked_nodes=state.revoked.notice())
+                                move=await heal_move(request, registration), revoked_nodes=state.revoked.notice(),
+                                quarantined_nodes=tuple(sorted(quarantine.ids()))[:MAX_QUARANTINE_NOTICE])
     return JSONResponse(answer.model_dump(mode="json"))
 
 

@@ -159,7 +159,8 @@ class TrackerState:
             raise HTTPError(503, str(exc), errors.UNAVAILABLE, "route_too_long", "model") from None
         self.metrics.routes.labels("planned").inc()
         route = Route(model=model, nodes=hops, num_layers=num_layers,
-                      shadow=self.verifier.shadow_for(hops, candidates, self._formats))
+                      shadow=self.verifier.shadow_for(hops, [c for c in candidates if c.node_id not in exclude],
+                                                      self._formats))
         try:
             key = self.trust.signing_key()
         except NoSigningKey as exc:

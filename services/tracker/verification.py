@@ -3,15 +3,16 @@
 How a step is checked. For a sampled fraction (``MESHNET_VERIFY_RATE``) of the
 routes it plans, the tracker names a *shadow* in the signed route
 (:class:`meshwire.routes.ShadowHop`): another node holding the same layers as
-one hop, the least loaded first. The hop before it sends every frame of the
-session to both; the shadow runs them in its own session (it holds the same
-KV state, having seen the same frames) and answers only its receipt. Both
-receipts come back to the head with the step's answer, and the head reports
-them (``POST /v1/receipts``). Two receipts of the same route, session, hop,
-step and positions, with the same input hash, are compared by their output
-hash: the float32 kernels give a row the same result alone or in any batch, so
-honest nodes agree bit for bit, and at a tail the output is the tokens
-answered (greedy: the argmax; seeded: the same draw), so sampling is checked too.
+the route's tail (only the tail: :data:`COMPARED_HOPS`). The hop before it
+sends every frame of the session to both; the shadow runs them in its own
+session (it holds the same KV state, having seen the same frames) and answers
+only its receipt. Both receipts come back to the head with the step's answer,
+and the head reports them (``POST /v1/receipts``). Two receipts of the same
+route, session, hop, step and positions, with the same input hash, are compared
+by their output hash: at a tail that is the tokens answered (greedy: the argmax;
+seeded: the same draw), which honest replicas agree on whatever company their
+rows were batched with (but for a pick so near a tie that the batch's rounding
+flips it), so sampling is checked too.
 
 Who is wrong. A disagreement between two nodes says one of them is wrong, not
 which. A node is quarantined (:mod:`.quarantine`) when it disagreed with two
@@ -64,6 +65,13 @@ MAX_PAIRS: Final = 4096
 """Most node pairs remembered as having agreed; most disputes remembered."""
 MAX_REPORT_RECEIPTS: Final = 256
 """Most receipts one report may carry."""
+COMPARED_HOPS: Final = "tail"
+"""Which hop a shadow checks: the tail, whose output is the tokens it answered. A hop before it outputs hidden
+states, and a float32 decode row batched with others is not the same bits as alone or in another batch (the
+rounding of a B-row product, a few units in the last place: ``tests/test_batched_rows.py``); a hop and its shadow
+batch a session's row with different company, so their exact hashes differ for honest nodes, and three honest
+replicas would soon show one of them "wrong" by majority. Those hops are compared once outputs are compared
+within a measured bound (issue 37, point 2), not before."""
 
 
 class ReportRefused(ValueError):
@@ -120,32 +128,72 @@ class Verifier:
 
     def shadow_for(self, hops: Sequence[RouteNode], candidates: Collection[Candidate],
                    formats: Callable[[], dict[str, tuple[object, ...]]] | None = None) -> ShadowHop | None:
-        """A shadow for one hop of ``hops`` (drawn at :attr:`rate`), or ``None``: another node holding the same
-        layers (not on the route, not quarantined, not backed off, in the same number format), spare first."""
-        if self.rate <= 0 or len(hops) < 2 or self._rng.random() >= self.rate:
+        """A shadow for the tail of ``hops``, or ``None``: another node holding the same layers (not on the route,
+        not quarantined, not backed off, in the same number format). Only the tail (:data:`COMPARED_HOPS`).
+
+        Which one. A shadow whose disagreement with the hop would make a verdict comes first (the hop disagreed
+        with a node the candidate agreed with, or the other way round); then one that was never compared with
+        the hop while either is in an unresolved dispute (a comparison a verdict may still need); then the least
+        loaded, at random among equals. Load alone would pick the same idle replica again and again, so a wrong
+        node would meet only one other replica and its disputes would never make a majority.
+
+        When. A route is shadowed at :attr:`rate`, and also, whatever the draw, when it can make one of those
+        comparisons a dispute still needs with a pair never compared (bounded: once per pair of nodes, until it
+        is compared); rate 0 checks nothing.
+        """
+        if self.rate <= 0 or len(hops) < 2:
+            return None
+        drawn = self._rng.random() < self.rate
+        if not drawn and not self.disputes:
             return None
         on_route = {hop.node_id for hop in hops}
         out = self.quarantine.ids()
         known = formats() if formats is not None else {}
-        options: list[tuple[int, Candidate]] = []
-        for index, hop in enumerate(hops[1:], start=1):
-            for candidate in candidates:
-                if (candidate.node_id in on_route or candidate.node_id in out or candidate.backoff
-                        or candidate.role == "prefill" or candidate.kv_full or candidate.hop_key is None
-                        or candidate.shard_end != hop.shard_end or not candidate.shard_start <= hop.start_layer
-                        or known.get(candidate.node_id) != known.get(hop.node_id)):
-                    continue
-                options.append((index, candidate))
+        against = self._open_disputes(out)
+        tail = hops[-1]  # the tail only: see COMPARED_HOPS
+        options: list[tuple[tuple[int, int, int], Candidate]] = []
+        for candidate in candidates:
+            if (candidate.node_id in on_route or candidate.node_id in out or candidate.backoff
+                    or candidate.role == "prefill" or candidate.kv_full or candidate.hop_key is None
+                    or candidate.shard_end != tail.shard_end or not candidate.shard_start <= tail.start_layer
+                    or known.get(candidate.node_id) != known.get(tail.node_id)):
+                continue
+            decisive, wanted = self._worth(tail.node_id, candidate.node_id, against)
+            options.append(((-decisive, -wanted, candidate.active_sessions), candidate))
         if not options:
             return None
-        least = min(candidate.active_sessions for _, candidate in options)
-        index, chosen = self._rng.choice([option for option in options if option[1].active_sessions == least])
-        hop = hops[index]
+        best = min(rank for rank, _ in options)
+        if not drawn and best[1] == 0:  # no comparison a dispute needs: the draw decides, and it said no
+            return None
+        chosen = self._rng.choice([candidate for rank, candidate in options if rank == best])
         self.shadowed.inc()
-        return ShadowHop(hop_index=index, node=RouteNode(
+        return ShadowHop(hop_index=len(hops) - 1, node=RouteNode(
             node_id=chosen.node_id, endpoint=chosen.endpoint, shard_start=chosen.shard_start,
-            shard_end=chosen.shard_end, start_layer=hop.start_layer, relay_addr=chosen.relay_addr,
+            shard_end=chosen.shard_end, start_layer=tail.start_layer, relay_addr=chosen.relay_addr,
             hop_key=chosen.hop_key))
+
+    def _open_disputes(self, out: frozenset[str]) -> dict[str, set[str]]:
+        """Each node in an unresolved dispute (neither side quarantined): the nodes it disagreed with."""
+        against: dict[str, set[str]] = {}
+        for pair in self.disputes:
+            if not pair & out:
+                first, second = sorted(pair)
+                against.setdefault(first, set()).add(second)
+                against.setdefault(second, set()).add(first)
+        return against
+
+    def _worth(self, x: str, y: str, against: dict[str, set[str]]) -> tuple[int, int]:
+        """What comparing ``x`` with ``y`` now is worth to the open disputes: (1 when a disagreement would make a
+        verdict, else 0; 1 when the pair was never compared and either is disputed, else 0)."""
+        if not against:
+            return 0, 0
+        pair = frozenset((x, y))
+        if pair in self.disputes:
+            return 0, 0
+        decisive = any(frozenset((p, y)) in self._agreed for p in against.get(x, ()) if p != y) or any(
+            frozenset((p, x)) in self._agreed for p in against.get(y, ()) if p != x)
+        wanted = pair not in self._agreed and (x in against or y in against)
+        return int(decisive), int(wanted)
 
     # --- reports ------------------------------------------------------------------------------
 

@@ -262,7 +262,7 @@ class ForwardService:
         params = await self._sampling(info, tokens) if samples else None
         session = self._session_for(frame.session, info, tokens, hop.token)
         async with session.lock:
-            await self._begin(session, info, hop.token)
+            await self._begin(session, info, hop.token, shadow=hop.shadow)
             sampler = await self._sampler(session, params, info) if samples else None
             done = await self._step(session, info, frame, hop, sampler, tokens)
             self._stepped(session, tokens)
@@ -321,7 +321,7 @@ class ForwardService:
         _check_bound(session, route_token)
         return session
 
-    async def _begin(self, session: Session, info: StepInfo, route_token: str) -> None:
+    async def _begin(self, session: Session, info: StepInfo, route_token: str, *, shadow: bool = False) -> None:
         """Under the session's lock, before it steps: a handoff or fork to start from, the step's order,
         the replayed ids a replay brings to the tail."""
         fresh = info.step == 0 and session.position == 0 and not session.closed
@@ -329,7 +329,7 @@ class ForwardService:
             await self._take_over(session, info, route_token)
         if info.fork is not None and fresh:
             self._fork(session, info.fork, route_token)
-        self._check_order(session, info)
+        self._check_order(session, info, shadow=shadow)
         if info.sample_ids and self._runner.shard.is_tail and session.sampler is None:
             if len(session.replayed_ids) + len(info.sample_ids) > (info.sample_draws or 0):
                 raise FrameError("bad_header", f"{h.SAMPLE_IDS} names more tokens than {h.SAMPLE_DRAWS}")
@@ -446,12 +446,17 @@ class ForwardService:
         except SessionExists:  # another frame of the same session opened it meanwhile
             raise ForwardRefusal(409, "bad_step", f"session {log_tag(session_id)} is already open") from None
 
-    def _check_order(self, session: Session, info: StepInfo) -> None:
+    def _check_order(self, session: Session, info: StepInfo, *, shadow: bool = False) -> None:
         if session.closed:
             raise ForwardRefusal(409, "unknown_session", f"session {log_tag(session.session_id)} was closed")
         if info.step != session.next_step:
             raise ForwardRefusal(409, "bad_step", f"session {log_tag(session.session_id)} expects step {session.next_step}, "
                                                   f"got {info.step}")
+        if shadow and info.position_offset < session.position:
+            # A shadow (issue 37) gets no answer back from a next hop, so it never learns which drafted positions of a
+            # speculative step the tail kept; the hop it shadows dropped the others' KV rows as the answer passed
+            # back, and this frame starts where the kept run ended: drop them here too, and stay in step.
+            session.cache.truncate(info.position_offset)
         if info.position_offset != session.position:
             raise ForwardRefusal(409, "bad_position", f"session {log_tag(session.session_id)} holds {session.position} "
                                                       f"tokens; a frame at offset {info.position_offset} "

@@ -368,6 +368,11 @@ class Generator:
         try:
             while True:
                 chain = run.chain
+                wrong = self._quarantined_hop(chain)
+                if wrong is not None:  # the tracker found it computing wrong: this stream leaves it now
+                    await self._move(run, wrong, "the tracker quarantined it for computing wrong", failed=False,
+                                     why="quarantined")
+                    continue
                 try:
                     async with run.failover.bounded():
                         if chain.prefilled:
@@ -396,17 +401,30 @@ class Generator:
             raise GenerationFailed(503, exc.code, str(exc), retry_after=RETRY_AFTER_GIVE_UP,
                                    failed_node=exc.failed_node) from None
 
-    async def _move(self, run: _Run, node_id: str, reason: str, *, failed: bool) -> None:
-        """Leave the broken session for a new one along a route that avoids ``node_id``."""
+    def _quarantined_hop(self, chain: SessionChain) -> str | None:
+        """A node after this head on ``chain``'s route that the tracker quarantined (its last heartbeat answer),
+        or ``None``. A stream the tracker relays is moved by the tracker too; one started on this head directly
+        is moved only by this. This head itself is not looked for: a quarantined head is out of the tracker's
+        routes, and it is the one computing wrong."""
+        routes = self._routes
+        if chain.hop is None or routes is None or not routes.trust.quarantined:
+            return None
+        return next((node_id for node_id in chain.hop.node_ids[1:] if node_id in routes.trust.quarantined), None)
+
+    async def _move(self, run: _Run, node_id: str, reason: str, *, failed: bool, why: str | None = None) -> None:
+        """Leave the broken session for a new one along a route that avoids ``node_id`` (``why``: the metric's
+        reason, when it is neither a failure nor a busy node)."""
         old = run.chain
         closing = self._spawn_close(old, failed_node=node_id if failed else None)
         hop = await run.failover.reroute(node_id, reason, failed=failed,
                                          route=old.hop.token if old.hop is not None else None)
         await asyncio.wait({closing}, timeout=RETIRE_WAIT_S)
         run.chain = self.current()._chain(hop, run.request, run.history)  # on this node's layers now
-        self._metrics.failovers.labels(reason="failed" if failed else "busy", outcome="moved").inc()
+        label = why or ("failed" if failed else "busy")
+        self._metrics.failovers.labels(reason=label, outcome="moved").inc()
         logger.warning("session %s: node %s %s (%s); moving to session %s along %s, replaying %d tokens",
-                       log_tag(old.session_id), node_id, "failed" if failed else "is busy", reason,
+                       log_tag(old.session_id), node_id, {"failed": "failed", "busy": "is busy"}.get(label, label),
+                       reason,
                        log_tag(run.chain.session_id),
                        " -> ".join(hop.node_ids), len(run.history.tokens()))
 

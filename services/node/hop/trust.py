@@ -98,6 +98,9 @@ class RouteTrust:
         self.revoked: frozenset[str] = frozenset()
         """Node ids whose join token was revoked, as the tracker's last heartbeat answer named them: a route
         naming one is refused (:func:`services.node.hop.routing.refuse_revoked`)."""
+        self.quarantined: frozenset[str] = frozenset()
+        """Node ids the tracker quarantined for computing wrong, as its last heartbeat answer named them: a head
+        moves a stream off a route naming one at its next step (issue 37)."""
 
     async def refresh(self) -> bool:
         """Fetch the tracker's keys now; ``True`` when they were fetched."""
