@@ -50,6 +50,7 @@ MEMORY_MARGIN_BYTES: Final = 2 << 30
 READY_LINE: Final = re.compile(r"ready in ([0-9.]+) s")
 """A node's log line when its layers are loaded and it serves (:mod:`services.node.runtime`)."""
 MIB: Final = 1 << 20
+WARM_UP: Final = ({"role": "user", "content": "Tell me a long story about the river."},)
 NODE_READY_S: Final = 1200.0
 """Longest a node may take to load its share: a third of the 8B file packed on two shared cores took minutes."""
 
@@ -155,7 +156,7 @@ def measure(harness: Harness, plan: Plan) -> Outcome:
         up = time.perf_counter()
         mesh = stack.enter_context(running_mesh(spec))
         mesh_up_s = time.perf_counter() - up
-        warm_up(mesh.url, mesh.model, messages)
+        warm_up(mesh.url, mesh.model, WARM_UP)  # short: connections and first calls, not a second prefill
         for index, (node, share) in enumerate(zip(mesh.nodes, shares, strict=True)):
             memory = process_memory(node.proc.pid)
             info = {"layers": f"{ranges[index][0]}-{ranges[index][1]}", "share_mib": round(share / MIB, 1),
