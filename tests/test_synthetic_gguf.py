@@ -108,3 +108,25 @@ def test_a_nodes_load_time_is_read_from_its_ready_line() -> None:
     line = "01:02:03 INFO services.node.runtime: node n1 ready in 12.5 s: llama layers 0-10 of 32 on cpu"
     assert ready_seconds("starting\n" + line + "\n") == 12.5
     assert ready_seconds("starting\n") is None
+
+
+def test_the_outcome_judges_each_nodes_rss_by_its_share_and_the_decode_by_llama_cpps(tmp_path: Path) -> None:
+    from benchmarks.big_gguf import Plan, _outcome
+    from benchmarks.timing import StreamTiming
+
+    path = tmp_path / "model.gguf"
+    path.write_bytes(b"0" * 1000)
+    mesh = [StreamTiming(tokens=9, first_s=2.0, last_s=6.0), StreamTiming(tokens=9, first_s=3.0, last_s=7.0)]
+    llama = [StreamTiming(tokens=9, first_s=4.0, last_s=8.0), StreamTiming(tokens=9, first_s=4.0, last_s=12.0)]
+    nodes = [{"layers": "0-3", "share_mib": 1000.0, "VmRSS": 1300.0, "load_s": 5.0, "rss_after_rounds_mib": 1350.0},
+             {"layers": "4-7", "share_mib": 1000.0, "VmRSS": 1300.0, "load_s": None, "rss_after_rounds_mib": 1500.0}]
+    outcome = _outcome(Plan("gguf_8b", "llama-8b", 2, 2, 9), TINY, path, "2 nodes", "llama.cpp, 2 threads",
+                       {"2 nodes": mesh, "llama.cpp, 2 threads": llama}, nodes, 60.0, [1.5, 1.4], 512, 9, 2, ())
+    rows = {row.label.split(", ", 1)[1]: row for row in outcome.rows}
+    assert rows["2 nodes: decode after a 512-token prompt"].value.median == 2.0  # 8 tokens after the first in 4 s
+    ratio = rows["2 nodes / llama.cpp: decode"]
+    assert ratio.value.median == 2.0 / 1.5 and "met" in ratio.note and "NOT" not in ratio.note
+    assert rows["llama.cpp / 2 nodes: time to first token"].value.median == 4.0 / 2.5
+    assert "NOT" not in rows["node 0 (layers 0-3): RSS after warm-up"].note  # 1,350 <= 1,000 + 400
+    assert "NOT within" in rows["node 1 (layers 4-7): RSS after warm-up"].note  # 1,500 after the rounds
+    assert "node 0: load time" in rows and "node 1: load time" not in rows
