@@ -68,6 +68,8 @@ class LlamaCppRun:
     """Seconds from the start to the last token."""
     first_tokens: tuple[int, ...]
     """Stream 0's greedy tokens, to check against the mesh's answer."""
+    load_s: float = 0.0
+    """Seconds to load the model and make its context (before ``first_s``'s clock starts)."""
 
     @property
     def aggregate(self) -> float:
@@ -152,7 +154,9 @@ def run_streams(gguf: Path, prompt: Sequence[int], streams: int, max_tokens: int
         raise ValueError("need at least one stream, two tokens and a prompt")
     if streams * (len(prompt) + max_tokens) > CONTEXT_TOKENS:
         raise ValueError(f"{streams} streams of {len(prompt)} + {max_tokens} tokens exceed {CONTEXT_TOKENS}")
+    loading = time.perf_counter()
     with _context(gguf, threads, streams) as (lib, ctx, vocab):
+        load_s = time.perf_counter() - loading
         batch = lib.llama_batch_init(max(len(prompt) * streams, streams), 0, streams)
         try:
             began = time.perf_counter()
@@ -171,7 +175,7 @@ def run_streams(gguf: Path, prompt: Sequence[int], streams: int, max_tokens: int
         finally:
             lib.llama_batch_free(batch)
     return LlamaCppRun(streams=streams, threads=threads, tokens=streams * max_tokens, first_s=first_at - began,
-                       wall_s=ended - began, first_tokens=tuple(answers[0]))
+                       wall_s=ended - began, first_tokens=tuple(answers[0]), load_s=load_s)
 
 
 def _decode(lib: Any, ctx: Any, batch: Any, rows: Sequence[tuple[int, int, int, bool]]) -> None:

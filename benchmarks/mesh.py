@@ -63,6 +63,9 @@ class MeshSpec:
     node_env: Mapping[str, str] = field(default_factory=dict)
     node_cpus: tuple[int, ...] = ()
     """When given, node ``i`` (every thread of it) is pinned to core ``node_cpus[i]``: machines simulated."""
+    ready_timeout_s: float = READY_TIMEOUT_S
+    """Longest each service may take to become healthy, and the tracker to list the model after the last node
+    (a model of several GB takes minutes to pack on shared cores)."""
     wan: LinkShape | None = None
     """When given, every node sits behind a WAN proxy (``benchmarks.wan_proxy``) of this shape and advertises
     it: every frame between nodes, and every request the tracker passes to a head, crosses an emulated link."""
@@ -160,19 +163,19 @@ def running_mesh(spec: MeshSpec) -> Iterator[Mesh]:
     started: list[Service] = []
     proxies = ProxyThread() if spec.wan is not None else None
     try:
-        tracker = start_service("tracker", common, ready_timeout_s=READY_TIMEOUT_S)
+        tracker = start_service("tracker", common, ready_timeout_s=spec.ready_timeout_s)
         started.append(tracker)
         relay = None
         if spec.relayed:
-            relay = start_service("relay", common, ready_timeout_s=READY_TIMEOUT_S)
+            relay = start_service("relay", common, ready_timeout_s=spec.ready_timeout_s)
             started.append(relay)
         for index in range(spec.nodes):
             env = {**common, **_node_env(spec, index, tracker, relay)}
             port = free_port()
             if proxies is not None and spec.wan is not None:
                 env["MESHNET_ADVERTISE"] = proxies.proxy(port, spec.wan).url  # others reach it through the proxy
-            started.append(start_service("node", env, port, ready_timeout_s=READY_TIMEOUT_S))
-        model = _wait_servable(tracker, started)
+            started.append(start_service("node", env, port, ready_timeout_s=spec.ready_timeout_s))
+        model = _wait_servable(tracker, started, spec.ready_timeout_s)
         for node, cpu in zip(started[-spec.nodes:], spec.node_cpus, strict=False):
             pin_process(node.proc.pid, cpu)
         mesh = Mesh(spec=spec, secret=secret, tracker=tracker, nodes=tuple(started[-spec.nodes:]), relay=relay,
@@ -217,9 +220,9 @@ def _node_env(spec: MeshSpec, index: int, tracker: Service, relay: Service | Non
     return env
 
 
-def _wait_servable(tracker: Service, services: list[Service]) -> str:
+def _wait_servable(tracker: Service, services: list[Service], timeout_s: float = READY_TIMEOUT_S) -> str:
     """Poll ``GET /v1/models`` until the tracker has a complete route; the served model's name."""
-    deadline = time.monotonic() + READY_TIMEOUT_S
+    deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         for service in services:
             if not service.alive():
@@ -229,7 +232,7 @@ def _wait_servable(tracker: Service, services: list[Service]) -> str:
             if models:
                 return str(models[0]["id"])
         time.sleep(POLL_S)
-    raise MeshError(f"the tracker listed no servable model after {READY_TIMEOUT_S:.0f} s:\n{_logs(services)}")
+    raise MeshError(f"the tracker listed no servable model after {timeout_s:.0f} s:\n{_logs(services)}")
 
 
 def _logs(services: list[Service]) -> str:

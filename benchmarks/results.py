@@ -18,11 +18,12 @@ from benchmarks.stats import Spread
 
 logger = logging.getLogger(__name__)
 
-BenchmarkName = Literal["decode", "context", "hops", "concurrency", "relay", "control_plane", "wan", "wan_spec"]
+BenchmarkName = Literal["decode", "context", "hops", "concurrency", "relay", "control_plane", "wan", "wan_spec",
+                        "gguf_8b", "gguf_moe"]
 BENCHMARK_ORDER: Final[tuple[BenchmarkName, ...]] = ("decode", "context", "hops", "concurrency", "relay",
-                                                     "control_plane", "wan", "wan_spec")
+                                                     "control_plane", "wan", "wan_spec", "gguf_8b", "gguf_moe")
 """The order benchmarks run in and appear in the README."""
-Unit = Literal["tok/s", "ms/token", "x", "ms", "lookups/s"]
+Unit = Literal["tok/s", "ms/token", "x", "ms", "lookups/s", "s", "MiB"]
 
 RESULTS_DIR: Final = Path(__file__).resolve().parent / "results"
 _FROZEN: Final = ConfigDict(frozen=True, strict=True, extra="forbid")

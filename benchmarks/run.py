@@ -2,7 +2,8 @@
 
 Usage::
 
-    python -m benchmarks.run                       # everything (under 15 minutes on 2 cores)
+    python -m benchmarks.run                       # everything (under 15 minutes on 2 cores, then gguf_8b and
+                                                   # gguf_moe: about 25 more, writing two 4.9 GB files the first time)
     python -m benchmarks.run --only decode,context # a subset
     python -m benchmarks.run --quick               # fewer runs and shorter lengths, for a check
 

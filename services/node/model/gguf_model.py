@@ -260,19 +260,24 @@ class GgufWeights:
     def read(self, name: str) -> torch.Tensor:
         """Tensor ``name`` of the file as float32, in its torch shape."""
         entry = self.file.tensors[name]
-        raw = self.file.raw(name)
-        if entry.kind in _FLOAT_VIEWS:
-            values = np.array(raw.reshape(-1).view(_FLOAT_VIEWS[entry.kind]), dtype=np.float32)
+        with self.file.borrowed(name) as raw:  # both branches copy the bytes
+            values = self._floats(name, entry.kind, raw)
+        return torch.from_numpy(values).reshape(entry.shape)
+
+    def _floats(self, name: str, kind: str, raw: np.ndarray) -> np.ndarray:
+        """A copy of tensor ``name``'s bytes ``raw`` (type ``kind``) as float32."""
+        if kind in _FLOAT_VIEWS:
+            values = np.array(raw.reshape(-1).view(_FLOAT_VIEWS[kind]), dtype=np.float32)
         else:
             from gguf import GGMLQuantizationType
             from gguf.quants import dequantize
 
             try:
-                values = np.asarray(dequantize(raw, GGMLQuantizationType[entry.kind]), dtype=np.float32)
+                values = np.array(dequantize(raw, GGMLQuantizationType[kind]), dtype=np.float32)
             except NotImplementedError as exc:
-                raise GgufModelError(f"{self.path.name}: tensor {name} is {entry.kind}, which meshnet cannot read "
+                raise GgufModelError(f"{self.path.name}: tensor {name} is {kind}, which meshnet cannot read "
                                      "(served: F32, F16, BF16 and gguf-py's quantized types)") from exc
-        return torch.from_numpy(values).reshape(entry.shape)
+        return values
 
     def tensor(self, key: str) -> torch.Tensor | None:
         """transformers parameter ``key`` as float32, or ``None`` when the file lacks it."""

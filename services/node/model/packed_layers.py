@@ -184,11 +184,11 @@ class _PackedReader:
     def groups(self, name: str, rows: int, cols: int) -> Groups:
         """Tensor ``name`` (``rows x cols`` weights, a 3-D tensor's leading dims folded into the rows)."""
         entry = self.weights.file.tensors[name]
-        raw = self.weights.file.raw(name)
-        if entry.kind not in FLOAT_KINDS and holds_packed(entry.kind, self.fmt, self.own_format):
-            groups = gguf_groups(entry.kind, raw, rows, cols)
-        elif entry.kind not in FLOAT_KINDS and entry.kind in GGUF_BLOCK_BYTES:
-            groups = groups_of(dequantize_groups(gguf_groups(entry.kind, raw, rows, cols)), self.fmt)
+        if entry.kind not in FLOAT_KINDS and entry.kind in GGUF_BLOCK_BYTES:
+            with self.weights.file.borrowed(name) as raw:  # gguf_groups copies the blocks
+                groups = gguf_groups(entry.kind, raw, rows, cols)
+            if not holds_packed(entry.kind, self.fmt, self.own_format):
+                groups = groups_of(dequantize_groups(groups), self.fmt)
         else:
             groups = groups_of(self.weights.read(name).reshape(rows, cols), self.fmt)
         order = self.weights.row_order(name, rows)

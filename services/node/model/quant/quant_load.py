@@ -233,14 +233,14 @@ class GgufSource:
         tensor = self._file.tensors.get(name)
         if tensor is None:
             return None
-        raw = self._file.raw(name)
-        if tensor.kind in GGUF_BLOCK_BYTES and len(tensor.shape) == 2:  # our own reader: gguf-py's is slow
-            return self._unpermute(key, dequantize_groups(gguf_groups(tensor.kind, raw, *tensor.shape)))
-        if tensor.kind in _FLOAT_VIEWS:
-            values = raw.view(_FLOAT_VIEWS[tensor.kind])
-        else:
-            values = dequantize(raw, GGMLQuantizationType[tensor.kind])
-        flat = torch.from_numpy(np.array(values, dtype=np.float32))
+        with self._file.borrowed(name) as raw:  # every branch copies the bytes it reads
+            if tensor.kind in GGUF_BLOCK_BYTES and len(tensor.shape) == 2:  # our own reader: gguf-py's is slow
+                return self._unpermute(key, dequantize_groups(gguf_groups(tensor.kind, raw, *tensor.shape)))
+            if tensor.kind in _FLOAT_VIEWS:
+                values = raw.view(_FLOAT_VIEWS[tensor.kind])
+            else:
+                values = dequantize(raw, GGMLQuantizationType[tensor.kind])
+            flat = torch.from_numpy(np.array(values, dtype=np.float32))
         return self._unpermute(key, flat.reshape(tensor.shape))
 
     def groups(self, key: str, fmt: QuantFormat) -> Groups | None:
@@ -249,7 +249,8 @@ class GgufSource:
         if tensor is None or len(tensor.shape) != 2:
             return None
         rows, cols = tensor.shape
-        groups = packed_from_gguf(tensor.kind, self._file.raw(name), rows, cols, fmt, self._own_format)
+        with self._file.borrowed(name) as raw:  # gguf_groups copies the blocks
+            groups = packed_from_gguf(tensor.kind, raw, rows, cols, fmt, self._own_format)
         if groups is None:  # a wider or a float type: this one matrix goes through float
             weight = self.float_tensor(key)
             return None if weight is None else groups_of(weight, fmt)
@@ -264,9 +265,10 @@ class GgufSource:
             groups = self.groups(key, fmt)
             return None if groups is None else QuantMatrix(groups)
         rows, cols = tensor.shape
-        raw = self._file.raw(name)
-        return QuantMatrix.from_parts(gguf_groups(tensor.kind, raw[row:row + PACK_ROWS], len(raw[row:row + PACK_ROWS]),
-                                                  cols) for row in range(0, rows, PACK_ROWS))
+        with self._file.borrowed(name) as raw:  # packed slice by slice, each slice's blocks copied
+            return QuantMatrix.from_parts(gguf_groups(tensor.kind, raw[row:row + PACK_ROWS],
+                                                      len(raw[row:row + PACK_ROWS]), cols)
+                                          for row in range(0, rows, PACK_ROWS))
 
     def _row_order(self, key: str, rows: int) -> torch.Tensor | None:
         """llama.cpp's rotary row order of q/k undone (as transformers' GGUF loader does)."""
