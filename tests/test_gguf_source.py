@@ -23,6 +23,8 @@ from tests.gguf_models import LAYERS, build_gguf_model
 from tests.procs import REPO_ROOT, free_port
 
 EXIT_WAIT_S = 120
+LOGIT_RTOL = 1e-5
+"""Largest difference of the two folders' logits, relative to the largest logit: float32 rounding only."""
 
 
 def _write_minimal(path: Path, arch: str, kind: gguf.GGMLQuantizationType = gguf.GGMLQuantizationType.F32) -> Path:
@@ -149,4 +151,7 @@ def test_the_default_models_gguf_served_directly_answers_as_its_converted_folder
         shard = load_shard(folder, 0, 29, torch.float32, torch.device("cpu"))
         logits.append(shard.logits_last(shard.run_layers(shard.embed(prompt), shard.new_cache(), 0)))
         del shard
-    assert torch.equal(logits[0], logits[1])
+    # The same float32 weights, bit for bit; the products may still round apart in the last place: a BLAS
+    # kernel's summation order can depend on where a buffer lies (seen on an AMD EPYC: 5.7e-6 on logits of ~20).
+    assert (logits[0] - logits[1]).abs().max() <= LOGIT_RTOL * logits[1].abs().max()
+    assert torch.equal(logits[0].topk(10).indices, logits[1].topk(10).indices)
