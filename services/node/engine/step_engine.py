@@ -31,8 +31,8 @@ whole batch to come round (eight streams over two nodes went in lock-step:
 each node idle while the other computed, and on two machines half the cores
 idle). Once split, the groups stay apart, since each comes back on its own;
 should they meet again (a node that ran both in one turn) the head splits
-them again. A row's result does not depend on the rows beside it, so the
-split changes no token.
+them again. The split only changes which rows share a product,
+which was already whichever were ready.
 
 A step waiting alone is run at once (the engine never waits for company: a
 lone stream is as fast as before). Steps that arrive while a turn is on the
