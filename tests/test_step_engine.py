@@ -205,26 +205,3 @@ def test_a_pipeline_head_keeps_its_decoding_sessions_in_two_groups(tiny_model_di
         assert alone == [[1]]
     finally:
         worker.shutdown()
-
-
-def test_prompts_arriving_together_at_a_pipeline_head_go_on_in_parts(tiny_model_dir: Path) -> None:
-    """At the head of a pipeline a turn takes chunks within half the chunk tokens waiting (the oldest always), so
-    the next node starts on the first prompts while the head computes the others."""
-    worker = ComputeWorker(threads=1)
-    try:
-        runner = ShardRunner(load_shard(tiny_model_dir, 0, 1, torch.bfloat16, CPU, weights="int4"), worker,
-                             max_batch=16, max_step_tokens=256)
-        engine = runner.engine
-
-        async def scenario() -> list[list[int]]:
-            loop = asyncio.get_running_loop()
-            from services.node.engine.step_engine import StepJob
-            engine._queue.extend(StepJob(cache=runner.new_cache(), position_offset=0, from_layer=0,
-                                         ids=list(range(1, tokens + 1)), hidden=None, sampler=None,
-                                         future=loop.create_future())
-                                 for tokens in (10, 10, 10, 10))
-            return [[job.tokens for job in engine.take()] for _ in range(4)]
-
-        assert asyncio.run(scenario()) == [[10, 10], [10], [10], []]
-    finally:
-        worker.shutdown()

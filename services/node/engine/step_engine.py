@@ -226,19 +226,13 @@ class StepEngine:
         """The next turn: the rows of the oldest row's group (at most ``max_batch``), then prompt chunks.
 
         Chunks: the oldest always (a prompt is never starved by rows), more while
-        the turn stays within ``max_step_tokens`` (at the head of a pipeline, and
-        within half the chunk tokens waiting: prompts that arrive together reach
-        the next node in parts, which it computes while the head computes the
-        rest). Everything else stays queued in order.
+        the turn stays within ``max_step_tokens``. Everything else stays queued in order.
         """
         live = [job for job in self._queue if not job.future.done()]
         rows = [job for job in live if job.is_row]
         batch = [job for job in rows if job.group == rows[0].group][:self.row_cap(rows)] if rows else []
         self._count_rows(batch)
         budget = self.max_step_tokens - len(batch)
-        if self._pipelined:
-            waiting = sum(job.tokens for job in live if not job.is_row)
-            budget = min(budget, -(-waiting // PIPELINE_GROUPS))
         chunks: list[StepJob] = []
         for job in live:
             if job.is_row:
