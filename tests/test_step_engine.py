@@ -12,7 +12,7 @@ import torch
 
 from meshwire.sampling_params import SamplingParams
 from services.node.engine.compute import ComputeWorker, ShardRunner
-from services.node.engine.step_engine import StepResult
+from services.node.engine.step_engine import PIPELINE_GROUPS, StepResult
 from services.node.model.shard import ShardCache, ShardError
 from services.node.model.shard_load import load_shard
 from services.node.sampling.sampler import Pick, Sampler, SamplingFailed
@@ -167,5 +167,41 @@ def test_prompts_arriving_together_on_a_quantized_shard_share_one_forward_and_a_
             assert isinstance(batched, StepResult) and batched.rows == 3
             assert batched.hidden is not None and single.hidden is not None
             assert (batched.hidden - single.hidden).abs().max() <= 1e-2 * single.hidden.abs().max()
+    finally:
+        worker.shutdown()
+
+
+def test_a_pipeline_head_keeps_its_decoding_sessions_in_two_groups(tiny_model_dir: Path) -> None:
+    """At the head of a pipeline (a shard that is not the tail) a turn takes the decode rows of at most half the
+    sessions decoding through it, so two groups take turns and overlap along the route; a lone session's row
+    still runs at once."""
+    worker = ComputeWorker(threads=1)
+    try:
+        runner = ShardRunner(load_shard(tiny_model_dir, 0, 1, torch.bfloat16, CPU, weights="int4"), worker,
+                             max_batch=16, max_step_tokens=256)
+        assert runner.shard.is_head and not runner.shard.is_tail
+        sessions = 6
+
+        async def rows_of_steps(caches: list[ShardCache], steps: int) -> list[list[int]]:
+            rows = []
+            for _ in range(steps):
+                results = await asyncio.gather(*(
+                    runner.step(cache, position_offset=cache.seq_len, from_layer=0, ids=[5 + s])
+                    for s, cache in enumerate(caches)))
+                rows.append([result.rows for result in results])
+            return rows
+
+        async def scenario() -> tuple[list[list[int]], list[list[int]]]:
+            caches = [runner.new_cache() for _ in range(sessions)]
+            for s, cache in enumerate(caches):
+                await runner.step(cache, position_offset=0, from_layer=0, ids=prompt(s, runner.shard.vocab_size))
+            together = await rows_of_steps(caches, 3)
+            for _ in range(4 * PIPELINE_GROUPS):  # the others end; one session decodes on alone
+                await rows_of_steps(caches[:1], 1)
+            return together, await rows_of_steps(caches[:1], 1)
+
+        together, alone = asyncio.run(scenario())
+        assert together == [[sessions // PIPELINE_GROUPS] * sessions] * 3
+        assert alone == [[1]]
     finally:
         worker.shutdown()

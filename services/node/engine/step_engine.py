@@ -22,6 +22,18 @@ node. The engine collects the steps that are ready and runs them together:
   arriving together used to dequantize every matrix eight times. On a float
   shard a chunk runs alone, through transformers' exact path.
 
+**Two groups in flight** at the head of a pipeline (a shard that is the
+head but not the tail): the rows of a turn there are at most half the
+sessions that decode through it (:data:`PIPELINE_GROUPS`), so the sessions
+split into two groups that take turns. While the next node computes one
+group, the head computes the other, instead of every node waiting for the
+whole batch to come round (eight streams over two nodes went in lock-step:
+each node idle while the other computed, and on two machines half the cores
+idle). Once split, the groups stay apart, since each comes back on its own;
+should they meet again (a node that ran both in one turn) the head splits
+them again. The split only changes which rows share a product,
+which was already whichever were ready.
+
 A step waiting alone is run at once (the engine never waits for company: a
 lone stream is as fast as before). Steps that arrive while a turn is on the
 compute thread form the next turn. Before taking a turn the engine lets the
@@ -60,6 +72,12 @@ logger = logging.getLogger(__name__)
 
 GATHER_ROUNDS: Final = 4
 """Event-loop rounds the engine yields before taking a turn, so frames that arrived together join it."""
+PIPELINE_GROUPS: Final = 2
+"""Groups of decode rows the head of a pipeline keeps in flight (module doc): two keep a head and the rest of the
+route computing at the same time."""
+RECENT_ROW_TURNS: Final = 4 * PIPELINE_GROUPS
+"""Row turns within which a session that ran a decode row still counts as decoding through this engine (each
+session runs one row every :data:`PIPELINE_GROUPS` turns or so; one that ended stops counting after this)."""
 
 
 @dataclass(frozen=True)
@@ -134,6 +152,11 @@ class StepEngine:
         self.max_step_tokens = max_step_tokens
         self._on_turn = on_turn
         self._queue: deque[StepJob] = deque()
+        self._pipelined = shard.is_head and not shard.is_tail
+        """Whether this shard heads a pipeline: its rows split into :data:`PIPELINE_GROUPS` groups."""
+        self._row_turns = 0
+        self._last_row_turn: dict[int, int] = {}
+        """Each decoding session's cache (by ``id``) and the row turn it last ran a row in (pipeline heads only)."""
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
 
@@ -207,7 +230,8 @@ class StepEngine:
         """
         live = [job for job in self._queue if not job.future.done()]
         rows = [job for job in live if job.is_row]
-        batch = [job for job in rows if job.group == rows[0].group][:self.max_batch] if rows else []
+        batch = [job for job in rows if job.group == rows[0].group][:self.row_cap(rows)] if rows else []
+        self._count_rows(batch)
         budget = self.max_step_tokens - len(batch)
         chunks: list[StepJob] = []
         for job in live:
@@ -220,6 +244,27 @@ class StepEngine:
         taken = {id(job) for job in (*batch, *chunks)}
         self._queue = deque(job for job in live if id(job) not in taken)
         return [*batch, *chunks]
+
+    def row_cap(self, ready: Sequence[StepJob]) -> int:
+        """The most decode rows the next turn takes: ``max_batch``; at the head of a pipeline, at most
+        ``1/PIPELINE_GROUPS`` of the sessions decoding through it (the ``ready`` rows' and those of the recent
+        row turns), so the sessions split into groups that overlap along the route (module doc)."""
+        if not self._pipelined:
+            return self.max_batch
+        decoding = len(self._last_row_turn.keys() | {id(job.cache) for job in ready})
+        return max(1, min(self.max_batch, -(-decoding // PIPELINE_GROUPS)))
+
+    def _count_rows(self, batch: list[StepJob]) -> None:
+        """Remember the sessions of a row turn at a pipeline's head, forgetting those quiet for
+        :data:`RECENT_ROW_TURNS` turns."""
+        if not self._pipelined or not batch:
+            return
+        self._row_turns += 1
+        for job in batch:
+            self._last_row_turn[id(job.cache)] = self._row_turns
+        oldest = self._row_turns - RECENT_ROW_TURNS
+        if len(self._last_row_turn) > len(batch):
+            self._last_row_turn = {key: turn for key, turn in self._last_row_turn.items() if turn > oldest}
 
     # --- on the compute thread ----------------------------------------------------------
 
