@@ -129,17 +129,21 @@ def test_a_float_shard_batches_rows_within_a_float_product_s_rounding(family: st
 
 
 def test_a_failed_ragged_step_leaves_every_cache_as_it_was(tmp_path: Path) -> None:
-    served = serve_family("qwen3", tmp_path, "Q4_0")
+    """Gemma 2's sliding layers included: sessions past the window of 4, a batch that fails in layer 2, then
+    the next batch is bit for bit what it is on caches that never saw the failure."""
+    served = serve_family("gemma2", tmp_path, "Q4_0")
     shard = _shard(served, "int4")
-    caches = _prefilled(shard)
+    caches, untouched = _prefilled(shard), _prefilled(shard)
     before = [c.seq_len for c in caches]
     layer = shard.modules.model.layers["2"]
     saved = layer.mlp.forward
     layer.mlp.forward = lambda x: x[..., :3]  # an output that cannot be added back
+    rows = shard.embed(torch.tensor([[4 + index for index in range(len(caches))]])).transpose(0, 1)
     try:
-        with pytest.raises(RuntimeError):
-            shard.run_rows(torch.zeros(len(caches), 1, shard.hidden_size), caches, [c.seq_len for c in caches],
-                           from_layer=0)
+        with pytest.raises(RuntimeError, match="size of tensor"):
+            shard.run_rows(rows, caches, [c.seq_len for c in caches], from_layer=0)
     finally:
         layer.mlp.forward = saved
     assert [c.seq_len for c in caches] == before
+    assert torch.equal(shard.run_rows(rows, caches, before, from_layer=0),
+                       shard.run_rows(rows, untouched, before, from_layer=0))

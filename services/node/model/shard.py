@@ -236,6 +236,7 @@ class Shard:
             return self._run_in_layers(hidden, [cache], [held], [n], first)
         masks = self._masks(hidden, cache, position_ids, first)
         position_embeddings = self._positions(hidden, position_ids)
+        undo = cache.rollback_point()
         try:
             if n == 1 and self.lean is not None and self.lean.solo and all(mask is None for mask in masks.values()):
                 cos, sin = position_embeddings["full_attention"]
@@ -252,7 +253,7 @@ class Shard:
                 )
                 hidden = out[0] if isinstance(out, tuple) else out
         except BaseException:
-            cache.truncate(held)  # leave the session as it was before this step (e.g. out of memory)
+            undo()  # leave the session as it was before this step (e.g. out of memory)
             raise
         return hidden
 
@@ -279,6 +280,7 @@ class Shard:
         position_embeddings = self._positions(hidden, position_ids)
         step = RaggedStep(caches=[cache.kv for cache in caches], lengths=lengths, offsets=held,
                           windows=self._windows)
+        undo = [cache.rollback_point() for cache in caches]
         try:
             with ragged_kernel(self.config):
                 for index in range(first, self.end + 1):
@@ -287,8 +289,8 @@ class Shard:
                                               position_ids=position_ids, cache=step, use_cache=True, ragged=step)
                     hidden = out[0] if isinstance(out, tuple) else out
         except BaseException:
-            for cache, length in zip(caches, held, strict=True):
-                cache.truncate(length)
+            for restore in undo:
+                restore()
             raise
         return hidden
 
