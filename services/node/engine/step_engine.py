@@ -15,8 +15,9 @@ node. The engine collects the steps that are ready and runs them together:
   oldest waiting chunk always, more while the turn's tokens stay within
   ``max_step_tokens``. So a long prompt costs the streams already decoding at
   most one chunk (``prefill_chunk_tokens``) per step, instead of stalling them
-  for the whole prompt. On a quantized shard (every step there runs through
-  the lean decoder) the turn's chunks and rows entering at the same layer are
+  for the whole prompt. On a quantized shard (every step there runs on the
+  batched path: the lean decoder, or transformers' layers as ragged steps,
+  :mod:`services.node.model.ragged_layers`) the turn's chunks and rows entering at the same layer are
   one ragged batch, laid end to end (:meth:`~services.node.model.shard.Shard.run_ragged`):
   one pass over the packed weights for all of them, where eight prompts
   arriving together used to dequantize every matrix eight times. On a float

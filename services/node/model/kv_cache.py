@@ -22,12 +22,12 @@ value), so results do not change; the cache takes twice the memory.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Final
 
 import torch
 from transformers import PretrainedConfig
-from transformers.cache_utils import DynamicCache, DynamicLayer
+from transformers.cache_utils import DynamicCache, DynamicLayer, DynamicSlidingWindowLayer
 
 MIN_CAPACITY_TOKENS: Final = 256
 """Smallest buffer a layer allocates when the session did not say how long it may grow."""
@@ -184,6 +184,27 @@ class ShardCache:
             held = layer.get_seq_length() if layer.is_initialized else 0
             if held > length:
                 layer.crop(length - held)
+
+    def rollback_point(self) -> Callable[[], None]:
+        """A function that puts the cache back as it is now, to undo a step that fails midway.
+
+        Growing layers are cut back to their length (:meth:`truncate`). A sliding-window layer cannot be: it
+        drops its oldest position as it takes a new one (and transformers refuses to crop it past its window),
+        but each append makes new tensors, so the ones it holds now are kept here and given back."""
+        held = self.seq_len
+        sliding = [(layer, layer.is_initialized, layer.keys, layer.values, layer.cumulative_length)
+                   for layer in self.kv.layers if isinstance(layer, DynamicSlidingWindowLayer)]
+
+        def restore() -> None:
+            for layer, initialized, keys, values, cumulative in sliding:
+                layer.is_initialized, layer.keys, layer.values = initialized, keys, values
+                layer.cumulative_length = cumulative
+            for layer in self.kv.layers:
+                if not isinstance(layer, DynamicSlidingWindowLayer) and layer.is_initialized \
+                        and layer.get_seq_length() > held:
+                    layer.crop(held - layer.get_seq_length())
+
+        return restore
 
     def copy_prefix(self, source: ShardCache, length: int) -> None:
         """Start this empty cache with a copy of ``source``'s first ``length`` tokens (a fork, ``meshwire.fork``).

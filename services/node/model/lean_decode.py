@@ -39,7 +39,7 @@ Only layers whose structure is known are taken: a Llama-style decoder layer
 (Llama, Mistral, Qwen2, SmolLM) with RMS norms, ``q/k/v/o_proj`` and no
 per-head query/key norms (Qwen3 has them), a gated SiLU MLP, and full
 attention. Anything else returns ``None`` from :func:`lean_decoder_for` and
-runs through transformers as before.
+runs through transformers' own layers, batched rows too (:mod:`services.node.model.ragged_layers`).
 """
 
 from __future__ import annotations
@@ -354,7 +354,7 @@ def lean_decoder_for(config: PretrainedConfig, layers: dict[int, nn.Module], dty
     """
     why_not = _unsupported(config, layers, mask_kinds)
     if why_not is not None:
-        logger.info("decode steps run through transformers' modules, one session at a time: %s", why_not)
+        logger.info("decode steps run through transformers' modules (rows batch as ragged steps there): %s", why_not)
         return None
     solo = device.type == "cpu" and dtype in HALF_DTYPES
     return LeanDecoder(config, {index: _fuse(layer) for index, layer in layers.items()}, solo=solo)

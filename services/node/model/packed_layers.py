@@ -20,9 +20,12 @@ Norms, biases and routers (``ffn_gate_inp``, which llama.cpp keeps in float) sta
 A matrix whose rows are not a multiple of the packed layout's block of 64 (a small model's k/v) is padded
 with zero rows and its product cut back (:func:`padded`). Products are the native kernel's: float32 rows
 and sums over the file's integers and bfloat16-rounded scales, each output within ``(K + 100) 2^-24
-sum|x w|`` of the exact product (``tests/test_quant_kernel.py``); a shard's steps, prompts included, run
-layer by layer through transformers (no batched rows: :attr:`~services.node.model.shard.Shard.batches_rows`
-is false without a lean decoder).
+sum|x w|`` of the exact product (``tests/test_quant_kernel.py``). A shard's steps, prompts included, run
+layer by layer through transformers as ragged steps (:mod:`services.node.model.ragged_layers`): decode rows of
+several sessions and prompt chunks in one pass. The packed kernel computes each row on its own, whatever rows
+ride with it; torch's float product does not (one row and several round differently), so what stays float
+and is a product (a router, a linear the file holds in float) runs one row at a time
+(:class:`RowwiseRouter`, :class:`RowwiseLinear`): a session's step is then the same bits alone or in any batch.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from pathlib import Path
 from typing import Final
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from transformers import PretrainedConfig
 
@@ -116,6 +120,61 @@ class PackedExperts(nn.Module):
             rows = self.down[expert](self.act_fn(gate) * up) * top_k_weights[tokens, slots, None]
             out.index_add_(0, tokens, rows.to(out.dtype))
         return out
+
+
+class RowwiseLinear(nn.Linear):
+    """A float ``nn.Linear`` computed one row at a time, so each row's bits do not depend on the rows beside it
+    (torch's float product rounds a lone row differently from the same row among others)."""
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        flat = input.reshape(-1, self.in_features)
+        rows = [F.linear(row, self.weight, self.bias) for row in flat.split(1)]
+        return torch.cat(rows).view(*input.shape[:-1], self.out_features)
+
+
+class RowwiseRouter(nn.Module):
+    """An MoE router (transformers' own: its top-k and the architecture's normalisation, Qwen3-MoE's
+    ``norm_topk_prob`` or Mixtral's always) run one row at a time, so a row picks the same experts with the same
+    weights alone or in any batch: its float product is the one thing of an MoE block that would round a row
+    differently beside others. The router's weight stays named as in the checkpoint (``mlp.gate.weight``).
+
+    One call per row: a decode batch costs a handful; a prompt chunk of T tokens costs T small calls a layer
+    (tens of microseconds each), small beside its experts' products."""
+
+    def __init__(self, router: nn.Module) -> None:
+        super().__init__()
+        self.weight = router.weight
+        self._router = (router,)  # not a registered child: its weight is this module's, named once
+
+    def forward(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        router = self._router[0]
+        flat = hidden_states.reshape(-1, hidden_states.shape[-1])
+        outs = [router(row) for row in flat.split(1)]
+        return tuple(torch.cat(parts) for parts in zip(*outs, strict=True))
+
+
+def rowwise_float_products(layers: dict[int, nn.Module]) -> int:
+    """Make what stays float and is a product in ``layers`` (routers, float linears) run a row at a time
+    (:class:`RowwiseRouter`, :class:`RowwiseLinear`); their count. Call once the weights are loaded."""
+    count = 0
+    for layer in layers.values():
+        for path, module in list(layer.named_modules()):
+            if type(module) is nn.Linear:
+                module.__class__ = RowwiseLinear
+                count += 1
+            elif _is_router(module):
+                parent, _, leaf = path.rpartition(".")
+                setattr(layer.get_submodule(parent) if parent else layer, leaf, RowwiseRouter(module))
+                count += 1
+    return count
+
+
+def _is_router(module: nn.Module) -> bool:
+    """transformers' MoE top-k routers: a ``weight`` ``[experts, hidden]`` and ``top_k``, called on the hidden
+    states (Qwen3-MoE's and Mixtral's ``mlp.gate``)."""
+    weight = getattr(module, "weight", None)
+    return (not isinstance(module, nn.Linear | RowwiseRouter) and isinstance(weight, torch.Tensor)
+            and weight.ndim == 2 and hasattr(module, "top_k"))
 
 
 def padded(groups: Groups) -> Groups:
@@ -226,6 +285,7 @@ def load_packed_layers(gguf: Path, modules: nn.Module, layers: dict[int, nn.Modu
     load_embedding_and_head(GgufSource(gguf, config), modules, dtype, has_embedding=is_head, has_head=is_tail,
                             tied=bool(getattr(config, "tie_word_embeddings", False)), embed_scale=scale)
     reader.weights.close()
+    rowwise_float_products(layers)
     logger.info("packed %d matrices of layers %d-%d as %s inside transformers' layers", packed, min(layers),
                 max(layers), fmt)
     return packed

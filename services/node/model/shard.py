@@ -24,7 +24,10 @@ products are held packed and exist only in the lean decoder, which then runs
 every step of the shard, prompts included (:meth:`LeanDecoder.run_chunk`); a GGUF's
 layers of another structure (Qwen3, Gemma, Phi-3, MoE experts) keep transformers'
 modules with packed products in place (:mod:`services.node.model.packed_layers`),
-and run as a float shard's do, one session at a time.
+and every step of such a shard, a lone one too, runs as a ragged step through those layers
+(:mod:`services.node.model.ragged_layers`): decode rows of several sessions and prompt chunks in one pass,
+each row the same bits alone or beside others. A float shard of those architectures runs its lone steps
+through transformers' exact path and batches its decode rows through the ragged one.
 
 A half-precision shard on a CPU computes attention in float32 (torch's half
 SDPA there is ten times slower for a decode step's single query), and on a
@@ -60,6 +63,7 @@ from services.node.model.quant.packed import KERNEL_MAX_ROWS, QuantLinear
 from services.node.model.quant.quant_load import (
     WeightsFormat,
 )
+from services.node.model.ragged_layers import RaggedStep, ragged_kernel
 
 logger = logging.getLogger(__name__)
 
@@ -127,6 +131,10 @@ class Shard:
         self._rotary_emb = rotary_emb
         self._mask_kinds: dict[int, MaskKind] = mask_kinds_of(config, start, end)
         self._positions = PositionEmbeddings(rotary_emb, set(self._mask_kinds.values()))
+        self._windows: dict[int, int | None] = {
+            index: int(config.sliding_window) if kind == "sliding_attention" else None
+            for index, kind in self._mask_kinds.items()}
+        """Each layer's sliding window (``None``: full attention), for ragged steps' attention."""
         self.lean = lean
         self.huge_region: HugeRegion | None = None
         """The huge-page mapping a quantized CPU shard's packed matrices live in (:mod:`services.node.model.quant.huge_pages`);
@@ -224,8 +232,11 @@ class Shard:
         position_ids = torch.arange(position_offset, position_offset + n, device=self.device).unsqueeze(0)
         if self.weights_format != "float" and self.lean is not None:
             return self._run_quantized(hidden, cache, position_ids, first, held)
+        if self.in_layers:
+            return self._run_in_layers(hidden, [cache], [held], [n], first)
         masks = self._masks(hidden, cache, position_ids, first)
         position_embeddings = self._positions(hidden, position_ids)
+        undo = cache.rollback_point()
         try:
             if n == 1 and self.lean is not None and self.lean.solo and all(mask is None for mask in masks.values()):
                 cos, sin = position_embeddings["full_attention"]
@@ -242,7 +253,7 @@ class Shard:
                 )
                 hidden = out[0] if isinstance(out, tuple) else out
         except BaseException:
-            cache.truncate(held)  # leave the session as it was before this step (e.g. out of memory)
+            undo()  # leave the session as it was before this step (e.g. out of memory)
             raise
         return hidden
 
@@ -259,17 +270,50 @@ class Shard:
             cache.truncate(held)
             raise
 
+    def _run_in_layers(self, hidden: torch.Tensor, caches: Sequence[ShardCache], held: Sequence[int],
+                       lengths: Sequence[int], first: int) -> torch.Tensor:
+        """Layers ``first..end`` of transformers on a ragged step (``hidden`` ``[1, T, hidden]``, each session's
+        ``lengths[i]`` positions from ``held[i]``): :mod:`services.node.model.ragged_layers`. Every cache is left
+        as it was if the step fails."""
+        position_ids = torch.cat([torch.arange(offset, offset + n) for offset, n in zip(held, lengths, strict=True)])
+        position_ids = position_ids.to(self.device).unsqueeze(0)
+        position_embeddings = self._positions(hidden, position_ids)
+        step = RaggedStep(caches=[cache.kv for cache in caches], lengths=lengths, offsets=held,
+                          windows=self._windows)
+        undo = [cache.rollback_point() for cache in caches]
+        try:
+            with ragged_kernel(self.config):
+                for index in range(first, self.end + 1):
+                    out = self._layers[index](hidden, attention_mask=None,
+                                              position_embeddings=position_embeddings[self._mask_kinds[index]],
+                                              position_ids=position_ids, cache=step, use_cache=True, ragged=step)
+                    hidden = out[0] if isinstance(out, tuple) else out
+        except BaseException:
+            for restore in undo:
+                restore()
+            raise
+        return hidden
+
+    @property
+    def in_layers(self) -> bool:
+        """Whether every step, a lone one too, runs as a ragged step through transformers' layers: a packed
+        shard of an architecture the lean decoder does not take (:mod:`services.node.model.packed_layers`), so
+        a session's step is the same bits alone or batched."""
+        return self.lean is None and self.weights_format != "float"
+
     @property
     def batches_rows(self) -> bool:
-        """Whether decode rows of several sessions run as one batch here (a known layer structure)."""
-        return self.lean is not None
+        """Whether decode rows of several sessions run as one batch here: through the lean decoder (the Llama
+        shape), else through transformers' own layers (:mod:`services.node.model.ragged_layers`)."""
+        return True
 
     @property
     def batches_chunks(self) -> bool:
-        """Whether prompt chunks join a turn's batch too (:meth:`run_ragged`): shards whose every step runs
-        through the lean decoder (quantized weights), where a chunk alone would take the same path, so
-        several sessions' prompts and decode rows cost one pass over the weights."""
-        return self.lean is not None and self.weights_format != "float"
+        """Whether prompt chunks join a turn's batch too (:meth:`run_ragged`): quantized shards, whose every
+        step runs on the batched path (the lean decoder, or the ragged one through transformers' layers), where
+        a chunk alone would take the same path, so several sessions' prompts and decode rows cost one pass over
+        the weights."""
+        return self.weights_format != "float"
 
     def step_problem(self, cache: ShardCache, position_offset: int, from_layer: int) -> str | None:
         """Why a step of ``cache``'s session at ``position_offset`` entering at ``from_layer`` cannot run
@@ -304,14 +348,12 @@ class Shard:
         (1 for a decode row, more for a prompt chunk); returns ``[1, T, hidden]``.
 
         The products run once over all ``T`` positions, attention per session
-        against its own cache (:meth:`LeanDecoder.run_ragged`); only shards that
-        :attr:`batches_rows` can, and prompt chunks only where
-        :attr:`batches_chunks`. As in :meth:`run_layers`, each offset must equal
-        the tokens its cache holds. If the step fails, every cache is left as it was.
+        against its own cache (:meth:`LeanDecoder.run_ragged`, or transformers'
+        layers with ragged attention: :mod:`services.node.model.ragged_layers`);
+        prompt chunks only where :attr:`batches_chunks`. As in :meth:`run_layers`,
+        each offset must equal the tokens its cache holds. If the step fails,
+        every cache is left as it was.
         """
-        if self.lean is None:
-            raise ShardError("these layers' structure is not one the batched path knows: run each session's "
-                             "step through run_layers")
         total = sum(lengths)
         if not (len(caches) == len(offsets) == len(lengths)) or min(lengths, default=0) < 1:
             raise ShardError(f"a batch needs one offset and a positive length per cache, got {len(caches)} caches, "
@@ -328,6 +370,8 @@ class Shard:
         for cache in caches:
             cache.entry_layer = from_layer
         hidden = hidden.to(device=self.device, dtype=self.dtype)
+        if self.lean is None:
+            return self._run_in_layers(hidden, caches, held, lengths, from_layer)
         position_ids = torch.cat([torch.arange(offset, offset + n) for offset, n in zip(held, lengths, strict=True)])
         cos, sin = self._rotary_emb(hidden, position_ids=position_ids.to(self.device).unsqueeze(0))
         try:
