@@ -158,6 +158,19 @@ def test_a_middle_hop_is_shadowed_only_where_it_and_its_replica_name_the_same_ba
     assert shadow is not None and (shadow.hop_index, shadow.node.node_id) == (2, "t2")
 
 
+def test_a_registration_that_does_not_say_reads_as_not_batch_invariant() -> None:
+    """An older node's registration (no ``rows_exact``) still parses, as not exact; a path name is checked."""
+    from meshwire.registry import NodeRegistration
+
+    base = {"node_id": "n", "model": "m", "endpoint": "http://127.0.0.1:9", "shard_start": 0, "shard_end": 1}
+    assert NodeRegistration.model_validate(base).rows_exact is None
+    path = "float32-avx512/native/kv-float32"
+    assert NodeRegistration.model_validate({**base, "rows_exact": path}).rows_exact == path
+    for bad in ("", "Float32 avx", "x" * 65):
+        with pytest.raises(ValidationError):
+            NodeRegistration.model_validate({**base, "rows_exact": bad})
+
+
 def test_a_decode_row_batched_with_other_company_is_not_the_same_bits(tiny_model_dir: Path) -> None:
     """Why only the tail is compared: an honest hop and its shadow batch a session's decode row with different
     other rows, and a float32 row's hidden states then differ in their last bits (so their exact hashes differ),

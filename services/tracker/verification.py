@@ -3,7 +3,8 @@
 How a step is checked. For a sampled fraction (``MESHNET_VERIFY_RATE``) of the
 routes it plans, the tracker names a *shadow* in the signed route
 (:class:`meshwire.routes.ShadowHop`): another node holding the same layers as
-the route's tail (only the tail: :data:`COMPARED_HOPS`). The hop before it
+one hop after the head: the route's tail, or a hop before it whose output and
+the shadow's are batch-invariant on the same path (:data:`COMPARED_HOPS`). The hop before it
 sends every frame of the session to both; the shadow runs them in its own
 session (it holds the same KV state, having seen the same frames) and answers
 only its receipt. Both receipts come back to the head with the step's answer,
@@ -12,7 +13,9 @@ route, session, hop, step and positions, with the same input hash, are compared
 by their output hash: at a tail that is the tokens answered (greedy: the argmax;
 seeded: the same draw), which honest replicas agree on whatever company their
 rows were batched with (but for a pick so near a tie that the batch's rounding
-flips it), so sampling is checked too.
+flips it), so sampling is checked too; at a hop before the tail it is the hidden
+states sent on, which two honest replicas on one batch-invariant path compute
+to the same bits whatever their batches held.
 
 Who is wrong. A disagreement between two nodes says one of them is wrong, not
 which. A node is quarantined (:mod:`.quarantine`) when it disagreed with two
