@@ -85,8 +85,9 @@ def test_a_shadow_must_run_the_layers_of_the_hop_it_shadows_and_not_be_on_the_ro
     with pytest.raises(ValidationError, match="already"):
         Route(model="m", nodes=(_node("head", 0, 1), _node("a", 2, 3)), num_layers=4,
               shadow=ShadowHop(hop_index=1, node=_node("a", 2, 3)))
-    with pytest.raises(ValidationError):
-        ShadowHop(hop_index=0, node=_node("b", 0, 1))
+    with pytest.raises(ValidationError, match="must run layers"):  # a head's shadow runs the head's layers
+        Route(model="m", nodes=(_node("head", 0, 1), _node("a", 2, 3)), num_layers=4,
+              shadow=ShadowHop(hop_index=0, node=_node("b", 0, 2)))
 
 
 def test_a_node_finds_itself_as_the_shadow_of_a_hop() -> None:
@@ -156,6 +157,24 @@ def test_a_middle_hop_is_shadowed_only_where_it_and_its_replica_name_the_same_ba
     with_tail = {**blas, "t2": NumberFormat("float32", "int8", "float32")}
     shadow = verifier.shadow_for(hops, [*middle, *tails], lambda: with_tail)
     assert shadow is not None and (shadow.hop_index, shadow.node.node_id) == (2, "t2")
+
+
+def test_the_head_is_shadowed_by_another_head_on_its_path_never_one_behind_a_relay() -> None:
+    """The head's hidden states are compared like a middle hop's: only between heads naming the same
+    batch-invariant path, and its shadow must be one the head can dial (not behind a relay)."""
+    verifier = _verifier(rate=1.0)
+    hops = (_node("head", 0, 1), _node("a", 2, 3))
+    exact = NumberFormat("float32", "int8", "float32", "int8/native/kv-float32")
+    heads = [Candidate(node_id=n, endpoint=f"http://127.0.0.1:1/{n}", shard_start=0, shard_end=1,
+                       hop_key=node_hop_key(n).public_text, relay_addr=relay) for n, relay in (("h2", None),)]
+    shadow = verifier.shadow_for(hops, heads, lambda: {"head": exact, "h2": exact, "a": exact})
+    assert shadow is not None and (shadow.hop_index, shadow.node.node_id, shadow.node.start_layer) == (0, "h2", 0)
+    floats = NumberFormat("float32", "float", "float32")
+    assert verifier.shadow_for(hops, heads, lambda: {"head": floats, "h2": floats, "a": floats}) is None
+    assert verifier.shadow_for(hops, heads) is None  # formats unknown: tails only
+    relayed = [Candidate(node_id="h3", endpoint="http://127.0.0.1:1/h3", shard_start=0, shard_end=1,
+                         hop_key=node_hop_key("h3").public_text, relay_addr="relay:1")]
+    assert verifier.shadow_for(hops, relayed, lambda: {"head": exact, "h3": exact, "a": exact}) is None
 
 
 def test_a_registration_that_does_not_say_reads_as_not_batch_invariant() -> None:

@@ -7,7 +7,8 @@ hidden states by exact hash: fair only because its quantized products are batch-
 a session's row with other company; ``tests/test_rows_exact.py``), which the nodes register (``rows_exact``).
 Within 40 greedy chats sent 8 at a time ``bad`` is quarantined, no honest node ever is (the honest middle
 replicas agree on every step they are compared on), and every answer after equals transformers on the file's
-weights (the reference of the GGUF tests).
+weights (the reference of the GGUF tests). The same with three replicas of the head's layers (``h1``, ``h2``,
+``hbad``) and one tail: a head sends its shadow each step's token ids and signs a receipt of its own step.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from tests.procs import Service, node_hop_key, start_service, start_together
 from tests.requirements import needs
 
 LAYERS: Final = {"head": (0, 1), "m1": (2, 2), "m2": (2, 2), "bad": (2, 2), "tail": (3, 3)}
+HEAD_LAYERS: Final = {"h1": (0, 1), "h2": (0, 1), "hbad": (0, 1), "tail": (2, 3)}
 PROMPTS: Final = ["Where does the river run?", "Tell me about the sea.", "Count to five."]
 MAX_TOKENS: Final = 8
 ROUNDS: Final = 5
@@ -44,16 +46,16 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Served:
     return serve_family("llama", tmp_path_factory.mktemp("verify-q8"), "Q8_0")
 
 
-@pytest.fixture(scope="module")
-def mesh(served: Served) -> Iterator[dict[str, Service]]:
+def _mesh(served: Served, layers: dict[str, tuple[int, int]], bad: str) -> Iterator[dict[str, Service]]:
+    """A tracker checking every route and nodes holding ``layers`` of the GGUF, ``bad`` corrupting every output."""
     tracker = start_service("tracker", {"MESHNET_VERIFY_RATE": "1.0", "MESHNET_NODE_TTL_S": "30",
                                         "MESHNET_HEARTBEAT_S": "1"})
     common = {"MESHNET_MODEL": str(served.gguf.path), "MESHNET_MODEL_CACHE_DIR": str(served.cache),
               "MESHNET_DTYPE": "float32", "MESHNET_DEVICE": "cpu", "MESHNET_TRACKER": tracker.url,
               "MESHNET_THREADS": "1"}
     specs = {name: {**common, "MESHNET_NODE_ID": name, "MESHNET_LAYERS": f"{a}-{b}",
-                    "MESHNET_NODE_KEY": node_hop_key(name).seed_text} for name, (a, b) in LAYERS.items()}
-    specs["bad"].update({"MESHNET_FAULT": "corrupt-output:1.0", ALLOW_FAULTS_ENV: "1"})
+                    "MESHNET_NODE_KEY": node_hop_key(name).seed_text} for name, (a, b) in layers.items()}
+    specs[bad].update({"MESHNET_FAULT": "corrupt-output:1.0", ALLOW_FAULTS_ENV: "1"})
     try:
         started = dict(zip(specs, start_together([("node", spec) for spec in specs.values()]), strict=True))
     except Exception:
@@ -61,11 +63,21 @@ def mesh(served: Served) -> Iterator[dict[str, Service]]:
         raise
     services = {"tracker": tracker, **started}
     try:
-        wait_for(lambda: set(LAYERS) <= set(_nodes(tracker)), "every node to register", TIMEOUT_S)
+        wait_for(lambda: set(layers) <= set(_nodes(tracker)), "every node to register", TIMEOUT_S)
         yield services
     finally:
         for service in services.values():
             service.stop()
+
+
+@pytest.fixture
+def mesh(served: Served) -> Iterator[dict[str, Service]]:
+    yield from _mesh(served, LAYERS, "bad")
+
+
+@pytest.fixture
+def head_mesh(served: Served) -> Iterator[dict[str, Service]]:
+    yield from _mesh(served, HEAD_LAYERS, "hbad")
 
 
 def _nodes(tracker: Service) -> dict[str, dict[str, Any]]:
@@ -133,3 +145,24 @@ def test_a_middle_replica_that_computes_wrong_is_quarantined_and_honest_ones_agr
     wait_for(lambda: _checks(tracker).get("agree", 0) > agreed, "the honest replicas' comparisons", TIMEOUT_S)
     assert _quarantined(tracker) == {"bad"}
     assert "m2" not in _nodes(tracker)["m1"]["disputes"]
+
+
+def test_a_head_that_computes_wrong_is_quarantined_and_honest_heads_agree(
+        head_mesh: dict[str, Service], served: Served) -> None:
+    """The head's own layers: three replicas of 0-1, one corrupting what it sends on. A head sends its shadow
+    (another head) each step's token ids and signs a receipt of its own step; honest quantized heads agree."""
+    tracker = head_mesh["tracker"]
+    for _ in range(ROUNDS):  # 40 greedy chats, 8 at a time
+        with ThreadPoolExecutor(AT_ONCE) as pool:
+            list(pool.map(lambda i: _chat(tracker, PROMPTS[i % len(PROMPTS)]), range(AT_ONCE)))
+        if "hbad" in _quarantined(tracker):
+            break
+    wait_for(lambda: "hbad" in _quarantined(tracker), "the faulty head's quarantine", TIMEOUT_S)
+    assert _quarantined(tracker) == {"hbad"}, "no honest node is ever quarantined"
+    view = _nodes(tracker)
+    assert "agree with each other" in view["hbad"]["quarantine"]["reason"]
+    assert view["h1"]["disputes"] in ([], ["hbad"]) and view["h2"]["disputes"] in ([], ["hbad"])
+    with ThreadPoolExecutor(AT_ONCE) as pool:
+        after = list(pool.map(lambda i: _chat(tracker, PROMPTS[i % len(PROMPTS)]), range(AT_ONCE)))
+    assert after == [_expected(served, PROMPTS[i % len(PROMPTS)]) for i in range(AT_ONCE)]
+    assert _quarantined(tracker) == {"hbad"}

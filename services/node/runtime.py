@@ -247,7 +247,8 @@ class NodeRuntime:
         stepper = RouteStepper(node_id=self.node_id, runner=runner, sessions=self.sessions,
                                sender=RowSender(self.hops, max_rows=s.max_batch), metrics=self.metrics,
                                wire_dtype=s.wire_dtype, faults=FaultInjector(s.fault, self.metrics),
-                               receipt_sink=self.receipt_reporter.take if s.receipts else None, receipts=s.receipts)
+                               receipt_sink=self.receipt_reporter.take if s.receipts else None, receipts=s.receipts,
+                               hop_key=self.hop_key if shard.is_head else None)
         if s.fault is not None and s.fault.kind == "wrong-token" and not shard.is_tail:
             logger.warning("--fault %s: this node is not a tail, so it answers no tokens to change", s.fault)
         forward = ForwardService(node_id=self.node_id, model_id=self.model_id, auth=self.hop_auth,

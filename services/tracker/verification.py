@@ -3,8 +3,9 @@
 How a step is checked. For a sampled fraction (``MESHNET_VERIFY_RATE``) of the
 routes it plans, the tracker names a *shadow* in the signed route
 (:class:`meshwire.routes.ShadowHop`): another node holding the same layers as
-one hop after the head: the route's tail, or a hop before it whose output and
+one hop: the route's tail, or a hop before it (the head included) whose output and
 the shadow's are batch-invariant on the same path (:data:`COMPARED_HOPS`). The hop before it
+(for the head's shadow, the head itself, with the step's token ids)
 sends every frame of the session to both; the shadow runs them in its own
 session (it holds the same KV state, having seen the same frames) and answers
 only its receipt. Both receipts come back to the head with the step's answer,
@@ -76,7 +77,8 @@ and its shadow batch a session's row with different company, so their exact hash
 three honest replicas would soon show one of them "wrong" by majority. Such a hop is compared only where it and
 its shadow both register the same batch-invariant path (``rows_exact``: every product on meshnet's native
 quantized CPU kernel, :mod:`services.node.model.rows_exact`), on which a row's output is the same bits whatever
-rides with it. The head is never shadowed (its frames come from the client, not from a hop before it)."""
+rides with it. The head too: no hop before it sends it frames, so it sends its shadow (another head) each step's
+token ids itself and signs a receipt of its own step (input: that frame; output: the hidden states it sent on)."""
 
 
 @dataclass(frozen=True)
@@ -153,9 +155,11 @@ class Verifier:
 
     def shadow_for(self, hops: Sequence[RouteNode], candidates: Collection[Candidate],
                    formats: Callable[[], Mapping[str, NumberFormat]] | None = None) -> ShadowHop | None:
-        """A shadow for one hop of ``hops`` after the head, or ``None``: another node holding the same layers (not
-        on the route, not quarantined, not backed off, in the same number format). The tail always may be; a hop
-        before it only where it and the shadow name the same batch-invariant path (:data:`COMPARED_HOPS`).
+        """A shadow for one hop of ``hops``, or ``None``: another node holding the same layers (not on the route,
+        not quarantined, not backed off, in the same number format). The tail always may be; a hop before it,
+        the head included, only where it and the shadow name the same batch-invariant path
+        (:data:`COMPARED_HOPS`). A head's shadow is another head, sent each step's token ids by the head itself
+        (so never one reached only through a relay).
 
         Which one. A shadow whose disagreement with the hop would make a verdict comes first (the hop disagreed
         with a node the candidate agreed with, or the other way round); then one that was never compared with
@@ -178,11 +182,12 @@ class Verifier:
         known = formats() if formats is not None else {}
         against = self._open_disputes(out)
         options: list[tuple[tuple[int, int, int], int, Candidate]] = []
-        for index, hop in enumerate(hops[1:], start=1):
+        for index, hop in enumerate(hops):
             tail = index == len(hops) - 1
             hop_format = known.get(hop.node_id)
             for candidate in candidates:
                 if (candidate.node_id in on_route or candidate.node_id in out or candidate.backoff
+                        or (index == 0 and candidate.relay_addr is not None)  # the head dials its shadow itself
                         or candidate.role == "prefill" or candidate.kv_full or candidate.hop_key is None
                         or candidate.shard_end != hop.shard_end or not candidate.shard_start <= hop.start_layer
                         or not comparable(hop_format, known.get(candidate.node_id), tail)):
