@@ -4,12 +4,14 @@ A tiny Q8_0 GGUF's middle layers (1-2 of 4), held packed, float32 rows: the hidd
 of decode rows are the same bits when each session's steps run alone (``Shard.run_layers``, what the step engine
 runs for a lone step) and when they share turns with other sessions' steps (``Shard.run_ragged``, what it runs
 for a batch: rows with rows, chunks with chunks, rows beside chunks, a session's first step of one token beside
-rows that take the native call). :func:`~services.node.model.rows_exact.rows_exact_path` names the path such a
+rows that take the native call), directly and through the step engine the node's ``/forward`` and
+``/forward/rows`` run steps with. :func:`~services.node.model.rows_exact.rows_exact_path` names the path such a
 shard takes, and names none for float weights or a turn larger than the native kernel takes.
 """
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Final
@@ -17,6 +19,8 @@ from typing import Final
 import pytest
 import torch
 
+from services.node.engine.compute import ComputeWorker, ShardRunner
+from services.node.engine.step_engine import StepResult
 from services.node.model.kv_cache import ShardCache
 from services.node.model.quant import quant_kernel
 from services.node.model.quant.packed import NATIVE_MAX_ROWS
@@ -84,20 +88,52 @@ def test_a_chunk_and_a_row_are_the_same_bits_alone_and_beside_other_sessions_ste
         alone.append([shard.run_layers(frame, cache, cache.seq_len, from_layer=shard.start) for frame in frames])
     caches = [shard.new_cache() for _ in PROMPTS]
     got: dict[tuple[int, int], torch.Tensor] = {}
-    plan = [
-        [(0, 0), (1, 0)],  # two prompt chunks together
-        [(0, 1), (1, 1), (2, 0), (3, 0)],  # rows beside a chunk and a one-token first step
-        [(0, 2), (1, 2), (2, 1), (3, 1)],  # rows only (the native call)
-        [(2, 2), (0, 3)],
-        [(3, 2), (1, 3), (2, 3)],
-        [(3, 3)],
-    ]
-    for turn in plan:
+    for turn in PLAN:
         outs = _turn(shard, caches, [(s, inputs[s][step]) for s, step in turn])
         got.update(zip(turn, outs, strict=True))
     assert len(got) == len(PROMPTS) * (STEPS + 1)
     for (s, step), out in got.items():
         assert torch.equal(out, alone[s][step]), f"session {s}, step {step}"
+
+
+PLAN: Final = (
+    ((0, 0), (1, 0)),  # two prompt chunks together
+    ((0, 1), (1, 1), (2, 0), (3, 0)),  # rows beside a chunk and a one-token first step
+    ((0, 2), (1, 2), (2, 1), (3, 1)),  # rows only (the native call)
+    ((2, 2), (0, 3)),
+    ((3, 2), (1, 3), (2, 3)),
+    ((3, 3),),
+)
+"""Turns of ``(session, step)``: every step of :data:`PROMPTS` sessions, in varied company."""
+
+
+def test_through_the_step_engine_a_step_is_the_same_bits_alone_and_in_a_turn_with_others(
+        served: Served, float32_rows: None) -> None:
+    """The node's own path (``ShardRunner.step``, what ``/forward`` and ``/forward/rows`` call): steps submitted
+    together share a turn (batched), and each one's hidden states equal its session's steps submitted alone."""
+    worker = ComputeWorker(threads=1)
+    try:
+        runner = ShardRunner(_middle(served), worker, max_batch=8, max_step_tokens=64)
+        inputs = _inputs(runner.shard)
+
+        async def run(caches: list[ShardCache], turn: tuple[tuple[int, int], ...]) -> list[StepResult]:
+            return list(await asyncio.gather(*(
+                runner.step(caches[s], position_offset=caches[s].seq_len, from_layer=runner.shard.start,
+                            hidden=inputs[s][step]) for s, step in turn)))
+
+        alone_caches = [runner.new_cache() for _ in PROMPTS]
+        alone = {(s, step): asyncio.run(run(alone_caches, ((s, step),)))[0]
+                 for s in range(len(PROMPTS)) for step in range(STEPS + 1)}
+        caches = [runner.new_cache() for _ in PROMPTS]
+        batched = 0
+        for turn in PLAN:
+            for key, result in zip(turn, asyncio.run(run(caches, turn)), strict=True):
+                assert result.hidden is not None and alone[key].hidden is not None
+                assert torch.equal(result.hidden, alone[key].hidden), f"session {key[0]}, step {key[1]}"
+                batched += result.rows > 1
+        assert batched > 0, "no turn ran its rows batched: the test saw nothing"
+    finally:
+        worker.shutdown()
 
 
 def test_the_path_is_named_for_a_quantized_cpu_shard_and_for_nothing_else(
