@@ -191,10 +191,11 @@ def test_a_registration_that_does_not_say_reads_as_not_batch_invariant() -> None
 
 
 def test_a_decode_row_batched_with_other_company_is_not_the_same_bits(tiny_model_dir: Path) -> None:
-    """Why only the tail is compared: an honest hop and its shadow batch a session's decode row with different
-    other rows, and a float32 row's hidden states then differ in their last bits (so their exact hashes differ),
-    while the token the tail picks from them does not. If the kernels become batch-invariant this fails, and
-    hops before the tail can be compared exactly too."""
+    """Why a float (BLAS) hop before the tail is not compared: an honest hop and its shadow batch a session's
+    decode row with different other rows, and a float32 row's hidden states then differ in their last bits (so
+    their exact hashes differ), while the token the tail picks from them does not. Quantized hops on the native
+    kernel are batch-invariant (``tests/test_rows_exact.py``) and are compared; if the float path became so
+    too, this fails and float hops could register ``rows_exact``."""
     import torch
 
     from meshwire.frames import wire_bytes
