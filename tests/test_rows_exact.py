@@ -1,6 +1,6 @@
 """A quantized hop's output is batch-invariant (issue 37): what lets a spot check compare hidden states exactly.
 
-A tiny Q8_0 GGUF's middle layers (1-2 of 4), held packed, float32 rows: the hidden states of a prompt chunk and
+A tiny Q8_0 GGUF's middle layers (1-2 of 4), held packed, float32 rows and int8 rows: the hidden states of a prompt chunk and
 of decode rows are the same bits when each session's steps run alone (``Shard.run_layers``, what the step engine
 runs for a lone step) and when they share turns with other sessions' steps (``Shard.run_ragged``, what it runs
 for a batch: rows with rows, chunks with chunks, rows beside chunks, a session's first step of one token beside
@@ -12,6 +12,7 @@ shard takes, and names none for float weights or a turn larger than the native k
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Final
@@ -46,12 +47,29 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Served:
     return serve_family("llama", tmp_path_factory.mktemp("llama-q8"), "Q8_0")
 
 
+@contextlib.contextmanager
+def _rows(mode: str) -> Iterator[None]:
+    """The process's quantized products take ``mode`` rows for the block (``--activations``)."""
+    before = quant_kernel.activations()
+    quant_kernel.choose_activations(mode)
+    try:
+        yield
+    finally:
+        quant_kernel.choose_activations(before)
+
+
+@pytest.fixture(params=["float32", "int8"])
+def rows(request: pytest.FixtureRequest) -> Iterator[str]:
+    """Each kind of rows a quantized product may take: float32, and int8 (``--activations auto`` on a CPU with
+    integer dot products)."""
+    with _rows(request.param):
+        yield request.param
+
+
 @pytest.fixture
 def float32_rows() -> Iterator[None]:
-    before = quant_kernel.activations()
-    quant_kernel.choose_activations("float32")
-    yield
-    quant_kernel.choose_activations(before)
+    with _rows("float32"):
+        yield
 
 
 def _middle(served: Served) -> Shard:
@@ -79,7 +97,7 @@ def _turn(shard: Shard, caches: list[ShardCache], frames: list[tuple[int, torch.
 
 
 def test_a_chunk_and_a_row_are_the_same_bits_alone_and_beside_other_sessions_steps(
-        served: Served, float32_rows: None) -> None:
+        served: Served, rows: str) -> None:
     shard = _middle(served)
     inputs = _inputs(shard)
     alone: list[list[torch.Tensor]] = []
@@ -108,7 +126,7 @@ PLAN: Final = (
 
 
 def test_through_the_step_engine_a_step_is_the_same_bits_alone_and_in_a_turn_with_others(
-        served: Served, float32_rows: None) -> None:
+        served: Served, rows: str) -> None:
     """The node's own path (``ShardRunner.step``, what ``/forward`` and ``/forward/rows`` call): steps submitted
     together share a turn (batched), and each one's hidden states equal its session's steps submitted alone."""
     worker = ComputeWorker(threads=1)
