@@ -135,9 +135,9 @@ class NodeRuntime:
         self.placement: PlacementReason = "pinned"
         self.activations: Activations = "float32"
         """The rows this node's quantized products take, as chosen at start (``--activations``)."""
+        """Why this node holds its layers: ``pinned`` (``--layers``, or every layer), or the tracker's reason."""
         self._rows_exact: tuple[Shard, str | None] | None = None
         """The shard whose batch-invariant path was last worked out, and that path (:meth:`rows_exact`)."""
-        """Why this node holds its layers: ``pinned`` (``--layers``, or every layer), or the tracker's reason."""
         self.runner: ShardRunner | None = None
         self.forward: ForwardService | None = None
         self.generator: Generator | None = None
