@@ -25,7 +25,7 @@ from services.tracker.planner import Candidate
 from services.tracker.quarantine import Quarantine
 from services.tracker.registry import RegistryPolicy
 from services.tracker.store import open_store
-from services.tracker.verification import ReportRefused, Verifier
+from services.tracker.verification import NumberFormat, ReportRefused, Verifier
 from tests.procs import TEST_ROUTE_KEY, node_hop_key
 
 NAMES = ("head", "a", "b", "c")
@@ -85,8 +85,9 @@ def test_a_shadow_must_run_the_layers_of_the_hop_it_shadows_and_not_be_on_the_ro
     with pytest.raises(ValidationError, match="already"):
         Route(model="m", nodes=(_node("head", 0, 1), _node("a", 2, 3)), num_layers=4,
               shadow=ShadowHop(hop_index=1, node=_node("a", 2, 3)))
-    with pytest.raises(ValidationError):
-        ShadowHop(hop_index=0, node=_node("b", 0, 1))
+    with pytest.raises(ValidationError, match="must run layers"):  # a head's shadow runs the head's layers
+        Route(model="m", nodes=(_node("head", 0, 1), _node("a", 2, 3)), num_layers=4,
+              shadow=ShadowHop(hop_index=0, node=_node("b", 0, 2)))
 
 
 def test_a_node_finds_itself_as_the_shadow_of_a_hop() -> None:
@@ -106,7 +107,8 @@ def test_the_tracker_names_a_spare_replica_of_the_same_format_as_shadow() -> Non
                   for n, load in (("a", 0), ("b", 3), ("c", 1))]
     shadow = verifier.shadow_for(hops, candidates)
     assert shadow is not None and (shadow.hop_index, shadow.node.node_id) == (1, "c")  # the least loaded other
-    formats = {"a": ("float32", "float"), "b": ("float32", "float"), "c": ("bfloat16", "float")}
+    formats = {"a": NumberFormat("float32", "float", "float32"), "b": NumberFormat("float32", "float", "float32"),
+               "c": NumberFormat("bfloat16", "float", "float32")}
     shadow = verifier.shadow_for(hops, candidates, lambda: formats)
     assert shadow is not None and shadow.node.node_id == "b"  # c computes in another format: never compared
     assert _verifier(rate=0.0).shadow_for(hops, candidates) is None
@@ -132,11 +134,68 @@ def test_only_the_tail_is_shadowed_for_its_tokens_never_a_hop_whose_output_is_hi
         assert shadow is not None and (shadow.hop_index, shadow.node.node_id) == (2, "t2")
 
 
+def test_a_middle_hop_is_shadowed_only_where_it_and_its_replica_name_the_same_batch_invariant_path() -> None:
+    """A hop before the tail outputs hidden states: compared by exact hash only between nodes that register the
+    same ``rows_exact`` path (quantized products on the native kernel); a float (BLAS) replica, one on another
+    path, or one that says nothing (an older node) is never its shadow. The tail stays compared as before."""
+    verifier = _verifier(rate=1.0)
+    hops = (_node("head", 0, 1), _node("a", 2, 2), _node("t", 3, 3))
+    middle = [Candidate(node_id=n, endpoint=f"http://127.0.0.1:1/{n}", shard_start=2, shard_end=2,
+                        hop_key=node_hop_key(n).public_text) for n in ("b", "c", "d")]
+    exact = "float32-avx512/native/kv-float32"
+    formats = {"a": NumberFormat("float32", "int8", "float32", exact),
+               "b": NumberFormat("float32", "int8", "float32", exact),
+               "c": NumberFormat("float32", "int8", "float32", "float32-avx2/torch/kv-float32"),
+               "d": NumberFormat("float32", "int8", "float32", None), "t": NumberFormat("float32", "int8", "float32")}
+    for _ in range(10):
+        shadow = verifier.shadow_for(hops, middle, lambda: formats)
+        assert shadow is not None and (shadow.hop_index, shadow.node.node_id) == (1, "b")
+    blas = {**formats, "a": NumberFormat("float32", "int8", "float32", None)}
+    assert verifier.shadow_for(hops, middle, lambda: blas) is None  # the hop itself is not shown invariant
+    tails = [Candidate(node_id="t2", endpoint="http://127.0.0.1:1/t2", shard_start=3, shard_end=3,
+                       hop_key=node_hop_key("t2").public_text)]
+    with_tail = {**blas, "t2": NumberFormat("float32", "int8", "float32")}
+    shadow = verifier.shadow_for(hops, [*middle, *tails], lambda: with_tail)
+    assert shadow is not None and (shadow.hop_index, shadow.node.node_id) == (2, "t2")
+
+
+def test_the_head_is_shadowed_by_another_head_on_its_path_never_one_behind_a_relay() -> None:
+    """The head's hidden states are compared like a middle hop's: only between heads naming the same
+    batch-invariant path, and its shadow must be one the head can dial (not behind a relay)."""
+    verifier = _verifier(rate=1.0)
+    hops = (_node("head", 0, 1), _node("a", 2, 3))
+    exact = NumberFormat("float32", "int8", "float32", "int8/native/kv-float32")
+    heads = [Candidate(node_id=n, endpoint=f"http://127.0.0.1:1/{n}", shard_start=0, shard_end=1,
+                       hop_key=node_hop_key(n).public_text, relay_addr=relay) for n, relay in (("h2", None),)]
+    shadow = verifier.shadow_for(hops, heads, lambda: {"head": exact, "h2": exact, "a": exact})
+    assert shadow is not None and (shadow.hop_index, shadow.node.node_id, shadow.node.start_layer) == (0, "h2", 0)
+    floats = NumberFormat("float32", "float", "float32")
+    assert verifier.shadow_for(hops, heads, lambda: {"head": floats, "h2": floats, "a": floats}) is None
+    assert verifier.shadow_for(hops, heads) is None  # formats unknown: tails only
+    relayed = [Candidate(node_id="h3", endpoint="http://127.0.0.1:1/h3", shard_start=0, shard_end=1,
+                         hop_key=node_hop_key("h3").public_text, relay_addr="relay:1")]
+    assert verifier.shadow_for(hops, relayed, lambda: {"head": exact, "h3": exact, "a": exact}) is None
+
+
+def test_a_registration_that_does_not_say_reads_as_not_batch_invariant() -> None:
+    """An older node's registration (no ``rows_exact``) still parses, as not exact; a path name is checked."""
+    from meshwire.registry import NodeRegistration
+
+    base = {"node_id": "n", "model": "m", "endpoint": "http://127.0.0.1:9", "shard_start": 0, "shard_end": 1}
+    assert NodeRegistration.model_validate(base).rows_exact is None
+    path = "float32-avx512/native/kv-float32"
+    assert NodeRegistration.model_validate({**base, "rows_exact": path}).rows_exact == path
+    for bad in ("", "Float32 avx", "x" * 65):
+        with pytest.raises(ValidationError):
+            NodeRegistration.model_validate({**base, "rows_exact": bad})
+
+
 def test_a_decode_row_batched_with_other_company_is_not_the_same_bits(tiny_model_dir: Path) -> None:
-    """Why only the tail is compared: an honest hop and its shadow batch a session's decode row with different
-    other rows, and a float32 row's hidden states then differ in their last bits (so their exact hashes differ),
-    while the token the tail picks from them does not. If the kernels become batch-invariant this fails, and
-    hops before the tail can be compared exactly too."""
+    """Why a float (BLAS) hop before the tail is not compared: an honest hop and its shadow batch a session's
+    decode row with different other rows, and a float32 row's hidden states then differ in their last bits (so
+    their exact hashes differ), while the token the tail picks from them does not. Quantized hops on the native
+    kernel are batch-invariant (``tests/test_rows_exact.py``) and are compared; if the float path became so
+    too, this fails and float hops could register ``rows_exact``."""
     import torch
 
     from meshwire.frames import wire_bytes
@@ -342,7 +401,7 @@ def test_replicas_whose_quantized_products_take_other_rows_are_never_each_others
     hops = (_node("head", 0, 1), _node("a", 2, 3))
     candidates = [Candidate(node_id=n, endpoint=f"http://127.0.0.1:1/{n}", shard_start=2, shard_end=3,
                             hop_key=node_hop_key(n).public_text) for n in ("a", "b")]
-    int8, float32 = ("float32", "int4", "int8"), ("float32", "int4", "float32")
+    int8, float32 = NumberFormat("float32", "int4", "int8"), NumberFormat("float32", "int4", "float32")
     assert verifier.shadow_for(hops, candidates, lambda: {"a": int8, "b": float32}) is None
     shadow = verifier.shadow_for(hops, candidates, lambda: {"a": int8, "b": int8})
     assert shadow is not None and shadow.node.node_id == "b"

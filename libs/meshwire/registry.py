@@ -55,6 +55,9 @@ MAX_MEMORY_BYTES: Final = 1 << 50
 WeightsFormat = Literal["float", "int8", "int4"]
 """How a node holds its weights (``meshnet node --weights``)."""
 Activations = Literal["float32", "int8"]
+MAX_ROWS_EXACT_CHARS: Final = 64
+RowsExactPath = Annotated[str, Field(min_length=1, max_length=MAX_ROWS_EXACT_CHARS, pattern=r"^[a-z0-9][a-z0-9/._-]*$")]
+"""A batch-invariant arithmetic path's name (``NodeRegistration.rows_exact``)."""
 """The rows a node's quantized products take (``meshnet node --activations``, resolved at start)."""
 NodeRole = Literal["prefill", "decode", "both"]
 """What a node serves (``meshnet node --role``): prompts handed off to decode nodes (``prefill``),
@@ -144,6 +147,12 @@ class NodeRegistration(BaseModel):
     activations: Activations | None = None
     """The rows its quantized products take: ``int8`` rows compute other bits than ``float32`` rows, so a spot
     check compares only nodes alike in this too; ``None`` when it does not say."""
+    rows_exact: RowsExactPath | None = None
+    """The arithmetic path on which the node's hop output for a row is the same bits alone or batched with any
+    other sessions' rows (its quantized products on meshnet's native CPU kernel, e.g. ``int8/native/kv-float32``);
+    ``None``: not shown batch-invariant (torch's BLAS float products, a GPU), or an older node that does not say.
+    A spot check compares a hop's hidden states with a replica's by exact hash only where both name the same
+    path; a tail is compared on its tokens whatever it says (issue 37)."""
     weight_bytes: int = Field(default=0, ge=0, le=MAX_MEMORY_BYTES)
     """Bytes the node's weights take in memory (packed where quantized; a tied matrix counted once)."""
     kv_bytes: int = Field(default=0, ge=0, le=MAX_MEMORY_BYTES)

@@ -105,9 +105,8 @@ class ShadowHop(BaseModel):
 
     model_config = STRICT_MODEL
 
-    hop_index: Annotated[int, Field(ge=1, lt=limits.MAX_ROUTE_HOPS)]
-    """The hop it shadows (never the head: the head's input is the request itself, with no previous hop to send
-    it twice)."""
+    hop_index: Annotated[int, Field(ge=0, lt=limits.MAX_ROUTE_HOPS)]
+    """The hop it shadows. The head (0) has no hop before it: it sends its shadow each step's token ids itself."""
     node: RouteNode
     """The shadow node, with the same ``start_layer`` and ``shard_end`` as the hop it shadows."""
 

@@ -61,6 +61,7 @@ from services.node.model.model_source import resolve_model
 from services.node.model.quant.packed import QUANTIZED_DTYPE
 from services.node.model.quant.quant_kernel import choose_activations
 from services.node.model.quant.quant_load import resolve_format
+from services.node.model.rows_exact import rows_exact_path
 from services.node.model.shard import Shard
 from services.node.model.shard_load import load_shard
 from services.node.pd.handoff_limits import HandoffLimits
@@ -135,6 +136,8 @@ class NodeRuntime:
         self.activations: Activations = "float32"
         """The rows this node's quantized products take, as chosen at start (``--activations``)."""
         """Why this node holds its layers: ``pinned`` (``--layers``, or every layer), or the tracker's reason."""
+        self._rows_exact: tuple[Shard, str | None] | None = None
+        """The shard whose batch-invariant path was last worked out, and that path (:meth:`rows_exact`)."""
         self.runner: ShardRunner | None = None
         self.forward: ForwardService | None = None
         self.generator: Generator | None = None
@@ -244,7 +247,8 @@ class NodeRuntime:
         stepper = RouteStepper(node_id=self.node_id, runner=runner, sessions=self.sessions,
                                sender=RowSender(self.hops, max_rows=s.max_batch), metrics=self.metrics,
                                wire_dtype=s.wire_dtype, faults=FaultInjector(s.fault, self.metrics),
-                               receipt_sink=self.receipt_reporter.take if s.receipts else None, receipts=s.receipts)
+                               receipt_sink=self.receipt_reporter.take if s.receipts else None, receipts=s.receipts,
+                               hop_key=self.hop_key if shard.is_head else None)
         if s.fault is not None and s.fault.kind == "wrong-token" and not shard.is_tail:
             logger.warning("--fault %s: this node is not a tail, so it answers no tokens to change", s.fault)
         forward = ForwardService(node_id=self.node_id, model_id=self.model_id, auth=self.hop_auth,
@@ -405,6 +409,16 @@ class NodeRuntime:
         self._tasks.append(asyncio.create_task(peer.run(), name="relay-peer"))
         logger.info("reachable through the relay at %s", self.relay_addr)
 
+    def rows_exact(self) -> str | None:
+        """The batch-invariant path this node's hop output takes, or ``None``
+        (:func:`~services.node.model.rows_exact.rows_exact_path`); worked out once per loaded shard."""
+        assert self.shard is not None
+        if self._rows_exact is None or self._rows_exact[0] is not self.shard:
+            s = self.settings
+            turn = max(s.max_step_tokens, s.prefill_chunk_tokens) + s.max_batch
+            self._rows_exact = (self.shard, rows_exact_path(self.shard, self.activations, turn))
+        return self._rows_exact[1]
+
     def registration(self) -> NodeRegistration:
         """This node's registration body, with its load figures as of now."""
         assert self.shard is not None and self.runner is not None
@@ -417,6 +431,7 @@ class NodeRuntime:
             weights=self.shard.weights_format, activations=self.activations, weight_bytes=self.shard.weight_bytes(),
             kv_bytes=self.sessions.cache_bytes(), hop_key=self.hop_key.public_text, role=self.settings.role,
             pd_rank=None if self.membership is None else self.membership.pd_rank, placement=self.placement,
+            rows_exact=self.rows_exact(),
         )
 
     # --- stop -------------------------------------------------------------------------

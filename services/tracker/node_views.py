@@ -33,6 +33,9 @@ class NodeInfo(BaseModel):
     """How the node holds its weights (``float``, ``int8``, ``int4``), as it registered."""
     activations: Activations | None = None
     """The rows its quantized products take (``float32``, ``int8``), as it registered."""
+    rows_exact: str | None = None
+    """The batch-invariant path its hop output takes, as it registered (``None``: not shown invariant): a spot
+    check compares it before the tail only with a replica naming the same one."""
     weight_bytes: int = 0
     """Bytes its weights take in memory."""
     kv_bytes: int = 0

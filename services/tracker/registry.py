@@ -468,7 +468,8 @@ class Registry:
         return NodeInfo(
             node_id=reg.node_id, model=reg.model, endpoint=reg.endpoint, shard_start=reg.shard_start,
             shard_end=reg.shard_end, num_layers=reg.num_layers, relay_addr=reg.relay_addr, dtype=reg.dtype,
-            device=reg.device, weights=reg.weights, activations=reg.activations, weight_bytes=reg.weight_bytes, kv_bytes=reg.kv_bytes,
+            device=reg.device, weights=reg.weights, activations=reg.activations, rows_exact=reg.rows_exact,
+            weight_bytes=reg.weight_bytes, kv_bytes=reg.kv_bytes,
             state=state, routable=state != "offline" and agreed, num_layers_agreed=agreed,
             active_sessions=reg.active_sessions,
             inflight_requests=entry.inflight, kv_free_tokens=reg.kv_free_tokens,

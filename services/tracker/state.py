@@ -39,7 +39,7 @@ from .revocations import Revocations
 from .settings import TrackerSettings
 from .store import NodeStore, open_store
 from .trust import NoSigningKey, TrackerTrust
-from .verification import Verifier
+from .verification import NumberFormat, Verifier
 
 logger = logging.getLogger(__name__)
 
@@ -167,10 +167,11 @@ class TrackerState:
             raise store_unavailable(str(exc), self.settings.heartbeat_s) from None
         return issue_signed_route(route, key, ttl_s=self.settings.route_ttl_s, now=time.time())
 
-    def _formats(self) -> dict[str, tuple[object, ...]]:
-        """Each node's number format (dtype, weights, activations): a shadow is compared bit for bit, so it must
-        match (int8 rows and float32 rows of one quantized layer compute different bits)."""
-        return {node.node_id: (node.dtype, node.weights, node.activations or "float32")
+    def _formats(self) -> dict[str, NumberFormat]:
+        """Each node's number format (dtype, weights, activations, batch-invariant path): a shadow is compared bit
+        for bit, so it must match (int8 rows and float32 rows of one quantized layer compute different bits), and a
+        hop before the tail is compared only where both name the same batch-invariant path."""
+        return {node.node_id: NumberFormat(node.dtype, node.weights, node.activations or "float32", node.rows_exact)
                 for node in self.registry.snapshot(self.now())}
 
     def prefill_route_for(self, model: str) -> SignedRoute | None:

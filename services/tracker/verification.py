@@ -3,7 +3,9 @@
 How a step is checked. For a sampled fraction (``MESHNET_VERIFY_RATE``) of the
 routes it plans, the tracker names a *shadow* in the signed route
 (:class:`meshwire.routes.ShadowHop`): another node holding the same layers as
-the route's tail (only the tail: :data:`COMPARED_HOPS`). The hop before it
+one hop: the route's tail, or a hop before it (the head included) whose output and
+the shadow's are batch-invariant on the same path (:data:`COMPARED_HOPS`). The hop before it
+(for the head's shadow, the head itself, with the step's token ids)
 sends every frame of the session to both; the shadow runs them in its own
 session (it holds the same KV state, having seen the same frames) and answers
 only its receipt. Both receipts come back to the head with the step's answer,
@@ -12,7 +14,9 @@ route, session, hop, step and positions, with the same input hash, are compared
 by their output hash: at a tail that is the tokens answered (greedy: the argmax;
 seeded: the same draw), which honest replicas agree on whatever company their
 rows were batched with (but for a pick so near a tie that the batch's rounding
-flips it), so sampling is checked too.
+flips it), so sampling is checked too; at a hop before the tail it is the hidden
+states sent on, which two honest replicas on one batch-invariant path compute
+to the same bits whatever their batches held.
 
 Who is wrong. A disagreement between two nodes says one of them is wrong, not
 which. A node is quarantined (:mod:`.quarantine`) when it disagreed with two
@@ -32,7 +36,7 @@ import itertools
 import logging
 import random
 from collections import OrderedDict, deque
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Final
 
@@ -65,13 +69,36 @@ MAX_PAIRS: Final = 4096
 """Most node pairs remembered as having agreed; most disputes remembered."""
 MAX_REPORT_RECEIPTS: Final = 256
 """Most receipts one report may carry."""
-COMPARED_HOPS: Final = "tail"
-"""Which hop a shadow checks: the tail, whose output is the tokens it answered. A hop before it outputs hidden
-states, and a float32 decode row batched with others is not the same bits as alone or in another batch (the
-rounding of a B-row product, a few units in the last place: ``tests/test_batched_rows.py``); a hop and its shadow
-batch a session's row with different company, so their exact hashes differ for honest nodes, and three honest
-replicas would soon show one of them "wrong" by majority. Those hops are compared once outputs are compared
-within a measured bound (issue 37, point 2), not before."""
+COMPARED_HOPS: Final = "tail, and hops whose output is batch-invariant"
+"""Which hops a shadow checks. The tail, whose output is the tokens it answered, always. A hop before it outputs
+hidden states, which a float32 row computed through torch's BLAS does not give the same bits alone and beside
+other rows (the rounding of a B-row product, a few units in the last place: ``tests/test_batched_rows.py``); a hop
+and its shadow batch a session's row with different company, so their exact hashes differ for honest nodes, and
+three honest replicas would soon show one of them "wrong" by majority. Such a hop is compared only where it and
+its shadow both register the same batch-invariant path (``rows_exact``: every product on meshnet's native
+quantized CPU kernel, :mod:`services.node.model.rows_exact`), on which a row's output is the same bits whatever
+rides with it. The head too: no hop before it sends it frames, so it sends its shadow (another head) each step's
+token ids itself and signs a receipt of its own step (input: that frame; output: the hidden states it sent on)."""
+
+
+@dataclass(frozen=True)
+class NumberFormat:
+    """How a node computes, as far as an exact comparison cares: two nodes are compared only where these agree."""
+
+    dtype: object
+    weights: object
+    activations: object
+    rows_exact: str | None = None
+    """The batch-invariant path its hop output takes (``NodeRegistration.rows_exact``), or ``None``."""
+
+
+def comparable(hop: NumberFormat | None, shadow: NumberFormat | None, tail: bool) -> bool:
+    """Whether a hop and a would-be shadow of it can be compared by exact hash: the same dtype, weights and
+    activations; and, unless the hop is the tail (compared on its tokens), the same batch-invariant path."""
+    if hop is None or shadow is None:
+        return hop is None and shadow is None and tail  # an unknown format: the tail only, as before
+    same = (hop.dtype, hop.weights, hop.activations) == (shadow.dtype, shadow.weights, shadow.activations)
+    return same and (tail or (hop.rows_exact is not None and hop.rows_exact == shadow.rows_exact))
 
 
 class ReportRefused(ValueError):
@@ -127,15 +154,19 @@ class Verifier:
     # --- planning ---------------------------------------------------------------------------
 
     def shadow_for(self, hops: Sequence[RouteNode], candidates: Collection[Candidate],
-                   formats: Callable[[], dict[str, tuple[object, ...]]] | None = None) -> ShadowHop | None:
-        """A shadow for the tail of ``hops``, or ``None``: another node holding the same layers (not on the route,
-        not quarantined, not backed off, in the same number format). Only the tail (:data:`COMPARED_HOPS`).
+                   formats: Callable[[], Mapping[str, NumberFormat]] | None = None) -> ShadowHop | None:
+        """A shadow for one hop of ``hops``, or ``None``: another node holding the same layers (not on the route,
+        not quarantined, not backed off, in the same number format). The tail always may be; a hop before it,
+        the head included, only where it and the shadow name the same batch-invariant path
+        (:data:`COMPARED_HOPS`). A head's shadow is another head, sent each step's token ids by the head itself
+        (so never one reached only through a relay).
 
         Which one. A shadow whose disagreement with the hop would make a verdict comes first (the hop disagreed
         with a node the candidate agreed with, or the other way round); then one that was never compared with
         the hop while either is in an unresolved dispute (a comparison a verdict may still need); then the least
-        loaded, at random among equals. Load alone would pick the same idle replica again and again, so a wrong
-        node would meet only one other replica and its disputes would never make a majority.
+        loaded, at random among equals (hops and replicas alike). Load alone would pick the same idle replica
+        again and again, so a wrong node would meet only one other replica and its disputes would never make a
+        majority.
 
         When. A route is shadowed at :attr:`rate`, and also, whatever the draw, when it can make one of those
         comparisons a dispute still needs with a pair never compared (bounded: once per pair of nodes, until it
@@ -150,26 +181,30 @@ class Verifier:
         out = self.quarantine.ids()
         known = formats() if formats is not None else {}
         against = self._open_disputes(out)
-        tail = hops[-1]  # the tail only: see COMPARED_HOPS
-        options: list[tuple[tuple[int, int, int], Candidate]] = []
-        for candidate in candidates:
-            if (candidate.node_id in on_route or candidate.node_id in out or candidate.backoff
-                    or candidate.role == "prefill" or candidate.kv_full or candidate.hop_key is None
-                    or candidate.shard_end != tail.shard_end or not candidate.shard_start <= tail.start_layer
-                    or known.get(candidate.node_id) != known.get(tail.node_id)):
-                continue
-            decisive, wanted = self._worth(tail.node_id, candidate.node_id, against)
-            options.append(((-decisive, -wanted, candidate.active_sessions), candidate))
+        options: list[tuple[tuple[int, int, int], int, Candidate]] = []
+        for index, hop in enumerate(hops):
+            tail = index == len(hops) - 1
+            hop_format = known.get(hop.node_id)
+            for candidate in candidates:
+                if (candidate.node_id in on_route or candidate.node_id in out or candidate.backoff
+                        or (index == 0 and candidate.relay_addr is not None)  # the head dials its shadow itself
+                        or candidate.role == "prefill" or candidate.kv_full or candidate.hop_key is None
+                        or candidate.shard_end != hop.shard_end or not candidate.shard_start <= hop.start_layer
+                        or not comparable(hop_format, known.get(candidate.node_id), tail)):
+                    continue
+                decisive, wanted = self._worth(hop.node_id, candidate.node_id, against)
+                options.append(((-decisive, -wanted, candidate.active_sessions), index, candidate))
         if not options:
             return None
-        best = min(rank for rank, _ in options)
+        best = min(rank for rank, _, _ in options)
         if not drawn and best[1] == 0:  # no comparison a dispute needs: the draw decides, and it said no
             return None
-        chosen = self._rng.choice([candidate for rank, candidate in options if rank == best])
+        index, chosen = self._rng.choice([(index, candidate) for rank, index, candidate in options if rank == best])
+        hop = hops[index]
         self.shadowed.inc()
-        return ShadowHop(hop_index=len(hops) - 1, node=RouteNode(
+        return ShadowHop(hop_index=index, node=RouteNode(
             node_id=chosen.node_id, endpoint=chosen.endpoint, shard_start=chosen.shard_start,
-            shard_end=chosen.shard_end, start_layer=tail.start_layer, relay_addr=chosen.relay_addr,
+            shard_end=chosen.shard_end, start_layer=hop.start_layer, relay_addr=chosen.relay_addr,
             hop_key=chosen.hop_key))
 
     def _open_disputes(self, out: frozenset[str]) -> dict[str, set[str]]:

@@ -289,10 +289,21 @@ class ForwardService:
         """The frame's body, read within the bound its headers give, the one its proof signed, decoded; with the
         body's SHA-256 (this hop's input, as its receipt binds it)."""
         shard = self._runner.shard
-        if hop.hop_index == 0:
-            raise FrameError("bad_header", f"{h.HOP_INDEX} 0 is the head, which takes tokens through the chat API, "
-                                           "not hidden states")
         spec = request.spec
+        if hop.hop_index == 0:
+            if not hop.shadow:
+                raise FrameError("bad_header", f"{h.HOP_INDEX} 0 is the head, which takes tokens through the chat "
+                                               "API, not hidden states")
+            if spec.shape[2] != 1 or spec.dtype != "float32":  # the head's shadow: the step's token ids
+                raise FrameError("bad_shape", f"a head's shadow takes token ids, shape [1, n, 1] float32, not "
+                                              f"{list(spec.shape)} {spec.dtype}")
+            body = await read_body(body_bound(spec))
+            credential.check_body(body)
+            frame = decode_frame_body(spec, headers, body)
+            values = frame.tensor.reshape(-1)
+            if not bool(((values >= 0) & (values < shard.vocab_size) & (values == values.round())).all()):
+                raise FrameError("bad_shape", "a head's shadow takes token ids of this model's vocabulary")
+            return frame, sha256_hex(body)
         if spec.shape[2] != shard.hidden_size:
             raise FrameError("bad_shape", f"frame shape {list(spec.shape)} is not [1, n, {shard.hidden_size}] "
                                           "(this model's hidden size)")
@@ -342,8 +353,10 @@ class ForwardService:
         onward = None if nxt is None else Onward(nxt, info.for_next_hop(nxt.start_layer), frame.chunk_index,
                                                  frame.chunk_total, hop.next_shadow)
         try:
+            ids = None if hop.hop_index != 0 else [int(v) for v in frame.tensor.reshape(-1).tolist()]
             return await self._stepper.run(session, position_offset=info.position_offset,
-                                           from_layer=info.start_layer, tokens=tokens, hidden=frame.tensor,
+                                           from_layer=info.start_layer, tokens=tokens, ids=ids,
+                                           hidden=None if ids is not None else frame.tensor,
                                            sampler=sampler, onward=onward, score=info.score, draft=info.draft)
         except SessionRefused as exc:  # nothing was run: the session stays as it was
             raise ForwardRefusal(503, exc.code, str(exc), exc.retry_after_s) from None

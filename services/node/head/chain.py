@@ -227,7 +227,7 @@ class SessionChain:
             position_offset=offset, reserve=self._reserve if self._step == 0 else None,
             sampling=self._sampling_json if samples else None, sample_draws=sample_draws, sample_ids=sample_ids,
             score=score, hold=self._hold, draft=draft, handoff=handoff, fork=fork), chunk_index, chunk_total,
-            self.hop.next_shadow)
+            self.hop.next_shadow, self.hop.route.shadow_of(0))
 
     def _picked(self, answer: StepDone, samples: bool) -> Pick | None:
         if samples and answer.token is None:

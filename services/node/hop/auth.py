@@ -206,8 +206,11 @@ class HopAuth:
     @staticmethod
     def _sender(hop: RoutedHop, signer: str, closing: bool) -> RouteNode:
         if hop.hop_index == 0:
-            raise HopRefused(403, "bad_proof", "hop 0 has no previous hop to send it frames")
-        previous = hop.route.nodes[hop.hop_index - 1]
+            if not hop.shadow:
+                raise HopRefused(403, "bad_proof", "hop 0 has no previous hop to send it frames")
+            previous = hop.route.head  # a head's shadow is sent the step's token ids by the head itself
+        else:
+            previous = hop.route.nodes[hop.hop_index - 1]
         if closing and previous.node_id != signer and hop.route.head.node_id == signer:
             previous = hop.route.head
         if previous.node_id != signer:
@@ -227,7 +230,7 @@ class HopAuth:
         if credential.claim is None:
             return credential
         try:
-            index = parse_int_header(h.HOP_INDEX, get_header(headers, h.HOP_INDEX), minimum=1,
+            index = parse_int_header(h.HOP_INDEX, get_header(headers, h.HOP_INDEX), minimum=0,
                                      maximum=MAX_ROUTE_HOPS - 1)
         except FrameError as exc:
             raise HopRefused(403, "bad_route", f"a batch names the route of one of its rows in {h.ROUTE} and "

@@ -39,7 +39,8 @@ import torch
 from meshwire import headers as h
 from meshwire.forward_step import ForwardAnswer, Scoring, StepInfo
 from meshwire.frames import Encoding, encode_frame, wire_bytes
-from meshwire.receipts import MAX_CHAIN_RECEIPTS, answer_digest, sha256_hex
+from meshwire.receipts import MAX_CHAIN_RECEIPTS, answer_digest, make_receipt, sha256_hex
+from meshwire.route_keys import SigningKey
 from meshwire.routes import RouteNode
 from meshwire.sampling_params import TokenLogprobs
 from services.node.engine.compute import ShardRunner
@@ -71,6 +72,9 @@ class Onward:
     chunk_total: int = 1
     shadow: RouteNode | None = None
     """The next hop's shadow (a verifier the route names, issue 37): sent the same frame, its receipt kept."""
+    head_shadow: RouteNode | None = None
+    """At the head: the head's own shadow (another head the route names): sent the step's token ids as a frame,
+    and the head signs a receipt of its own step to compare with the shadow's."""
 
 
 @dataclass(frozen=True)
@@ -106,8 +110,11 @@ class RouteStepper:
 
     def __init__(self, *, node_id: str, runner: ShardRunner, sessions: SessionTable, sender: RowSender,
                  metrics: NodeMetrics, wire_dtype: WireDType = "native", faults: FaultInjector | None = None,
-                 receipt_sink: ReceiptSink | None = None, receipts: bool = True) -> None:
+                 receipt_sink: ReceiptSink | None = None, receipts: bool = True,
+                 hop_key: SigningKey | None = None) -> None:
         self.node_id = node_id
+        self._hop_key = hop_key
+        """Signs the head's own receipt of a step its route shadows (``None``: the head signs none)."""
         self._runner = runner
         self._sessions = sessions
         self._sender = sender
@@ -138,6 +145,24 @@ class RouteStepper:
         only: the rows of rejected drafts are dropped as the answer passes back.
         """
         self._sessions.ensure_room(session, position_offset + tokens)
+        own: tuple[str, asyncio.Task[tuple[str, ...]]] | None = None
+        if ids is not None and onward is not None and onward.head_shadow is not None and self._receipts \
+                and self._hop_key is not None:  # the head's shadow runs the same ids while the head does
+            ids_headers, ids_body = _ids_frame(session.session_id, ids, onward)
+            own = (sha256_hex(ids_body), asyncio.get_running_loop().create_task(
+                self._shadow(onward.head_shadow, ids_headers, ids_body)))
+        try:
+            return await self._run(session, position_offset=position_offset, from_layer=from_layer, tokens=tokens,
+                                   ids=ids, hidden=hidden, sampler=sampler, onward=onward, score=score, draft=draft,
+                                   own=own)
+        finally:
+            if own is not None and not own[1].done():
+                own[1].cancel()
+
+    async def _run(self, session: Session, *, position_offset: int, from_layer: int, tokens: int,
+                   ids: Sequence[int] | None, hidden: torch.Tensor | None, sampler: Sampler | None,
+                   onward: Onward | None, score: Scoring | None, draft: tuple[int, ...] | None,
+                   own: tuple[str, asyncio.Task[tuple[str, ...]]] | None) -> StepDone:
         if onward is None and hidden is not None:  # a tail sends no hidden states on: its layers compute wrong
             hidden = self._faults.hidden(position_offset, hidden)
         result = await self._runner.step(session.cache, position_offset=position_offset, from_layer=from_layer,
@@ -192,6 +217,12 @@ class RouteStepper:
         if run is not None:
             self._keep(session, position_offset, len(run))
         receipts = (*(answer.receipts or ()), *((await shadowed) if shadowed is not None else ()))
+        if own is not None and sent is not None and self._hop_key is not None:  # the head's receipt, its shadow's
+            mine = make_receipt(self._hop_key, route_token=onward.info.route_token, session=session.session_id,
+                                node_id=self.node_id, hop_index=0, step=onward.info.step,
+                                position_offset=position_offset, positions=tokens, input_sha256=own[0],
+                                output_sha256=sent).encode()
+            receipts = (mine, *(await own[1]), *receipts)
         if ids is not None and receipts and self._receipt_sink is not None:  # the head: the step's whole chain
             self._receipt_sink(onward.info.route_token, receipts)
         return StepDone(answer.token, {**timings, **answer.node_timings_ms}, answer.logprobs, answer.scored,
@@ -252,6 +283,17 @@ class RouteStepper:
             logger.info("shadow %s did not answer a frame: %s", node.node_id, exc)
             return ()
         return tuple(answer.receipts or ())[:1]
+
+
+def _ids_frame(session_id: str, ids: Sequence[int], onward: Onward) -> tuple[dict[str, str], bytes]:
+    """The frame a head sends its shadow: the step's token ids (as float32 values of shape ``[1, n, 1]``, exact
+    below 2**24), addressed to hop 0, with what only the head's layers use of the step's headers."""
+    info = dataclasses.replace(onward.info, hop_index=0, start_layer=0, sampling=None, sample_draws=None,
+                               sample_ids=None, score=None, hold=None, handoff=None, fork=None)
+    tensor = torch.tensor(list(ids), dtype=torch.float32).view(1, -1, 1)
+    return encode_frame(tensor, session=session_id, chunk_index=onward.chunk_index, chunk_total=onward.chunk_total,
+                        encoding="identity", wire_version=info.wire_version,
+                        extra={**info.headers(), h.RECEIPTS: RECEIPT_CHAIN})
 
 
 def _address(node: RouteNode) -> str:

@@ -32,8 +32,10 @@ the LM head of the default model, 2 threads: one row 18.5 -> 6.7 ms, eight
 rows 27.3 -> 16.9 ms). Each cache layer is given room for the row first and
 counts it after the call returns (:meth:`GrowingLayer.make_room` and
 :meth:`~services.node.model.kv_cache.GrowingLayer.advance`), so a call that fails
-leaves every cache as it was. Prompt chunks, and rows beside them in a
-ragged turn, keep the layer-by-layer path.
+leaves every cache as it was. Prompt chunks keep the layer-by-layer path;
+rows beside them in a ragged turn still take the native call, apart from the
+chunks, so a row's output is the same bits whatever shares its turn
+(:meth:`LeanDecoder._run_apart`).
 
 Only layers whose structure is known are taken: a Llama-style decoder layer
 (Llama, Mistral, Qwen2, SmolLM) with RMS norms, ``q/k/v/o_proj`` and no
@@ -44,6 +46,7 @@ runs through transformers' own layers, batched rows too (:mod:`services.node.mod
 
 from __future__ import annotations
 
+import itertools
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -171,10 +174,50 @@ class LeanDecoder:
         if hidden.ndim != 3 or hidden.shape[0] != 1 or hidden.shape[1] != total or min(n for _, n in segments) < 1:
             raise ValueError(f"ragged positions must be [1, T, hidden] with T the sum of the segments "
                              f"{[n for _, n in segments]}, got {list(hidden.shape)}")
-        if self.fused and all(n == 1 for _, n in segments):
-            out = self._run_fused(hidden, cos, sin, [cache for cache, _ in segments], first, last)
-            if out is not None:
-                return out
+        if self.fused:
+            rows = [index for index, (cache, n) in enumerate(segments) if n == 1 and _fusable(cache, first, last)]
+            if len(rows) == len(segments):
+                out = self._run_fused(hidden, cos, sin, [cache for cache, _ in segments], first, last)
+                if out is not None:
+                    return out
+            elif rows:
+                out = self._run_apart(hidden, cos, sin, segments, rows, first, last)
+                if out is not None:
+                    return out
+        return self._run_layers(hidden, cos, sin, segments, first, last)
+
+    def _run_apart(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                   segments: Sequence[tuple[Cache, int]], rows: Sequence[int], first: int,
+                   last: int) -> torch.Tensor | None:
+        """A turn mixing decode rows with prompt chunks (or with rows the native call cannot take): the rows in
+        one native call, the rest layer by layer, each position's output put back in its place; ``None``
+        (nothing changed) where the native call cannot take the rows.
+
+        Why apart: the native call and the layer-by-layer path round differently (``tests/test_decode_rows.py``),
+        so a row run in the ragged pass beside a chunk would not be the bits it is alone or beside other rows.
+        Kept apart, a row's output is the same whatever shares its turn, which is what lets a spot check
+        compare two replicas' hidden states by exact hash (:func:`services.node.model.rows_exact.rows_exact_path`).
+        It costs a second pass over the weights in such a turn (one decode step's worth beside the chunk's)."""
+        starts = list(itertools.accumulate((n for _, n in segments), initial=0))
+        row_set = set(rows)
+        row_at = torch.tensor([starts[index] for index in rows])
+        rest_at = torch.tensor([at for index in range(len(segments)) if index not in row_set
+                                for at in range(starts[index], starts[index + 1])])
+        fused = self._run_fused(hidden[:, row_at], cos[:, row_at], sin[:, row_at],
+                                [segments[index][0] for index in rows], first, last)
+        if fused is None:
+            return None
+        rest = self._run_layers(hidden[:, rest_at], cos[:, rest_at], sin[:, rest_at],
+                                [segment for index, segment in enumerate(segments) if index not in row_set],
+                                first, last)
+        out = torch.empty_like(hidden)
+        out[:, row_at] = fused.to(out.dtype)
+        out[:, rest_at] = rest
+        return out
+
+    def _run_layers(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                    segments: Sequence[tuple[Cache, int]], first: int, last: int) -> torch.Tensor:
+        """Layers ``first..last`` one at a time through torch (the packed products through their kernel)."""
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
         for index in range(first, last + 1):
             hidden = self._layer(index, hidden, cos, sin, segments)
@@ -256,6 +299,13 @@ class LeanDecoder:
         gate, up = _product(_rms_norm(x, w.post_norm, w.post_eps), w.gate_up, w.gate_up_bias).split(
             [self._intermediate, self._intermediate], -1)
         return x + _product(F.silu(gate) * up, w.down, w.down_bias)
+
+
+def _fusable(cache: Cache, first: int, last: int) -> bool:
+    """Whether a decode row of ``cache``'s session can take the native call: every layer's cache a growing one
+    already holding the session's earlier positions (a session's first step, one token, cannot)."""
+    return all(isinstance(layer, GrowingLayer) and layer.buffers is not None
+               for layer in (cache.layers[index] for index in range(first, last + 1)))
 
 
 def _fused_layers(layers: dict[int, _LeanLayer]) -> dict[int, tuple[list[torch.Tensor], list[int], list[float]]] | None:

@@ -1,0 +1,170 @@
+"""Spot checks of a hop before the tail, with real processes (issue 37): batch-invariant quantized hops.
+
+A tiny Q8_0 GGUF served packed with float32 rows: a head for layers 0-1, three replicas of the MIDDLE layer 2
+(``m1``, ``m2`` and ``bad``, the last with ``--fault corrupt-output:1.0``) and one tail for layer 3, a tracker
+with ``MESHNET_VERIFY_RATE=1`` and batching on. The tail has no replica, so every check is of the middle hop's
+hidden states by exact hash: fair only because its quantized products are batch-invariant (each replica batches
+a session's row with other company; ``tests/test_rows_exact.py``), which the nodes register (``rows_exact``).
+Within 40 greedy chats sent 8 at a time ``bad`` is quarantined, no honest node ever is (the honest middle
+replicas agree on every step they are compared on, speculative steps included where there are any), and every answer after equals
+transformers on the file's weights (the reference of the GGUF tests). The same with three replicas of the head's layers (``h1``, ``h2``,
+``hbad``) and one tail: a head sends its shadow each step's token ids and signs a receipt of its own step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Final
+
+import httpx
+import pytest
+import torch
+from prometheus_client.parser import text_string_to_metric_families
+
+from services.node.model.quant import quant_kernel
+from services.node.settings import ALLOW_FAULTS_ENV
+from tests.failover_mesh import wait_for
+from tests.gguf_mesh import Served, serve_family
+from tests.procs import Service, node_hop_key, start_service, start_together
+from tests.requirements import needs
+
+LAYERS: Final = {"head": (0, 1), "m1": (2, 2), "m2": (2, 2), "bad": (2, 2), "tail": (3, 3)}
+HEAD_LAYERS: Final = {"h1": (0, 1), "h2": (0, 1), "hbad": (0, 1), "tail": (2, 3)}
+PROMPTS: Final = ["Where does the river run?", "Tell me about the sea.", "Count to five."]
+MAX_TOKENS: Final = 8
+ROUNDS: Final = 5
+AT_ONCE: Final = 8
+TIMEOUT_S: Final = 120.0
+
+pytestmark = needs(quant_kernel.available(), "meshnet's native kernel did not build here (a C++ compiler)")
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory: pytest.TempPathFactory) -> Served:
+    return serve_family("llama", tmp_path_factory.mktemp("verify-q8"), "Q8_0")
+
+
+def _mesh(served: Served, layers: dict[str, tuple[int, int]], bad: str) -> Iterator[dict[str, Service]]:
+    """A tracker checking every route and nodes holding ``layers`` of the GGUF, ``bad`` corrupting every output."""
+    tracker = start_service("tracker", {"MESHNET_VERIFY_RATE": "1.0", "MESHNET_NODE_TTL_S": "30",
+                                        "MESHNET_HEARTBEAT_S": "1"})
+    common = {"MESHNET_MODEL": str(served.gguf.path), "MESHNET_MODEL_CACHE_DIR": str(served.cache),
+              "MESHNET_DTYPE": "float32", "MESHNET_DEVICE": "cpu", "MESHNET_TRACKER": tracker.url,
+              "MESHNET_THREADS": "1"}
+    specs = {name: {**common, "MESHNET_NODE_ID": name, "MESHNET_LAYERS": f"{a}-{b}",
+                    "MESHNET_NODE_KEY": node_hop_key(name).seed_text} for name, (a, b) in layers.items()}
+    specs[bad].update({"MESHNET_FAULT": "corrupt-output:1.0", ALLOW_FAULTS_ENV: "1"})
+    for spec in specs.values():  # speculative steps too, where prompt lookup has a draft (how many varies with
+        # what the faulty replica answered first, so none is required): a draft's frame is compared as any other
+        spec["MESHNET_SPECULATE"] = "on"
+    try:
+        started = dict(zip(specs, start_together([("node", spec) for spec in specs.values()]), strict=True))
+    except Exception:
+        tracker.stop()
+        raise
+    services = {"tracker": tracker, **started}
+    try:
+        wait_for(lambda: set(layers) <= set(_nodes(tracker)), "every node to register", TIMEOUT_S)
+        yield services
+    finally:
+        for service in services.values():
+            service.stop()
+
+
+@pytest.fixture
+def mesh(served: Served) -> Iterator[dict[str, Service]]:
+    yield from _mesh(served, LAYERS, "bad")
+
+
+@pytest.fixture
+def head_mesh(served: Served) -> Iterator[dict[str, Service]]:
+    yield from _mesh(served, HEAD_LAYERS, "hbad")
+
+
+def _nodes(tracker: Service) -> dict[str, dict[str, Any]]:
+    listed = httpx.get(f"{tracker.url}/v1/nodes", timeout=30).json()["nodes"]
+    return {node["node_id"]: node for node in listed if node["state"] != "offline"}
+
+
+def _model(tracker: Service) -> str:
+    return next(iter(_nodes(tracker).values()))["model"]
+
+
+def _chat(tracker: Service, prompt: str) -> str:
+    body = {"model": _model(tracker), "messages": [{"role": "user", "content": prompt}], "max_tokens": MAX_TOKENS,
+            "temperature": 0}
+    answer = httpx.post(f"{tracker.url}/v1/chat/completions", json=body, timeout=TIMEOUT_S)
+    assert answer.status_code == 200, answer.text
+    return str(answer.json()["choices"][0]["message"]["content"])
+
+
+def _expected(served: Served, prompt: str) -> str:
+    ids = served.tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
+                                               return_tensors="pt", return_dict=True)["input_ids"]
+    out = served.gguf.model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                                     max_new_tokens=MAX_TOKENS, pad_token_id=served.gguf.model.config.pad_token_id)
+    return served.tokenizer.decode(out[0, ids.shape[1]:].tolist(), skip_special_tokens=True)
+
+
+def _checks(tracker: Service) -> dict[str, float]:
+    families = text_string_to_metric_families(httpx.get(f"{tracker.url}/metrics", timeout=30).text)
+    return {sample.labels["outcome"]: sample.value for family in families for sample in family.samples
+            if sample.name == "meshnet_verify_checks_total"}
+
+
+def _quarantined(tracker: Service) -> set[str]:
+    return {name for name, node in _nodes(tracker).items() if node.get("quarantined")}
+
+
+def test_a_middle_replica_that_computes_wrong_is_quarantined_and_honest_ones_agree(
+        mesh: dict[str, Service], served: Served) -> None:
+    tracker = mesh["tracker"]
+    view = _nodes(tracker)
+    paths = {name: view[name]["rows_exact"] for name in LAYERS}
+    assert paths["m1"] is not None and paths["m1"] == paths["m2"] == paths["bad"], paths
+    caught_after = None
+    for round_index in range(ROUNDS):  # 40 greedy chats, 8 at a time
+        with ThreadPoolExecutor(AT_ONCE) as pool:
+            list(pool.map(lambda i: _chat(tracker, PROMPTS[i % len(PROMPTS)]), range(AT_ONCE)))
+        if "bad" in _quarantined(tracker):
+            caught_after = (round_index + 1) * AT_ONCE
+            break
+    if caught_after is None:  # the last round's receipts may still be on their way
+        wait_for(lambda: "bad" in _quarantined(tracker), "the faulty middle replica's quarantine", TIMEOUT_S)
+    assert _quarantined(tracker) == {"bad"}, "no honest node is ever quarantined"
+    view = _nodes(tracker)
+    assert "agree with each other" in view["bad"]["quarantine"]["reason"]
+    assert view["m1"]["disputes"] in ([], ["bad"]) and view["m2"]["disputes"] in ([], ["bad"])
+    checks = _checks(tracker)
+    assert checks.get("agree", 0) > 0 and checks.get("disagree", 0) > 0
+    with ThreadPoolExecutor(AT_ONCE) as pool:
+        after = list(pool.map(lambda i: _chat(tracker, PROMPTS[i % len(PROMPTS)]), range(AT_ONCE)))
+    assert after == [_expected(served, PROMPTS[i % len(PROMPTS)]) for i in range(AT_ONCE)]
+    agreed = _checks(tracker).get("agree", 0)
+    with ThreadPoolExecutor(AT_ONCE) as pool:  # m1 and m2 shadow each other now: batched, they still agree
+        list(pool.map(lambda i: _chat(tracker, PROMPTS[i % len(PROMPTS)]), range(AT_ONCE)))
+    wait_for(lambda: _checks(tracker).get("agree", 0) > agreed, "the honest replicas' comparisons", TIMEOUT_S)
+    assert _quarantined(tracker) == {"bad"}
+    assert "m2" not in _nodes(tracker)["m1"]["disputes"]
+
+
+def test_a_head_that_computes_wrong_is_quarantined_and_honest_heads_agree(
+        head_mesh: dict[str, Service], served: Served) -> None:
+    """The head's own layers: three replicas of 0-1, one corrupting what it sends on. A head sends its shadow
+    (another head) each step's token ids and signs a receipt of its own step; honest quantized heads agree."""
+    tracker = head_mesh["tracker"]
+    for _ in range(ROUNDS):  # 40 greedy chats, 8 at a time
+        with ThreadPoolExecutor(AT_ONCE) as pool:
+            list(pool.map(lambda i: _chat(tracker, PROMPTS[i % len(PROMPTS)]), range(AT_ONCE)))
+        if "hbad" in _quarantined(tracker):
+            break
+    wait_for(lambda: "hbad" in _quarantined(tracker), "the faulty head's quarantine", TIMEOUT_S)
+    assert _quarantined(tracker) == {"hbad"}, "no honest node is ever quarantined"
+    view = _nodes(tracker)
+    assert "agree with each other" in view["hbad"]["quarantine"]["reason"]
+    assert view["h1"]["disputes"] in ([], ["hbad"]) and view["h2"]["disputes"] in ([], ["hbad"])
+    with ThreadPoolExecutor(AT_ONCE) as pool:
+        after = list(pool.map(lambda i: _chat(tracker, PROMPTS[i % len(PROMPTS)]), range(AT_ONCE)))
+    assert after == [_expected(served, PROMPTS[i % len(PROMPTS)]) for i in range(AT_ONCE)]
+    assert _quarantined(tracker) == {"hbad"}
