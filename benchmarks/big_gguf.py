@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import logging
 import re
 import time
 from collections.abc import Callable

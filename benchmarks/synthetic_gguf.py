@@ -199,7 +199,7 @@ def _floats(name: str, values: Callable[[], np.ndarray], shape: tuple[int, ...])
 def _tensors(shape: BigShape, rng: np.random.Generator, silent: tuple[int, ...]) -> Iterator[_Tensor]:
     """Every tensor of ``shape``'s file, in the order llama.cpp's converter writes them."""
     h, n = shape.hidden, shape.layers
-    ones = lambda size: lambda: np.ones(size, dtype=np.float32)  # noqa: E731
+    ones = lambda size: lambda: np.ones(size, dtype=np.float32)
     yield _matrix(rng, "token_embd.weight", "Q4_K", (shape.vocab,), h)
     q_rows, kv_rows = shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
     for layer in range(n):
@@ -215,7 +215,7 @@ def _tensors(shape: BigShape, rng: np.random.Generator, silent: tuple[int, ...])
             yield _floats(f"{blk}.attn_k_norm.weight", ones(d), (d,))
             experts = shape.experts
             yield _floats(f"{blk}.ffn_gate_inp.weight",
-                          lambda: rng.standard_normal((experts, h), dtype=np.float32) * ROUTER_STD, (experts, h))
+                          lambda experts=experts: rng.standard_normal((experts, h), dtype=np.float32) * ROUTER_STD, (experts, h))
             yield _matrix(rng, f"{blk}.ffn_gate_exps.weight", q4_k_m_type("ffn_gate_exps", layer, n),
                           (experts, shape.inner), h)
             yield _matrix(rng, f"{blk}.ffn_up_exps.weight", q4_k_m_type("ffn_up_exps", layer, n),

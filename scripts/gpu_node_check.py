@@ -31,14 +31,14 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from meshwire.routes import Route, RouteNode, sign_route  # noqa: E402
-from tests.procs import TEST_ROUTE_KEY, node_hop_key, pinned_node_env, start_together  # noqa: E402
-from tests.tiny_model import build_tiny_model  # noqa: E402
+from meshwire.routes import Route, RouteNode, sign_route
+from tests.procs import TEST_ROUTE_KEY, node_hop_key, pinned_node_env, start_together
+from tests.tiny_model import build_tiny_model
 
 log = logging.getLogger("gpu_node_check")
-SMOLLM_SHAPE = dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
-                    num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=8192,
-                    rope_theta=100000.0, tie_word_embeddings=True, rms_norm_eps=1e-5)
+SMOLLM_SHAPE = {"hidden_size": 576, "intermediate_size": 1536, "num_hidden_layers": 30,
+                "num_attention_heads": 9, "num_key_value_heads": 3, "max_position_embeddings": 8192,
+                "rope_theta": 100000.0, "tie_word_embeddings": True, "rms_norm_eps": 1e-5}
 DECODE_TOKENS = 64
 PROMPT = [{"role": "user", "content": "Tell me about the river and the mountains."}]
 
