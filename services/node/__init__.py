@@ -90,7 +90,9 @@ model/ — the layers themselves (torch lives here)
     ``model.shard``           a contiguous range of layers: embed, run layers, LM head; ``run_ragged`` batches
     ``model.shard_load``      loading a shard: only its layers' tensors, as float or packed, from a folder or a GGUF
     ``model.packed_layers``   a GGUF's products packed inside transformers' own layers (Qwen3, Gemma, Phi-3, MoE experts)
+    ``model.ragged_layers``   several sessions' rows and chunks through transformers' own layers in one pass
     ``model.kv_cache``        a session's KV cache on a shard, grown in place
+    ``model.rows_exact``      names the batch-invariant path a shard's rows take (what a shadow may compare)
     ``model.lean_decode``     fused products: decode rows, and a quantized shard's prompt chunks beside them
     ``model.memory_budget``   what one layer costs here (bytes, KV a token, a decode row's time); free memory
     ``model.chunk_precision`` float32 attention and prompt chunks over half-precision weights on a CPU
