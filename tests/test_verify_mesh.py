@@ -32,6 +32,14 @@ from meshwire.row_batch import CONTENT_TYPE, decode_answers, encode_rows
 from services.node.settings import ALLOW_FAULTS_ENV
 from tests.failover_mesh import wait_for
 from tests.procs import TEST_SECRET, Service, node_hop_key, start_service, start_together
+from tests.verify_views import (
+    chat,
+    chat_until_quarantined,
+    live_nodes,
+    quarantined,
+    served_model,
+    verify_checks,
+)
 
 LAYERS: Final = {"head": (0, 1), "r1": (2, 3), "r2": (2, 3)}
 PROMPTS: Final = ["Where does the river run?", "Name a colour.", "Tell me about the sea.", "Count to five."]
@@ -58,7 +66,7 @@ def mesh(tiny_model_dir: Path) -> Iterator[dict[str, Service]]:
         raise
     services = {"tracker": tracker, **started}
     try:
-        wait_for(lambda: set(LAYERS) <= set(_nodes(tracker)), "every node to register", TIMEOUT_S)
+        wait_for(lambda: set(LAYERS) <= set(live_nodes(tracker)), "every node to register", TIMEOUT_S)
         services["_common"] = common  # type: ignore[assignment]
         yield services
     finally:
@@ -67,21 +75,8 @@ def mesh(tiny_model_dir: Path) -> Iterator[dict[str, Service]]:
                 service.stop()
 
 
-def _nodes(tracker: Service) -> dict[str, dict[str, Any]]:
-    listed = httpx.get(f"{tracker.url}/v1/nodes", timeout=30).json()["nodes"]
-    return {node["node_id"]: node for node in listed if node["state"] != "offline"}
-
-
-def _model(tracker: Service) -> str:
-    return next(iter(_nodes(tracker).values()))["model"]
-
-
 def _chat(tracker: Service, prompt: str, sampling: dict[str, Any] | None = None) -> str:
-    body = {"model": _model(tracker), "messages": [{"role": "user", "content": prompt}], "max_tokens": MAX_TOKENS,
-            **(sampling or {"temperature": 0})}
-    answer = httpx.post(f"{tracker.url}/v1/chat/completions", json=body, timeout=TIMEOUT_S)
-    assert answer.status_code == 200, answer.text
-    return str(answer.json()["choices"][0]["message"]["content"])
+    return chat(tracker, prompt, MAX_TOKENS, TIMEOUT_S, sampling)
 
 
 def _expected(reference: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, prompt: str) -> str:
@@ -91,20 +86,10 @@ def _expected(reference: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, pr
     return tokenizer.decode(out[0, inputs["input_ids"].shape[1]:].tolist(), skip_special_tokens=True)
 
 
-def _checks(tracker: Service) -> dict[str, float]:
-    families = text_string_to_metric_families(httpx.get(f"{tracker.url}/metrics", timeout=30).text)
-    return {sample.labels["outcome"]: sample.value for family in families for sample in family.samples
-            if sample.name == "meshnet_verify_checks_total"}
-
-
 def _node_metric(node: Service, name: str, **labels: str) -> float:
     families = text_string_to_metric_families(httpx.get(f"{node.url}/metrics", timeout=30).text)
     return sum(sample.value for family in families for sample in family.samples
                if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()))
-
-
-def _quarantined(tracker: Service) -> set[str]:
-    return {name for name, node in _nodes(tracker).items() if node.get("quarantined")}
 
 
 def test_honest_replicas_checked_on_every_step_never_disagree(mesh: dict[str, Service]) -> None:
@@ -114,13 +99,13 @@ def test_honest_replicas_checked_on_every_step_never_disagree(mesh: dict[str, Se
         batched = list(pool.map(lambda job: _chat(tracker, *job), jobs))
     lone = [_chat(tracker, prompt, sampling) for prompt, sampling in jobs[:4]]  # one session at a time
     assert lone == batched[:4]
-    wait_for(lambda: _checks(tracker).get("agree", 0) >= len(jobs) * 2, "the heads' receipt reports", TIMEOUT_S)
-    assert _checks(tracker).get("disagree", 0) == 0
+    wait_for(lambda: verify_checks(tracker).get("agree", 0) >= len(jobs) * 2, "the heads' receipt reports", TIMEOUT_S)
+    assert verify_checks(tracker).get("disagree", 0) == 0
     families = text_string_to_metric_families(httpx.get(f"{mesh['head'].url}/metrics", timeout=30).text)
     speculative = sum(sample.value for family in families for sample in family.samples
                       if sample.name == "meshnet_node_decode_steps_total" and sample.labels["speculative"] == "true")
     assert speculative > 0, "speculative steps were checked too"
-    view = _nodes(tracker)
+    view = live_nodes(tracker)
     assert all(not view[name]["quarantined"] and view[name]["disputes"] == [] for name in LAYERS)
 
 
@@ -137,7 +122,7 @@ def test_a_hop_returns_receipts_in_its_answer_only_to_a_sender_that_asks_one_per
     """A sender older than receipts (no ``X-Meshnet-Receipts``) gets the answer it always got (it refuses unknown
     fields); one that asks gets the chain, and each row of a batch carries its own receipt."""
     tracker = mesh["tracker"]
-    route = httpx.get(f"{tracker.url}/v1/route", params={"model": _model(tracker)}, timeout=30).json()
+    route = httpx.get(f"{tracker.url}/v1/route", params={"model": served_model(tracker)}, timeout=30).json()
     token, tail = route["token"], route["nodes"][1]["node_id"]
     url = mesh[tail].url
     headers, body = _frame(token, "wire-old", ask=False)
@@ -164,7 +149,7 @@ def test_a_hop_returns_receipts_in_its_answer_only_to_a_sender_that_asks_one_per
 
 def test_a_forged_or_replayed_receipt_report_is_refused(mesh: dict[str, Service]) -> None:
     tracker = mesh["tracker"]
-    route = httpx.get(f"{tracker.url}/v1/route", params={"model": _model(tracker)}, timeout=30).json()
+    route = httpx.get(f"{tracker.url}/v1/route", params={"model": served_model(tracker)}, timeout=30).json()
     token, tail = route["token"], route["nodes"][1]["node_id"]
 
     def receipt(key: SigningKey, step: int) -> str:
@@ -196,22 +181,15 @@ def test_a_node_that_computes_wrong_is_quarantined_and_routed_around(
                                  "MESHNET_NODE_KEY": node_hop_key("bad").seed_text,
                                  "MESHNET_FAULT": "corrupt-output:1.0", ALLOW_FAULTS_ENV: "1"})
     try:
-        wait_for(lambda: "bad" in _nodes(tracker), "the faulty replica to register", TIMEOUT_S)
-        through_bad = httpx.get(f"{tracker.url}/v1/route", params={"model": _model(tracker), "exclude": "r1,r2"},
+        wait_for(lambda: "bad" in live_nodes(tracker), "the faulty replica to register", TIMEOUT_S)
+        through_bad = httpx.get(f"{tracker.url}/v1/route", params={"model": served_model(tracker), "exclude": "r1,r2"},
                                 timeout=30).json()["token"]  # planned before the quarantine, still valid after it
-        caught_after = None
-        for round_index in range(ROUNDS):  # 40 greedy chats, 8 at a time
-            with ThreadPoolExecutor(AT_ONCE) as pool:
-                list(pool.map(lambda i: _chat(tracker, PROMPTS[i % len(PROMPTS)]), range(AT_ONCE)))
-            if "bad" in _quarantined(tracker):
-                caught_after = (round_index + 1) * AT_ONCE
-                break
-        if caught_after is None:  # the last round's receipts may still be on their way
-            wait_for(lambda: "bad" in _quarantined(tracker), "the faulty replica's quarantine", TIMEOUT_S)
-        assert _quarantined(tracker) == {"bad"}, "no honest node is ever quarantined"
-        shown = _nodes(tracker)["bad"]
+        chat_until_quarantined(tracker, "bad", PROMPTS, rounds=ROUNDS,  # 40 greedy chats, 8 at a time
+                               at_once=AT_ONCE, max_tokens=MAX_TOKENS, timeout_s=TIMEOUT_S)
+        assert quarantined(tracker) == {"bad"}, "no honest node is ever quarantined"
+        shown = live_nodes(tracker)["bad"]
         assert "agree with each other" in shown["quarantine"]["reason"] and shown["quarantine"]["receipts"]
-        assert _checks(tracker).get("disagree", 0) > 0
+        assert verify_checks(tracker).get("disagree", 0) > 0
         summary = httpx.get(f"{tracker.url}/v1/verify", timeout=30).json()
         assert set(summary["quarantined"]) == {"bad"} and summary["receipts_kept"] > 0
         with ThreadPoolExecutor(AT_ONCE) as pool:
@@ -222,7 +200,7 @@ def test_a_node_that_computes_wrong_is_quarantined_and_routed_around(
         head = mesh["head"]
         wait_for(lambda: _node_metric(head, "meshnet_node_quarantined_known") >= 1, "the head to hear of it",
                  TIMEOUT_S)
-        body = {"model": _model(tracker), "messages": [{"role": "user", "content": PROMPTS[0]}],
+        body = {"model": served_model(tracker), "messages": [{"role": "user", "content": PROMPTS[0]}],
                 "max_tokens": MAX_TOKENS, "temperature": 0}
         direct = httpx.post(f"{head.url}/v1/chat/completions", json=body, timeout=TIMEOUT_S,
                             headers={h.ROUTE: through_bad, **bearer_headers(TEST_SECRET)})
@@ -230,13 +208,13 @@ def test_a_node_that_computes_wrong_is_quarantined_and_routed_around(
         assert direct.json()["choices"][0]["message"]["content"] == _expected(reference, tokenizer, PROMPTS[0])
         assert _node_metric(head, "meshnet_node_failovers_total", reason="quarantined", outcome="moved") >= 1
         for _ in range(8):
-            route = httpx.get(f"{tracker.url}/v1/route", params={"model": _model(tracker)}, timeout=30).json()
+            route = httpx.get(f"{tracker.url}/v1/route", params={"model": served_model(tracker)}, timeout=30).json()
             assert "bad" not in {hop["node_id"] for hop in route["nodes"]}
             assert route.get("shadow") is None or route["shadow"]["node"]["node_id"] != "bad"
         readmitted = httpx.post(f"{tracker.url}/v1/admin/nodes/bad/readmit", headers=bearer_headers(TEST_SECRET),
                                 timeout=30)
         assert readmitted.status_code == 200, readmitted.text
-        assert not _nodes(tracker)["bad"]["quarantined"]
+        assert not live_nodes(tracker)["bad"]["quarantined"]
         assert httpx.post(f"{tracker.url}/v1/admin/nodes/bad/readmit", timeout=30).status_code == 401
     finally:
         bad.stop()

@@ -15,12 +15,10 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Final
+from typing import Final
 
-import httpx
 import pytest
 import torch
-from prometheus_client.parser import text_string_to_metric_families
 
 from services.node.model.quant import quant_kernel
 from services.node.settings import ALLOW_FAULTS_ENV
@@ -28,6 +26,13 @@ from tests.failover_mesh import wait_for
 from tests.gguf_mesh import Served, serve_family
 from tests.procs import Service, node_hop_key, start_service, start_together
 from tests.requirements import needs
+from tests.verify_views import (
+    chat,
+    chat_until_quarantined,
+    live_nodes,
+    quarantined,
+    verify_checks,
+)
 
 LAYERS: Final = {"head": (0, 1), "m1": (2, 2), "m2": (2, 2), "bad": (2, 2), "tail": (3, 3)}
 HEAD_LAYERS: Final = {"h1": (0, 1), "h2": (0, 1), "hbad": (0, 1), "tail": (2, 3)}
@@ -65,7 +70,7 @@ def _mesh(served: Served, layers: dict[str, tuple[int, int]], bad: str) -> Itera
         raise
     services = {"tracker": tracker, **started}
     try:
-        wait_for(lambda: set(layers) <= set(_nodes(tracker)), "every node to register", TIMEOUT_S)
+        wait_for(lambda: set(layers) <= set(live_nodes(tracker)), "every node to register", TIMEOUT_S)
         yield services
     finally:
         for service in services.values():
@@ -82,21 +87,8 @@ def head_mesh(served: Served) -> Iterator[dict[str, Service]]:
     yield from _mesh(served, HEAD_LAYERS, "hbad")
 
 
-def _nodes(tracker: Service) -> dict[str, dict[str, Any]]:
-    listed = httpx.get(f"{tracker.url}/v1/nodes", timeout=30).json()["nodes"]
-    return {node["node_id"]: node for node in listed if node["state"] != "offline"}
-
-
-def _model(tracker: Service) -> str:
-    return next(iter(_nodes(tracker).values()))["model"]
-
-
 def _chat(tracker: Service, prompt: str) -> str:
-    body = {"model": _model(tracker), "messages": [{"role": "user", "content": prompt}], "max_tokens": MAX_TOKENS,
-            "temperature": 0}
-    answer = httpx.post(f"{tracker.url}/v1/chat/completions", json=body, timeout=TIMEOUT_S)
-    assert answer.status_code == 200, answer.text
-    return str(answer.json()["choices"][0]["message"]["content"])
+    return chat(tracker, prompt, MAX_TOKENS, TIMEOUT_S)
 
 
 def _expected(served: Served, prompt: str) -> str:
@@ -107,46 +99,29 @@ def _expected(served: Served, prompt: str) -> str:
     return served.tokenizer.decode(out[0, ids.shape[1]:].tolist(), skip_special_tokens=True)
 
 
-def _checks(tracker: Service) -> dict[str, float]:
-    families = text_string_to_metric_families(httpx.get(f"{tracker.url}/metrics", timeout=30).text)
-    return {sample.labels["outcome"]: sample.value for family in families for sample in family.samples
-            if sample.name == "meshnet_verify_checks_total"}
-
-
-def _quarantined(tracker: Service) -> set[str]:
-    return {name for name, node in _nodes(tracker).items() if node.get("quarantined")}
-
-
 def test_a_middle_replica_that_computes_wrong_is_quarantined_and_honest_ones_agree(
         mesh: dict[str, Service], served: Served) -> None:
     tracker = mesh["tracker"]
-    view = _nodes(tracker)
+    view = live_nodes(tracker)
     paths = {name: view[name]["rows_exact"] for name in LAYERS}
     assert paths["m1"] is not None and paths["m1"] == paths["m2"] == paths["bad"], paths
-    caught_after = None
-    for round_index in range(ROUNDS):  # 40 greedy chats, 8 at a time
-        with ThreadPoolExecutor(AT_ONCE) as pool:
-            list(pool.map(lambda i: _chat(tracker, PROMPTS[i % len(PROMPTS)]), range(AT_ONCE)))
-        if "bad" in _quarantined(tracker):
-            caught_after = (round_index + 1) * AT_ONCE
-            break
-    if caught_after is None:  # the last round's receipts may still be on their way
-        wait_for(lambda: "bad" in _quarantined(tracker), "the faulty middle replica's quarantine", TIMEOUT_S)
-    assert _quarantined(tracker) == {"bad"}, "no honest node is ever quarantined"
-    view = _nodes(tracker)
+    chat_until_quarantined(tracker, "bad", PROMPTS, rounds=ROUNDS, at_once=AT_ONCE,  # 40 greedy chats, 8 at a time
+                           max_tokens=MAX_TOKENS, timeout_s=TIMEOUT_S)
+    assert quarantined(tracker) == {"bad"}, "no honest node is ever quarantined"
+    view = live_nodes(tracker)
     assert "agree with each other" in view["bad"]["quarantine"]["reason"]
     assert view["m1"]["disputes"] in ([], ["bad"]) and view["m2"]["disputes"] in ([], ["bad"])
-    checks = _checks(tracker)
+    checks = verify_checks(tracker)
     assert checks.get("agree", 0) > 0 and checks.get("disagree", 0) > 0
     with ThreadPoolExecutor(AT_ONCE) as pool:
         after = list(pool.map(lambda i: _chat(tracker, PROMPTS[i % len(PROMPTS)]), range(AT_ONCE)))
     assert after == [_expected(served, PROMPTS[i % len(PROMPTS)]) for i in range(AT_ONCE)]
-    agreed = _checks(tracker).get("agree", 0)
+    agreed = verify_checks(tracker).get("agree", 0)
     with ThreadPoolExecutor(AT_ONCE) as pool:  # m1 and m2 shadow each other now: batched, they still agree
         list(pool.map(lambda i: _chat(tracker, PROMPTS[i % len(PROMPTS)]), range(AT_ONCE)))
-    wait_for(lambda: _checks(tracker).get("agree", 0) > agreed, "the honest replicas' comparisons", TIMEOUT_S)
-    assert _quarantined(tracker) == {"bad"}
-    assert "m2" not in _nodes(tracker)["m1"]["disputes"]
+    wait_for(lambda: verify_checks(tracker).get("agree", 0) > agreed, "the honest replicas' comparisons", TIMEOUT_S)
+    assert quarantined(tracker) == {"bad"}
+    assert "m2" not in live_nodes(tracker)["m1"]["disputes"]
 
 
 def test_a_head_that_computes_wrong_is_quarantined_and_honest_heads_agree(
@@ -154,17 +129,13 @@ def test_a_head_that_computes_wrong_is_quarantined_and_honest_heads_agree(
     """The head's own layers: three replicas of 0-1, one corrupting what it sends on. A head sends its shadow
     (another head) each step's token ids and signs a receipt of its own step; honest quantized heads agree."""
     tracker = head_mesh["tracker"]
-    for _ in range(ROUNDS):  # 40 greedy chats, 8 at a time
-        with ThreadPoolExecutor(AT_ONCE) as pool:
-            list(pool.map(lambda i: _chat(tracker, PROMPTS[i % len(PROMPTS)]), range(AT_ONCE)))
-        if "hbad" in _quarantined(tracker):
-            break
-    wait_for(lambda: "hbad" in _quarantined(tracker), "the faulty head's quarantine", TIMEOUT_S)
-    assert _quarantined(tracker) == {"hbad"}, "no honest node is ever quarantined"
-    view = _nodes(tracker)
+    chat_until_quarantined(tracker, "hbad", PROMPTS, rounds=ROUNDS, at_once=AT_ONCE,  # 40 greedy chats, 8 at a time
+                           max_tokens=MAX_TOKENS, timeout_s=TIMEOUT_S)
+    assert quarantined(tracker) == {"hbad"}, "no honest node is ever quarantined"
+    view = live_nodes(tracker)
     assert "agree with each other" in view["hbad"]["quarantine"]["reason"]
     assert view["h1"]["disputes"] in ([], ["hbad"]) and view["h2"]["disputes"] in ([], ["hbad"])
     with ThreadPoolExecutor(AT_ONCE) as pool:
         after = list(pool.map(lambda i: _chat(tracker, PROMPTS[i % len(PROMPTS)]), range(AT_ONCE)))
     assert after == [_expected(served, PROMPTS[i % len(PROMPTS)]) for i in range(AT_ONCE)]
-    assert _quarantined(tracker) == {"hbad"}
+    assert quarantined(tracker) == {"hbad"}
