@@ -63,6 +63,16 @@ def _prefilled(shard: Shard, start: torch.Tensor | None = None) -> list[ShardCac
     return caches
 
 
+def _step_batched_and_alone(shard: Shard, tokens: list[int], batched: list[ShardCache],
+                            solo: list[ShardCache]) -> tuple[torch.Tensor, torch.Tensor]:
+    """One decode step of every session: all as one batch of rows over ``batched``, and each alone over
+    ``solo``; the two outputs, row for row."""
+    rows = shard.run_rows(shard.embed(torch.tensor([tokens])).transpose(0, 1), batched,
+                          [c.seq_len for c in batched], from_layer=0)
+    alone = torch.cat([shard.run_layers(shard.embed(torch.tensor([[t]])), cache, cache.seq_len)
+                       for t, cache in zip(tokens, solo, strict=True)])
+    return rows, alone
+
 def test_a_packed_shard_s_rows_and_chunks_are_each_session_s_own_steps_bit_for_bit(
         packed: tuple[Served, WeightsFormat]) -> None:
     served, fmt = packed
@@ -71,10 +81,7 @@ def test_a_packed_shard_s_rows_and_chunks_are_each_session_s_own_steps_bit_for_b
     batched, solo = _prefilled(shard), _prefilled(shard)
     tokens = [ids[-1] for ids in _prompts(shard)]
     for _ in range(STEPS):
-        rows = shard.run_rows(shard.embed(torch.tensor([tokens])).transpose(0, 1), batched,
-                              [c.seq_len for c in batched], from_layer=0)
-        alone = torch.cat([shard.run_layers(shard.embed(torch.tensor([[t]])), cache, cache.seq_len)
-                           for t, cache in zip(tokens, solo, strict=True)])
+        rows, alone = _step_batched_and_alone(shard, tokens, batched, solo)
         assert torch.equal(rows, alone)
         assert torch.equal(shard.logits_rows(rows), shard.logits_rows(alone))
         tokens = [int(t) for t in shard.logits_rows(alone).argmax(-1)]
@@ -120,10 +127,7 @@ def test_a_float_shard_batches_rows_within_a_float_product_s_rounding(family: st
     batched, solo = _prefilled(shard), _prefilled(shard)
     tokens = [ids[-1] for ids in _prompts(shard)]
     for _ in range(STEPS):
-        rows = shard.run_rows(shard.embed(torch.tensor([tokens])).transpose(0, 1), batched,
-                              [c.seq_len for c in batched], from_layer=0)
-        alone = torch.cat([shard.run_layers(shard.embed(torch.tensor([[t]])), cache, cache.seq_len)
-                           for t, cache in zip(tokens, solo, strict=True)])
+        rows, alone = _step_batched_and_alone(shard, tokens, batched, solo)
         assert ((rows - alone).abs().max() / alone.abs().max()).item() <= FLOAT_TOLERANCE
         tokens = [int(t) for t in shard.logits_rows(alone).argmax(-1)]
 
