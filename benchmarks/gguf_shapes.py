@@ -36,7 +36,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Final
+from typing import Any, Final
 
 import numpy as np
 
@@ -98,6 +98,29 @@ def _q8_0(rng: np.random.Generator, rows: int, cols: int, silent: tuple[int, ...
     return blocks.reshape(rows, -1)
 
 
+def add_hyper_parameters(writer: Any, shape: Shape, *, layers: int, context: int, vocab: int, rope_base: float,
+                         rms_eps: float) -> None:
+    """Write ``shape``'s hyper-parameters into a GGUF ``writer`` (a ``gguf.GGUFWriter``), with what the file
+    itself decides: its layer count, context, vocabulary, rope base and norm epsilon. Shared with
+    :mod:`benchmarks.synthetic_gguf`, whose whole-model files carry the same keys in the same order."""
+    writer.add_context_length(context)
+    writer.add_embedding_length(shape.hidden)
+    writer.add_block_count(layers)
+    writer.add_feed_forward_length(shape.inner)
+    writer.add_head_count(shape.heads)
+    writer.add_head_count_kv(shape.kv_heads)
+    writer.add_layer_norm_rms_eps(rms_eps)
+    writer.add_key_length(shape.head_dim)
+    writer.add_value_length(shape.head_dim)
+    writer.add_vocab_size(vocab)
+    writer.add_rope_freq_base(rope_base)
+    if shape.arch == "llama":
+        writer.add_rope_dimension_count(shape.head_dim)
+    if shape.moe:
+        writer.add_expert_count(shape.experts)
+        writer.add_expert_used_count(shape.used)
+        writer.add_expert_feed_forward_length(shape.inner)
+
 def write_shape(shape: Shape, layers: int, dest: Path) -> Path:
     """``shape``'s synthetic GGUF of ``layers`` layers (module doc), written once."""
     import gguf
@@ -115,23 +138,7 @@ def write_shape(shape: Shape, layers: int, dest: Path) -> Path:
     partial = path.with_suffix(".partial")
     writer = gguf.GGUFWriter(partial, shape.arch)
     writer.add_name(f"synthetic {shape.name}")
-    writer.add_context_length(4096)
-    writer.add_embedding_length(shape.hidden)
-    writer.add_block_count(layers)
-    writer.add_feed_forward_length(shape.inner)
-    writer.add_head_count(shape.heads)
-    writer.add_head_count_kv(shape.kv_heads)
-    writer.add_layer_norm_rms_eps(1e-6)
-    writer.add_key_length(shape.head_dim)
-    writer.add_value_length(shape.head_dim)
-    writer.add_vocab_size(vocab)
-    writer.add_rope_freq_base(500_000.0)
-    if shape.arch == "llama":
-        writer.add_rope_dimension_count(shape.head_dim)
-    if shape.moe:
-        writer.add_expert_count(shape.experts)
-        writer.add_expert_used_count(shape.used)
-        writer.add_expert_feed_forward_length(shape.inner)
+    add_hyper_parameters(writer, shape, layers=layers, context=4096, vocab=vocab, rope_base=500_000.0, rms_eps=1e-6)
     _write_tokenizer(writer, tokenizer)
     q8, q4 = gguf.GGMLQuantizationType.Q8_0, gguf.GGMLQuantizationType.Q4_0
     ones = np.ones(shape.hidden, dtype=np.float32)

@@ -37,6 +37,8 @@ from typing import Final
 
 import numpy as np
 
+from benchmarks.gguf_shapes import Shape, add_hyper_parameters
+
 logger = logging.getLogger(__name__)
 
 CACHE: Final = Path(os.environ.get("MESHNET_BENCH_CACHE", "~/.cache/meshnet/bench")).expanduser()
@@ -89,6 +91,12 @@ class BigShape:
     @property
     def moe(self) -> bool:
         return self.experts > 0
+
+    @property
+    def layer_shape(self) -> Shape:
+        """One layer's shape, as :mod:`benchmarks.gguf_shapes` names it."""
+        return Shape(self.name, self.arch, hidden=self.hidden, heads=self.heads, kv_heads=self.kv_heads,
+                     head_dim=self.head_dim, inner=self.inner, experts=self.experts, used=self.used)
 
     @property
     def file_name(self) -> str:
@@ -272,23 +280,8 @@ def write_big_shape(shape: BigShape, dest: Path = CACHE, *, progress: Callable[[
     writer.add_name(f"synthetic {shape.name} (random Q4_K_M weights)")
     writer.add_file_type(LLAMA_FTYPE_MOSTLY_Q4_K_M)
     writer.add_quantization_version(QUANTIZATION_VERSION)
-    writer.add_context_length(shape.context)
-    writer.add_embedding_length(shape.hidden)
-    writer.add_block_count(shape.layers)
-    writer.add_feed_forward_length(shape.inner)
-    writer.add_head_count(shape.heads)
-    writer.add_head_count_kv(shape.kv_heads)
-    writer.add_layer_norm_rms_eps(1e-5 if shape.arch == "llama" else 1e-6)
-    writer.add_key_length(shape.head_dim)
-    writer.add_value_length(shape.head_dim)
-    writer.add_vocab_size(shape.vocab)
-    writer.add_rope_freq_base(shape.rope_base)
-    if shape.arch == "llama":
-        writer.add_rope_dimension_count(shape.head_dim)
-    if shape.moe:
-        writer.add_expert_count(shape.experts)
-        writer.add_expert_used_count(shape.used)
-        writer.add_expert_feed_forward_length(shape.inner)
+    add_hyper_parameters(writer, shape.layer_shape, layers=shape.layers, context=shape.context, vocab=shape.vocab,
+                         rope_base=shape.rope_base, rms_eps=1e-5 if shape.arch == "llama" else 1e-6)
     silent = _write_padded_tokenizer(writer, shape.vocab)
     rng = np.random.default_rng(SEED)
     tensors = list(_tensors(shape, rng, silent))
