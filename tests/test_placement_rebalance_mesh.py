@@ -11,6 +11,7 @@ it). The tests wait for states, never for a time.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, Final
@@ -145,40 +146,57 @@ def streamed_chat(tracker: Service, model: str, on_chunk: Callable[[int], None] 
     return text, errors
 
 
-def test_a_greedy_stream_outlives_the_death_of_its_tail_while_the_survivors_are_re_cut(
-        stream_mesh: tuple[Service, dict[str, Service]], tiny_model_dir: Path) -> None:
-    """Issue 36, what must hold: one of three placed nodes killed while a greedy stream runs through it; the two
-    left cover the model again, the stream finishes identical to its uninterrupted run, and new chats answer."""
-    tracker, services = stream_mesh
+@contextlib.contextmanager
+def survivors_logged_on_failure(tracker: Service, services: dict[str, Service], dead: str) -> Iterator[None]:
+    """On a failed assertion, print what the survivors and the tracker said, for whoever reads the failure."""
+    try:
+        yield
+    except (AssertionError, ValueError):
+        for node_id, node in services.items():
+            if node_id != dead:
+                print(f"--- {node_id}\n{node.log()[-6000:]}")
+        print(f"--- tracker\n{tracker.log()[-8000:]}")
+        raise
+
+
+def stream_through_a_kill(tracker: Service, services: dict[str, Service], model_dir: Path,
+                          victim_holds: tuple[int, int]) -> tuple[str, str]:
+    """The three stream nodes placed on 0, 1-2 and 3; a greedy stream run whole, then again with the node holding
+    ``victim_holds`` SIGKILLed a few chunks in: it must finish with no error and the same text. Returns the
+    killed node's id and the text."""
     placed = wait_for(lambda: (found := {n["node_id"]: (n["shard_start"], n["shard_end"]) for n in mesh(tracker)["nodes"]
                                          if n["routable"] and n["node_id"] in STREAM_NODES})
                       and len(found) == len(STREAM_NODES) and found, "every node to register")
     assert sorted(placed.values()) == [(0, 0), (1, 2), (3, 3)], placed
-    tail = next(node_id for node_id, held in placed.items() if held == (3, 3))
-    model = wait_until_servable(tracker, tiny_model_dir.name)
+    victim = next(node_id for node_id, held in placed.items() if held == victim_holds)
+    model = wait_until_servable(tracker, model_dir.name)
     whole, errors = streamed_chat(tracker, model)
     assert errors == [] and len(whole) > 0
 
     killed: list[int] = []
 
-    def kill_the_tail(chunks: int) -> None:
+    def kill_the_victim(chunks: int) -> None:
         if not killed and chunks >= KILL_AFTER_CHUNKS:
-            services[tail].kill()
+            services[victim].kill()
             killed.append(chunks)
 
-    try:
-        broken, errors = streamed_chat(tracker, model, kill_the_tail)
+    with survivors_logged_on_failure(tracker, services, victim):
+        broken, errors = streamed_chat(tracker, model, kill_the_victim)
         assert killed, "the stream ended before the kill"
         assert errors == [], errors
         assert broken == whole
+    return victim, whole
+
+
+def test_a_greedy_stream_outlives_the_death_of_its_tail_while_the_survivors_are_re_cut(
+        stream_mesh: tuple[Service, dict[str, Service]], tiny_model_dir: Path) -> None:
+    """Issue 36, what must hold: one of three placed nodes killed while a greedy stream runs through it; the two
+    left cover the model again, the stream finishes identical to its uninterrupted run, and new chats answer."""
+    tracker, services = stream_mesh
+    tail, whole = stream_through_a_kill(tracker, services, tiny_model_dir, (3, 3))
+    with survivors_logged_on_failure(tracker, services, tail):
         wait_for(lambda: mesh(tracker)["models"][0]["complete"] and tail not in {
             n["node_id"] for n in mesh(tracker)["nodes"] if n["routable"]}, "the survivors to cover every layer again")
-    except (AssertionError, ValueError):  # what the survivors and the tracker said, for whoever reads the failure
-        for node_id, node in services.items():
-            if node_id != tail:
-                print(f"--- {node_id}\n{node.log()[-6000:]}")
-        print(f"--- tracker\n{tracker.log()[-8000:]}")
-        raise
     again, errors = streamed_chat(tracker, wait_until_servable(tracker, tiny_model_dir.name))
     assert errors == [] and again == whole
 
@@ -189,34 +207,9 @@ def test_a_greedy_stream_the_tracker_relays_outlives_the_death_of_its_head_while
     tracker's continuation (services/tracker/continuation.py) waits for that, as it says ``healing``, instead
     of ending the stream; it then finishes identical to its uninterrupted run on the new head."""
     tracker, services = stream_mesh
-    placed = wait_for(lambda: (found := {n["node_id"]: (n["shard_start"], n["shard_end"]) for n in mesh(tracker)["nodes"]
-                                         if n["routable"] and n["node_id"] in STREAM_NODES})
-                      and len(found) == len(STREAM_NODES) and found, "every node to register")
-    assert sorted(placed.values()) == [(0, 0), (1, 2), (3, 3)], placed
-    head = next(node_id for node_id, held in placed.items() if held == (0, 0))
-    model = wait_until_servable(tracker, tiny_model_dir.name)
-    whole, errors = streamed_chat(tracker, model)
-    assert errors == [] and len(whole) > 0
-
-    killed: list[int] = []
-
-    def kill_the_head(chunks: int) -> None:
-        if not killed and chunks >= KILL_AFTER_CHUNKS:
-            services[head].kill()
-            killed.append(chunks)
-
-    try:
-        broken, errors = streamed_chat(tracker, model, kill_the_head)
-        assert killed, "the stream ended before the kill"
-        assert errors == [], errors
-        assert broken == whole
+    head, _ = stream_through_a_kill(tracker, services, tiny_model_dir, (0, 0))
+    with survivors_logged_on_failure(tracker, services, head):
         assert "the tracker is healing the gap" in tracker.log()
         healed = {n["node_id"]: (n["shard_start"], n["shard_end"]) for n in mesh(tracker)["nodes"]
                   if n["routable"] and n["node_id"] in STREAM_NODES}
         assert head not in healed and sorted(healed.values()) == [(0, 1), (2, 3)], healed
-    except (AssertionError, ValueError):  # what the survivors and the tracker said, for whoever reads the failure
-        for node_id, node in services.items():
-            if node_id != head:
-                print(f"--- {node_id}\n{node.log()[-6000:]}")
-        print(f"--- tracker\n{tracker.log()[-8000:]}")
-        raise
