@@ -31,10 +31,11 @@ from meshwire.route_keys import SigningKey
 from meshwire.row_batch import CONTENT_TYPE, decode_answers, encode_rows
 from services.node.settings import ALLOW_FAULTS_ENV
 from tests.failover_mesh import wait_for
-from tests.procs import TEST_SECRET, Service, node_hop_key, start_service, start_together
+from tests.procs import TEST_SECRET, Service, node_hop_key, start_service
 from tests.verify_views import (
     chat,
     chat_until_quarantined,
+    checking_mesh,
     live_nodes,
     quarantined,
     served_model,
@@ -52,27 +53,13 @@ TIMEOUT_S: Final = 120.0
 
 @pytest.fixture(scope="module")
 def mesh(tiny_model_dir: Path) -> Iterator[dict[str, Service]]:
-    tracker = start_service("tracker", {"MESHNET_VERIFY_RATE": "1.0", "MESHNET_NODE_TTL_S": "30",
-                                        "MESHNET_HEARTBEAT_S": "1"})
-    common = {"MESHNET_MODEL": str(tiny_model_dir), "MESHNET_DTYPE": "float32", "MESHNET_DEVICE": "cpu",
-              "MESHNET_TRACKER": tracker.url, "MESHNET_THREADS": "1"}
-    specs = {name: {**common, "MESHNET_NODE_ID": name, "MESHNET_LAYERS": f"{a}-{b}",
-                    "MESHNET_NODE_KEY": node_hop_key(name).seed_text} for name, (a, b) in LAYERS.items()}
-    specs["head"]["MESHNET_SPECULATE"] = "on"  # speculative steps too: drafts verified by the tail and its shadow
-    try:
-        started = dict(zip(specs, start_together([("node", spec) for spec in specs.values()]), strict=True))
-    except Exception:
-        tracker.stop()
-        raise
-    services = {"tracker": tracker, **started}
-    try:
-        wait_for(lambda: set(LAYERS) <= set(live_nodes(tracker)), "every node to register", TIMEOUT_S)
-        services["_common"] = common  # type: ignore[assignment]
-        yield services
-    finally:
-        for name, service in services.items():
-            if name != "_common":
-                service.stop()
+    def node_env(tracker: Service) -> dict[str, str]:
+        return {"MESHNET_MODEL": str(tiny_model_dir), "MESHNET_DTYPE": "float32", "MESHNET_DEVICE": "cpu",
+                "MESHNET_TRACKER": tracker.url, "MESHNET_THREADS": "1"}
+
+    # speculative steps too: drafts verified by the tail and its shadow
+    with checking_mesh(node_env, LAYERS, {"head": {"MESHNET_SPECULATE": "on"}}, TIMEOUT_S) as services:
+        yield {**services, "_common": node_env(services["tracker"])}  # type: ignore[dict-item]
 
 
 def _chat(tracker: Service, prompt: str, sampling: dict[str, Any] | None = None) -> str:

@@ -24,11 +24,12 @@ from services.node.model.quant import quant_kernel
 from services.node.settings import ALLOW_FAULTS_ENV
 from tests.failover_mesh import wait_for
 from tests.gguf_mesh import Served, serve_family
-from tests.procs import Service, node_hop_key, start_service, start_together
+from tests.procs import Service
 from tests.requirements import needs
 from tests.verify_views import (
     chat,
     chat_until_quarantined,
+    checking_mesh,
     live_nodes,
     quarantined,
     verify_checks,
@@ -52,29 +53,16 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Served:
 
 def _mesh(served: Served, layers: dict[str, tuple[int, int]], bad: str) -> Iterator[dict[str, Service]]:
     """A tracker checking every route and nodes holding ``layers`` of the GGUF, ``bad`` corrupting every output."""
-    tracker = start_service("tracker", {"MESHNET_VERIFY_RATE": "1.0", "MESHNET_NODE_TTL_S": "30",
-                                        "MESHNET_HEARTBEAT_S": "1"})
-    common = {"MESHNET_MODEL": str(served.gguf.path), "MESHNET_MODEL_CACHE_DIR": str(served.cache),
-              "MESHNET_DTYPE": "float32", "MESHNET_DEVICE": "cpu", "MESHNET_TRACKER": tracker.url,
-              "MESHNET_THREADS": "1"}
-    specs = {name: {**common, "MESHNET_NODE_ID": name, "MESHNET_LAYERS": f"{a}-{b}",
-                    "MESHNET_NODE_KEY": node_hop_key(name).seed_text} for name, (a, b) in layers.items()}
-    specs[bad].update({"MESHNET_FAULT": "corrupt-output:1.0", ALLOW_FAULTS_ENV: "1"})
-    for spec in specs.values():  # speculative steps too, where prompt lookup has a draft (how many varies with
-        # what the faulty replica answered first, so none is required): a draft's frame is compared as any other
-        spec["MESHNET_SPECULATE"] = "on"
-    try:
-        started = dict(zip(specs, start_together([("node", spec) for spec in specs.values()]), strict=True))
-    except Exception:
-        tracker.stop()
-        raise
-    services = {"tracker": tracker, **started}
-    try:
-        wait_for(lambda: set(layers) <= set(live_nodes(tracker)), "every node to register", TIMEOUT_S)
+    def node_env(tracker: Service) -> dict[str, str]:
+        # speculative steps too, where prompt lookup has a draft (how many varies with what the faulty replica
+        # answered first, so none is required): a draft's frame is compared as any other
+        return {"MESHNET_MODEL": str(served.gguf.path), "MESHNET_MODEL_CACHE_DIR": str(served.cache),
+                "MESHNET_DTYPE": "float32", "MESHNET_DEVICE": "cpu", "MESHNET_TRACKER": tracker.url,
+                "MESHNET_THREADS": "1", "MESHNET_SPECULATE": "on"}
+
+    with checking_mesh(node_env, layers, {bad: {"MESHNET_FAULT": "corrupt-output:1.0", ALLOW_FAULTS_ENV: "1"}},
+                       TIMEOUT_S) as services:
         yield services
-    finally:
-        for service in services.values():
-            service.stop()
 
 
 @pytest.fixture

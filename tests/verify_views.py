@@ -1,12 +1,13 @@
 """What the verification tests read from a tracker, and the chats they drive it with (tests/test_verify_*mesh.py).
 
-One place for the tracker's views (its live nodes, the quarantined ones, the checks counted by outcome) and for
+One place for a checking mesh's start (a tracker at verify rate 1 and its nodes), the tracker's views (its live nodes, the quarantined ones, the checks counted by outcome) and for
 the must-hold's load: greedy chats sent ``at_once`` at a time until a named node is quarantined.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -14,10 +15,37 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.failover_mesh import wait_for
-from tests.procs import Service
+from tests.procs import Service, node_hop_key, start_service, start_together
 
 VIEW_TIMEOUT_S = 30.0
 """Bound on one read of the tracker's node list or metrics."""
+CHECKING_TRACKER_ENV = {"MESHNET_VERIFY_RATE": "1.0", "MESHNET_NODE_TTL_S": "30", "MESHNET_HEARTBEAT_S": "1"}
+"""A tracker that checks every route it plans, with quick heartbeats."""
+
+
+@contextlib.contextmanager
+def checking_mesh(node_env: Callable[[Service], dict[str, str]], layers: dict[str, tuple[int, int]],
+                  extra: dict[str, dict[str, str]], timeout_s: float) -> Iterator[dict[str, Service]]:
+    """A checking tracker and one node a name of ``layers`` (its own id, range and hop key over
+    ``node_env(tracker)``, plus ``extra[name]``), started together; yields them by name (the tracker as
+    ``"tracker"``) once every node has registered, and stops them all after."""
+    tracker = start_service("tracker", CHECKING_TRACKER_ENV)
+    common = node_env(tracker)
+    specs = {name: {**common, "MESHNET_NODE_ID": name, "MESHNET_LAYERS": f"{a}-{b}",
+                    "MESHNET_NODE_KEY": node_hop_key(name).seed_text, **extra.get(name, {})}
+             for name, (a, b) in layers.items()}
+    try:
+        started = dict(zip(specs, start_together([("node", spec) for spec in specs.values()]), strict=True))
+    except Exception:
+        tracker.stop()
+        raise
+    services = {"tracker": tracker, **started}
+    try:
+        wait_for(lambda: set(layers) <= set(live_nodes(tracker)), "every node to register", timeout_s)
+        yield services
+    finally:
+        for service in services.values():
+            service.stop()
 
 
 def live_nodes(tracker: Service) -> dict[str, dict[str, Any]]:
