@@ -69,9 +69,11 @@ def serve_family(family: str, dest: Path, quant: str | None = None) -> Served:
     return Served(gguf=made, folder=folder, cache=cache, tokenizer=tokenizer, prompt=prompt)
 
 
-def reference(served: Served, sampling: dict[str, Any] | None = None, tokens: int = NEW_TOKENS) -> list[int]:
-    """What transformers ``generate`` makes of the prompt on the same weights (greedy, or seeded sampling)."""
-    prompt = served.prompt
+def reference(served: Served, sampling: dict[str, Any] | None = None, tokens: int = NEW_TOKENS,
+              prompt: torch.Tensor | None = None) -> list[int]:
+    """What transformers ``generate`` makes of ``prompt`` (default: the served prompt) on the same weights
+    (greedy, or seeded sampling)."""
+    prompt = served.prompt if prompt is None else prompt
     kwargs: dict[str, Any] = {"do_sample": False}
     if sampling is not None:
         torch.manual_seed(sampling["seed"])

@@ -17,9 +17,8 @@ from typing import Any, Final
 
 import httpx
 import pytest
-import torch
 
-from tests.gguf_mesh import SAMPLING, GgufMesh, Served, gguf_mesh, serve_family
+from tests.gguf_mesh import SAMPLING, GgufMesh, Served, gguf_mesh, reference, serve_family
 
 FAMILIES: Final = {"gemma2": "Q4_0", "qwen3_moe": "Q4_0"}
 TOPICS: Final = ("the sea", "a cat", "bread", "an old house on a hill")
@@ -34,14 +33,7 @@ def _expected(served: Served, topic: str, sampling: dict[str, Any] | None) -> st
     """transformers ``generate`` on the same weights, for this prompt alone."""
     prompt = served.tokenizer.apply_chat_template(_messages(topic), add_generation_prompt=True, return_tensors="pt",
                                                   return_dict=True)["input_ids"]
-    kwargs: dict[str, Any] = {"do_sample": False}
-    if sampling is not None:
-        torch.manual_seed(sampling["seed"])
-        kwargs = {"do_sample": True, "temperature": sampling["temperature"], "top_p": sampling["top_p"],
-                  "top_k": sampling["top_k"]}
-    out = served.gguf.model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=NEW_TOKENS,
-                                     pad_token_id=served.gguf.model.config.pad_token_id, **kwargs)
-    return served.tokenizer.decode(out[0, prompt.shape[1]:], skip_special_tokens=True)
+    return served.tokenizer.decode(reference(served, sampling, NEW_TOKENS, prompt), skip_special_tokens=True)
 
 
 def _ask(mesh: GgufMesh, hops: int, topic: str, sampling: dict[str, Any] | None) -> str:

@@ -18,12 +18,11 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Final
 
 import pytest
-import torch
 
 from services.node.model.quant import quant_kernel
 from services.node.settings import ALLOW_FAULTS_ENV
 from tests.failover_mesh import wait_for
-from tests.gguf_mesh import Served, serve_family
+from tests.gguf_mesh import Served, reference, serve_family
 from tests.procs import Service
 from tests.requirements import needs
 from tests.verify_views import (
@@ -82,9 +81,7 @@ def _chat(tracker: Service, prompt: str) -> str:
 def _expected(served: Served, prompt: str) -> str:
     ids = served.tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
                                                return_tensors="pt", return_dict=True)["input_ids"]
-    out = served.gguf.model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
-                                     max_new_tokens=MAX_TOKENS, pad_token_id=served.gguf.model.config.pad_token_id)
-    return served.tokenizer.decode(out[0, ids.shape[1]:].tolist(), skip_special_tokens=True)
+    return served.tokenizer.decode(reference(served, None, MAX_TOKENS, ids), skip_special_tokens=True)
 
 
 def test_a_middle_replica_that_computes_wrong_is_quarantined_and_honest_ones_agree(
